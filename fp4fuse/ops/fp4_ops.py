@@ -1,0 +1,74 @@
+"""``fp4fuse::scaled_fp4_quant`` and ``fp4fuse::mm_fp4``: registration, fake impls, dispatch.
+
+Contracts (DESIGN.md):
+
+* ``scaled_fp4_quant(x, global_scale) -> (q, s)``: x ``[M, K]`` bf16/fp16/fp32, global_scale fp32
+  one element (encode convention ``448*6/amax``) -> q uint8 ``[M, K/2]``, s e4m3 ``[M, K/16]``.
+* ``mm_fp4(a, b, a_scale, b_scale, alpha, out_dtype) -> out``: a ``[M, K/2]``, b ``[N, K/2]``
+  (weight, row-major), linear scales; ``out = alpha * (q_a*s_a) @ (q_b*s_b)^T`` ``[M, N]``.
+
+CPU (and any device without a faster backend) runs the pure-torch reference in fp4fuse.format.
+"""
+from __future__ import annotations
+
+import torch
+
+from fp4fuse import format as nvfp4
+from fp4fuse.ops import validation
+from fp4fuse.ops.backend import Backend, backend_for
+
+
+@torch.library.custom_op("fp4fuse::scaled_fp4_quant", mutates_args=())
+def scaled_fp4_quant(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    validation.check_quant_inputs(x, global_scale)
+    return nvfp4.quantize_reference(x, global_scale)
+
+
+@scaled_fp4_quant.register_fake
+def _(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    validation.check_quant_inputs(x, global_scale)
+    m, k = x.shape
+    q = x.new_empty((m, k // 2), dtype=torch.uint8)
+    s = x.new_empty((m, k // nvfp4.BLOCK_SIZE), dtype=torch.float8_e4m3fn)
+    return q, s
+
+
+@scaled_fp4_quant.register_kernel("cuda")
+def _(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    validation.check_quant_inputs(x, global_scale)
+    backend = backend_for(x)
+    if backend is Backend.TRITON:
+        from fp4fuse.ops.triton_quant import scaled_fp4_quant_triton
+        return scaled_fp4_quant_triton(x, global_scale)
+    if backend is Backend.FLASHINFER:
+        from fp4fuse.ops.flashinfer_backend import scaled_fp4_quant_flashinfer
+        return scaled_fp4_quant_flashinfer(x, global_scale)
+    return nvfp4.quantize_reference(x, global_scale)
+
+
+@torch.library.custom_op("fp4fuse::mm_fp4", mutates_args=())
+def mm_fp4(
+    a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+    alpha: torch.Tensor, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    validation.check_mm_inputs(a, b, a_scale, b_scale, alpha, out_dtype)
+    return nvfp4.mm_fp4_reference(a, b, a_scale, b_scale, alpha, out_dtype)
+
+
+@mm_fp4.register_fake
+def _(a, b, a_scale, b_scale, alpha, out_dtype):
+    validation.check_mm_inputs(a, b, a_scale, b_scale, alpha, out_dtype)
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+@mm_fp4.register_kernel("cuda")
+def _(a, b, a_scale, b_scale, alpha, out_dtype):
+    validation.check_mm_inputs(a, b, a_scale, b_scale, alpha, out_dtype)
+    backend = backend_for(a)
+    if backend is Backend.TRITON:
+        from fp4fuse.ops.triton_mm import mm_fp4_triton
+        return mm_fp4_triton(a, b, a_scale, b_scale, alpha, out_dtype)
+    if backend is Backend.FLASHINFER:
+        from fp4fuse.ops.flashinfer_backend import mm_fp4_flashinfer
+        return mm_fp4_flashinfer(a, b, a_scale, b_scale, alpha, out_dtype)
+    return nvfp4.mm_fp4_reference(a, b, a_scale, b_scale, alpha, out_dtype)

@@ -1,0 +1,70 @@
+"""``fp4fuse::rms_norm`` and ``fp4fuse::fused_add_rms_norm``.
+
+* ``rms_norm(x, weight, eps)``: ``x * rsqrt(mean(x^2, -1) + eps) * weight``, fp32 math, output in
+  x's dtype (the same numbers as ``torch.nn.functional.rms_norm`` computed in fp32).
+* ``fused_add_rms_norm(x, residual, weight, eps) -> (out, residual_out)``:
+  ``residual_out = x + residual`` rounded to x's dtype, ``out = rms_norm(residual_out)``.
+"""
+from __future__ import annotations
+
+import torch
+
+from fp4fuse.ops import validation
+from fp4fuse.ops.backend import Backend, backend_for
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    inv_rms = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (xf * inv_rms * weight.float()).to(x.dtype)
+
+
+def fused_add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    residual_out = (x.float() + residual.float()).to(x.dtype)
+    return rms_norm_reference(residual_out, weight, eps), residual_out
+
+
+@torch.library.custom_op("fp4fuse::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    validation.check_norm_inputs("rms_norm", x, weight)
+    return rms_norm_reference(x, weight, eps)
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    validation.check_norm_inputs("rms_norm", x, weight)
+    return torch.empty_like(x)
+
+
+@rms_norm.register_kernel("cuda")
+def _(x, weight, eps):
+    validation.check_norm_inputs("rms_norm", x, weight)
+    if backend_for(x) is Backend.REFERENCE:
+        return rms_norm_reference(x, weight, eps)
+    from fp4fuse.ops.triton_norm import rms_norm_triton
+    return rms_norm_triton(x, weight, eps)
+
+
+@torch.library.custom_op("fp4fuse::fused_add_rms_norm", mutates_args=())
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    validation.check_norm_inputs("fused_add_rms_norm", x, weight, residual)
+    return fused_add_rms_norm_reference(x, residual, weight, eps)
+
+
+@fused_add_rms_norm.register_fake
+def _(x, residual, weight, eps):
+    validation.check_norm_inputs("fused_add_rms_norm", x, weight, residual)
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@fused_add_rms_norm.register_kernel("cuda")
+def _(x, residual, weight, eps):
+    validation.check_norm_inputs("fused_add_rms_norm", x, weight, residual)
+    if backend_for(x) is Backend.REFERENCE:
+        return fused_add_rms_norm_reference(x, residual, weight, eps)
+    from fp4fuse.ops.triton_norm import fused_add_rms_norm_triton
+    return fused_add_rms_norm_triton(x, residual, weight, eps)
