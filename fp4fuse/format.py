@@ -14,8 +14,10 @@ Quantize, all arithmetic in fp32 with IEEE round-to-nearest division::
     q = e2m1_rne((x * gs) / s)  clamped to +-6     # s == 0 -> q = 0
 
 fp4fuse divides by the decoded block scale (``(x * gs) / s``). torchao and TransformerEngine
-divide by ``s * (1 / gs)``; the two agree except where the rounded reciprocal moves a value across
-an e2m1 rounding boundary (measured in tests/test_format.py: well under 1e-3 of the codes).
+multiply by ``(1 / gs') / s`` with ``gs' = 1 / gs``; the two can differ only where the rounded
+reciprocals move a value across an e2m1 rounding boundary. Measured against torchao 0.18
+``nvfp4_quantize(x, 16, per_tensor_scale=1/gs)`` on 25M random fp32/bf16 elements over six
+magnitude spreads: 0 codes and 0 normal block scales differ (tests/test_format.py bounds it at 1e-3).
 torchao also clamps ``s`` to at least the smallest normal e4m3 (2**-6); fp4fuse keeps subnormal
 block scales, which is more accurate for blocks far below the tensor's amax.
 
