@@ -150,12 +150,19 @@ def test_quantize_matches_torchao(m, k, spread, dtype):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize
-    x = (torch.randn(m, k) * spread * torch.rand(m, k // 16).repeat_interleave(16, 1)).to(dtype)
+    # A rate needs enough elements: stack rows up to ~128k elements (rows quantize independently).
+    m = max(m, -(-131072 // k))
+    g = torch.Generator().manual_seed(int(m * k + spread * 1000) + (dtype == torch.bfloat16))
+    block_spread = torch.rand(m, k // 16, generator=g).repeat_interleave(16, 1)
+    x = (torch.randn(m, k, generator=g) * spread * block_spread).to(dtype)
     q, s, gs = _quant(x)
     ao_s, ao_q = nvfp4_quantize(x, 16, per_tensor_scale=1.0 / gs)
-    code_mismatch = (nvfp4.unpack_nibbles(q) != nvfp4.unpack_nibbles(ao_q)).float().mean().item()
-    # torchao clamps block scales up to the smallest normal e4m3 (2^-6); compare normal ones.
+    # torchao clamps block scales up to the smallest normal e4m3 (2^-6) and fp4fuse keeps
+    # subnormal ones (format.py), so blocks with a subnormal scale differ by design.
     normal = s.float() >= 2.0 ** -6
+    codes_differ = nvfp4.unpack_nibbles(q) != nvfp4.unpack_nibbles(ao_q)
+    code_mismatch = codes_differ[normal.repeat_interleave(16, 1)].float().mean().item()
     scale_mismatch = (s.view(torch.uint8) != ao_s.view(torch.uint8))[normal].float().mean().item()
+    assert normal.float().mean() > 0.5
     assert code_mismatch <= 1e-3, code_mismatch
     assert scale_mismatch <= 1e-3, scale_mismatch
