@@ -1,0 +1,162 @@
+"""``FusionConfig``: which fp4fuse passes run, and ``FP4FUSE_*`` environment flags.
+
+    cfg = FusionConfig(enable_async_tp=True, min_tokens=1024)
+    cfg = FusionConfig.from_env()       # serving engines: one flag per switch
+
+Normalization (``__post_init__``): ``enable_bf16_async_tp`` implies ``enable_async_tp``, which
+implies ``enable_sequence_parallelism`` (AsyncTP fuses the collectives that SP introduces). The
+stored fields are the normalized ones, so two configs that run the same passes compare and hash
+equal.
+
+``hash_key()`` covers every field that changes a compiled graph; it goes into
+``FusionPass.uuid()`` so the FX graph cache never serves a graph compiled under other settings.
+``log_level`` changes no graph and is left out of it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["FusionConfig", "ENV_VARS"]
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+# field name -> environment variable read by FusionConfig.from_env()
+ENV_VARS: dict[str, str] = {
+    "enable_sequence_parallelism": "FP4FUSE_ENABLE_SP",
+    "enable_async_tp": "FP4FUSE_ENABLE_ASYNC_TP",
+    "enable_bf16_async_tp": "FP4FUSE_ENABLE_BF16_ASYNC_TP",
+    "min_tokens": "FP4FUSE_MIN_TOKENS",
+    "log_level": "FP4FUSE_LOG_LEVEL",
+}
+
+# Fields that do not change any compiled graph (left out of hash_key()).
+_NON_GRAPH_FIELDS = frozenset({"log_level"})
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionConfig:
+    """Switches for fp4fuse's post-grad passes.
+
+    Attributes:
+        enable_sequence_parallelism: rewrite ``all_reduce -> rms_norm (-> fp4 quant)`` into
+            ``reduce_scatter -> rms_norm -> quant -> all_gather`` (SequenceParallelismPass).
+        enable_async_tp: fuse ``all_gather + mm_fp4`` and ``mm_fp4 + reduce_scatter`` into
+            fp4fuse's collective GEMMs (AsyncTPPass). Implies ``enable_sequence_parallelism``.
+        enable_bf16_async_tp: also fuse plain ``aten.mm`` with an all-gather / reduce-scatter
+            into ``torch.ops.symm_mem.*`` (CUDA only; skipped with a logged reason on CPU).
+            Implies ``enable_async_tp``.
+        min_tokens: a collective whose token count is below this is left alone (vLLM compiles a
+            separate small-batch graph without SP/AsyncTP, where they do not pay). The token count
+            is the number of rows of the full, unsharded activation: the input rows of a
+            reduce-scatter or all-reduce, ``group_size x`` the shard rows of an all-gather.
+            0 (default) fuses at every size.
+        log_level: if set, the level given to the ``fp4fuse`` logger when a ``FusionPass`` is
+            built (``"DEBUG"`` shows every skipped match and its reason). ``None`` leaves logging
+            configuration alone. Not part of ``hash_key()``.
+    """
+
+    enable_sequence_parallelism: bool = False
+    enable_async_tp: bool = False
+    enable_bf16_async_tp: bool = False
+    min_tokens: int = 0
+    log_level: str | None = None
+
+    def __post_init__(self) -> None:
+        for f in ("enable_sequence_parallelism", "enable_async_tp", "enable_bf16_async_tp"):
+            if not isinstance(getattr(self, f), bool):
+                raise TypeError(f"FusionConfig.{f} must be a bool, got {getattr(self, f)!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int):
+            raise TypeError(f"FusionConfig.min_tokens must be an int, got {self.min_tokens!r}")
+        if self.min_tokens < 0:
+            raise ValueError(f"FusionConfig.min_tokens must be >= 0, got {self.min_tokens}")
+        if self.log_level is not None:
+            level = str(self.log_level).upper()
+            if level not in _LOG_LEVELS:
+                raise ValueError(f"FusionConfig.log_level must be one of {', '.join(_LOG_LEVELS)} "
+                                 f"or None, got {self.log_level!r}")
+            object.__setattr__(self, "log_level", level)
+        if self.enable_bf16_async_tp:
+            object.__setattr__(self, "enable_async_tp", True)
+        if self.enable_async_tp:
+            object.__setattr__(self, "enable_sequence_parallelism", True)
+
+    @property
+    def any_enabled(self) -> bool:
+        """Whether any fusion pass (beyond the always-on no-op view cleanup) runs."""
+        return self.enable_sequence_parallelism or self.enable_async_tp
+
+    @property
+    def log_level_number(self) -> int | None:
+        return None if self.log_level is None else logging.getLevelName(self.log_level)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        """All fields, sorted keys, no whitespace: stable across processes and Python versions."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    def hash_key(self) -> str:
+        """sha256 hex digest of the fields that change a compiled graph (not ``log_level``)."""
+        graph_fields = {k: v for k, v in self.to_dict().items() if k not in _NON_GRAPH_FIELDS}
+        payload = json.dumps(graph_fields, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> FusionConfig:
+        """Build a config from ``FP4FUSE_*`` variables (see ``ENV_VARS``); unset ones keep defaults.
+
+        Booleans accept 1/0, true/false, yes/no, on/off (any case); ``FP4FUSE_MIN_TOKENS`` an
+        integer >= 0; ``FP4FUSE_LOG_LEVEL`` a logging level name. An invalid value raises
+        ``ValueError`` naming the variable and the accepted values. Keyword ``overrides`` win
+        over the environment.
+        """
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for field, var in ENV_VARS.items():
+            raw = env.get(var)
+            if raw is None or raw.strip() == "":
+                continue
+            if field == "min_tokens":
+                values[field] = _parse_nonneg_int(var, raw)
+            elif field == "log_level":
+                values[field] = _parse_log_level(var, raw)
+            else:
+                values[field] = _parse_bool(var, raw)
+        values.update(overrides)
+        return cls(**values)
+
+
+def _parse_bool(var: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{var}={raw!r} is not a boolean; accepted values: "
+                     f"{'/'.join(_TRUE)} (true) or {'/'.join(_FALSE)} (false), any case")
+
+
+def _parse_nonneg_int(var: str, raw: str) -> int:
+    try:
+        value = int(raw.strip(), 10)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{var}={raw!r} is not valid; accepted values: an integer >= 0")
+    return value
+
+
+def _parse_log_level(var: str, raw: str) -> str:
+    value = raw.strip().upper()
+    if value not in _LOG_LEVELS:
+        raise ValueError(f"{var}={raw!r} is not valid; accepted values: {', '.join(_LOG_LEVELS)} (any case)")
+    return value

@@ -1,0 +1,331 @@
+"""Pattern-matcher utilities shared by fp4fuse's passes.
+
+* ``MatchRecorder``: per-pattern match counts (keys ``"pass.pattern"``) and skip reasons, each
+  skip logged at DEBUG on the owning pass's logger.
+* Node helpers: ``fake_value``, ``is_call``, ``get_arg``.
+* ``FunctionalCollective`` / ``decode_collective`` / ``collective_groups``: the functional
+  collectives of a post-grad graph (``_c10d_functional.*`` + ``wait_tensor``), decoded.
+* ``token_count_reason``: the shared "token count divisible / at least min_tokens" check, for
+  static and symbolic sizes (a symbolic size passes only if the shape env already proves it).
+* ``insert_call``: add a call node with its fake ``meta["val"]`` computed.
+* ``ReplacementPattern`` + ``LazyGroupPatterns``: ``register_replacement`` patterns (vLLM style)
+  whose group name is a constructor argument, registered when a pass first sees the group in a
+  graph -- never read from global distributed state when the pattern is built.
+"""
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+import enum
+import inspect
+import logging
+import operator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, ClassVar
+
+import torch
+import torch.fx as fx
+from torch._inductor import pattern_matcher as pm
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.utils import _pytree as pytree
+
+__all__ = [
+    "CollectiveKind", "FunctionalCollective", "LazyGroupPatterns", "MatchRecorder",
+    "ReplacementPattern", "Skip", "collective_groups", "decode_collective", "erase_if_unused",
+    "fake_value", "find_collectives", "get_arg", "insert_call", "is_call", "registration_mode",
+    "token_count_reason",
+]
+
+c10d = torch.ops._c10d_functional
+
+
+# --------------------------------------------------------------------------- match bookkeeping
+
+
+@dataclasses.dataclass(frozen=True)
+class Skip:
+    """A match that was found and left alone: the pattern key, the anchor node's name, why."""
+
+    key: str
+    node: str
+    reason: str
+
+
+class MatchRecorder:
+    """Counts and skip reasons of one pass, reset at the start of each call.
+
+    ``reset()`` installs fresh containers, so a ``counts`` dict handed out earlier stays a
+    snapshot of its call.
+    """
+
+    def __init__(self, pass_name: str, logger: logging.Logger) -> None:
+        self.pass_name = pass_name
+        self.logger = logger
+        self.counts: dict[str, int] = {}
+        self.skips: list[Skip] = []
+
+    def key(self, pattern: str) -> str:
+        return f"{self.pass_name}.{pattern}"
+
+    def reset(self) -> None:
+        self.counts = {}
+        self.skips = []
+
+    def matched(self, pattern: str, n: int = 1) -> None:
+        key = self.key(pattern)
+        self.counts[key] = self.counts.get(key, 0) + n
+
+    def skipped(self, pattern: str, node: fx.Node | None, reason: str) -> None:
+        skip = Skip(self.key(pattern), node.name if node is not None else "?", reason)
+        self.skips.append(skip)
+        self.logger.debug("fp4fuse: skipped %s at node %s: %s", skip.key, skip.node, reason)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+# --------------------------------------------------------------------------- node helpers
+
+
+def fake_value(node: Any) -> Any:
+    """The fake value Inductor / make_fx recorded for ``node`` (None for non-nodes or no meta)."""
+    if not isinstance(node, fx.Node):
+        return None
+    return node.meta.get("val", node.meta.get("example_value"))
+
+
+def is_call(node: Any, *targets: Any) -> bool:
+    """``node`` is a call_function to one of ``targets`` (an OpOverload, or a packet for any overload)."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return False
+    overload_packet = getattr(node.target, "overloadpacket", None)
+    return any(node.target is t or (overload_packet is not None and overload_packet is t) for t in targets)
+
+
+_MISSING = object()
+
+
+def get_arg(node: fx.Node, index: int, name: str, default: Any = _MISSING) -> Any:
+    """Argument ``index`` / keyword ``name`` of a call node."""
+    if len(node.args) > index:
+        return node.args[index]
+    if name in node.kwargs:
+        return node.kwargs[name]
+    if default is _MISSING:
+        raise KeyError(f"{node.format_node()} has no argument {index} / {name!r}")
+    return default
+
+
+# --------------------------------------------------------------------------- collectives
+
+
+class CollectiveKind(enum.Enum):
+    ALL_GATHER = "all_gather_into_tensor"
+    REDUCE_SCATTER = "reduce_scatter_tensor"
+    ALL_REDUCE = "all_reduce"
+
+
+@dataclasses.dataclass(frozen=True)
+class FunctionalCollective:
+    """One ``_c10d_functional`` collective (always along dim 0) and its ``wait_tensor``.
+
+    ``group_size`` is None for all_reduce (its schema has no size argument). ``wait`` is None
+    when the collective is not consumed by exactly one ``wait_tensor``.
+    """
+
+    kind: CollectiveKind
+    node: fx.Node
+    input: fx.Node
+    group_name: str
+    group_size: int | None
+    reduce_op: str | None
+    wait: fx.Node | None
+
+
+def decode_collective(node: Any) -> FunctionalCollective | None:
+    """Decode ``node`` if it is a functional all_gather / reduce_scatter / all_reduce call."""
+    if is_call(node, c10d.all_gather_into_tensor):
+        kind, size, op, name = CollectiveKind.ALL_GATHER, get_arg(node, 1, "group_size"), None, get_arg(node, 2, "group_name")
+    elif is_call(node, c10d.reduce_scatter_tensor):
+        kind, op = CollectiveKind.REDUCE_SCATTER, get_arg(node, 1, "reduce_op")
+        size, name = get_arg(node, 2, "group_size"), get_arg(node, 3, "group_name")
+    elif is_call(node, c10d.all_reduce):
+        kind, size, op, name = CollectiveKind.ALL_REDUCE, None, get_arg(node, 1, "reduce_op"), get_arg(node, 2, "group_name")
+    else:
+        return None
+    inp = get_arg(node, 0, "input")
+    if not isinstance(inp, fx.Node) or not isinstance(name, str):
+        return None
+    users = list(node.users)
+    wait = users[0] if len(users) == 1 and is_call(users[0], c10d.wait_tensor) else None
+    return FunctionalCollective(kind, node, inp, name, size, op, wait)
+
+
+def find_collectives(graph: fx.Graph, kind: CollectiveKind | None = None) -> list[FunctionalCollective]:
+    """Every functional collective of ``graph`` (of one ``kind`` if given), in graph order."""
+    found = (decode_collective(n) for n in graph.nodes)
+    return [c for c in found if c is not None and (kind is None or c.kind is kind)]
+
+
+def collective_groups(graph: fx.Graph) -> dict[str, int | None]:
+    """Group names used by the graph's collectives -> group size where a collective states it."""
+    groups: dict[str, int | None] = {}
+    for c in find_collectives(graph):
+        if groups.get(c.group_name) is None:
+            groups[c.group_name] = c.group_size
+    return groups
+
+
+# --------------------------------------------------------------------------- size checks
+
+
+def token_count_reason(rows: Any, group_size: int, min_tokens: int, *, require_divisible: bool) -> str | None:
+    """Why a collective over ``rows`` tokens must not be fused, or None if it may be.
+
+    ``rows`` is an int or a SymInt. A symbolic size passes a check only when the shape
+    environment already proves it (``statically_known_true``: a guard or a constraint); no new
+    guard is added.
+    """
+    dynamic = "" if isinstance(rows, int) else "dynamic "
+    if require_divisible and not statically_known_true(rows % group_size == 0):
+        proof = "" if isinstance(rows, int) else " (not proven by any guard or constraint)"
+        return f"{dynamic}token count {rows} is not divisible by the group size {group_size}{proof}"
+    if min_tokens > 0 and not statically_known_true(rows >= min_tokens):
+        proof = "" if isinstance(rows, int) else " (not proven by any guard or constraint)"
+        return f"{dynamic}token count {rows} is below min_tokens={min_tokens}{proof}"
+    return None
+
+
+# --------------------------------------------------------------------------- graph editing
+
+
+def _propagate_fake(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    vals = fx.map_arg((args, kwargs), fake_value)
+    if target is operator.getitem:
+        return None if vals[0][0] is None else vals[0][0][vals[0][1]]
+    leaves = [v for v in pytree.tree_leaves(vals) if isinstance(v, torch.Tensor)]
+    fake_mode = torch._guards.detect_fake_mode(leaves)
+    if fake_mode is None:
+        return None
+    with fake_mode:
+        return target(*vals[0], **vals[1])
+
+
+def insert_call(graph: fx.Graph, target: Callable[..., Any], args: tuple[Any, ...],
+                kwargs: dict[str, Any] | None = None) -> fx.Node:
+    """``graph.call_function`` at the current insertion point, with ``meta["val"]`` filled in
+    by running ``target`` on the arguments' fake values (skipped if they carry none)."""
+    kwargs = kwargs or {}
+    node = graph.call_function(target, args, kwargs)
+    val = _propagate_fake(target, args, kwargs)
+    if val is not None:
+        node.meta["val"] = val
+    return node
+
+
+def erase_if_unused(nodes: Iterable[fx.Node]) -> int:
+    """Erase the given nodes that no longer have users, last first; returns how many went."""
+    erased = 0
+    for node in sorted(set(nodes), reverse=True):
+        if len(node.users) == 0:
+            node.graph.erase_node(node)
+            erased += 1
+    return erased
+
+
+# --------------------------------------------------------------------------- register_replacement
+
+
+@contextlib.contextmanager
+def registration_mode() -> Iterator[FakeTensorMode]:
+    """Context for building and registering ``register_replacement`` patterns: a fresh fake mode
+    (example inputs cost no memory and need no device), outside any active tracing context."""
+    with torch._guards.tracing(None), unset_fake_temporarily(), FakeTensorMode() as mode:
+        yield mode
+
+
+def _plain_function(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A plain function with ``method``'s signature: register_replacement reads argument names
+    from the signature, and bound methods are not accepted by every torch version."""
+
+    def fn(*args: Any) -> Any:
+        return method(*args)
+
+    fn.__signature__ = inspect.signature(method)  # type: ignore[attr-defined]
+    fn.__name__ = getattr(method, "__name__", "pattern")
+    return fn
+
+
+class ReplacementPattern(abc.ABC):
+    """One ``pm.register_replacement`` pattern: example inputs, search graph, replacement graph.
+
+    A pattern takes its group name (and any size) as constructor arguments; it never reads
+    global distributed state. ``check`` returns the reason to skip a structural match (logged
+    and recorded) or None to fire.
+    """
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def example_inputs(self) -> list[Any]:
+        """Tiny example tensors, created inside ``registration_mode()`` (so they are fake)."""
+
+    @abc.abstractmethod
+    def pattern(self, *args: Any) -> Any:
+        """The subgraph to find, written as eager torch code."""
+
+    @abc.abstractmethod
+    def replacement(self, *args: Any) -> Any:
+        """What replaces it; same arguments, same outputs."""
+
+    def check(self, match: pm.Match) -> str | None:
+        return None
+
+    def register(self, pm_pass: pm.PatternMatcherPass, recorder: MatchRecorder) -> None:
+        def extra_check(match: pm.Match) -> bool:
+            reason = self.check(match)
+            if reason is not None:
+                anchor = next((n for n in match.output_nodes() if n is not None), None)
+                recorder.skipped(self.name, anchor, reason)
+                return False
+            recorder.matched(self.name)
+            return True
+
+        with registration_mode():
+            pm.register_replacement(
+                _plain_function(self.pattern), _plain_function(self.replacement),
+                self.example_inputs(), pm.fwd_only, pm_pass,
+                extra_check=extra_check, skip_duplicates=True,
+            )
+
+
+class LazyGroupPatterns:
+    """A ``PatternMatcherPass`` whose patterns bake in a group name.
+
+    ``build(group_name, group_size)`` returns the patterns for one group; they are registered
+    the first time ``apply`` sees a collective over that group in a graph. ``group_size`` is the
+    size stated by a collective of the graph, or None when only all_reduces use the group.
+    """
+
+    def __init__(self, pass_name: str, recorder: MatchRecorder,
+                 build: Callable[[str, int | None], Iterable[ReplacementPattern]]) -> None:
+        self.pm_pass = pm.PatternMatcherPass(pass_name=pass_name)
+        self.recorder = recorder
+        self._build = build
+        self._registered: set[tuple[str, int | None]] = set()
+
+    def apply(self, graph: fx.Graph) -> int:
+        for group_name, group_size in collective_groups(graph).items():
+            if (group_name, group_size) in self._registered:
+                continue
+            for pattern in self._build(group_name, group_size):
+                pattern.register(self.pm_pass, self.recorder)
+            self._registered.add((group_name, group_size))
+        return self.pm_pass.apply(graph)
+
+    @property
+    def registered_groups(self) -> frozenset[tuple[str, int | None]]:
+        return frozenset(self._registered)
