@@ -8,6 +8,8 @@
 * ``token_count_reason``: the shared "token count divisible / at least min_tokens" check, for
   static and symbolic sizes (a symbolic size passes only if the shape env already proves it).
 * ``insert_call``: add a call node with its fake ``meta["val"]`` computed.
+* ``GraphRewrite``: a rewrite family written as find -> check (reason) -> rewrite on small typed
+  match objects (``micro_pipeline_tp`` style), for fusions that need reasons or variants.
 * ``ReplacementPattern`` + ``LazyGroupPatterns``: ``register_replacement`` patterns (vLLM style)
   whose group name is a constructor argument, registered when a pass first sees the group in a
   graph -- never read from global distributed state when the pattern is built.
@@ -22,7 +24,7 @@ import inspect
 import logging
 import operator
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
 import torch.fx as fx
@@ -31,8 +33,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils import _pytree as pytree
 
+if TYPE_CHECKING:
+    from fp4fuse.config import FusionConfig
+
 __all__ = [
-    "CollectiveKind", "FunctionalCollective", "LazyGroupPatterns", "MatchRecorder",
+    "CollectiveKind", "FunctionalCollective", "GraphRewrite", "LazyGroupPatterns", "MatchRecorder",
     "ReplacementPattern", "Skip", "collective_groups", "decode_collective", "erase_if_unused",
     "fake_value", "find_collectives", "get_arg", "insert_call", "is_call", "registration_mode",
     "token_count_reason",
@@ -234,6 +239,53 @@ def erase_if_unused(nodes: Iterable[fx.Node]) -> int:
             node.graph.erase_node(node)
             erased += 1
     return erased
+
+
+# --------------------------------------------------------------------------- find -> check -> rewrite
+
+MatchT = TypeVar("MatchT")
+
+
+class GraphRewrite(abc.ABC, Generic[MatchT]):
+    """A family of rewrites over typed matches.
+
+    ``find`` is pure (it reads the graph and returns matches); ``check`` returns the reason a
+    match must be left alone, or None; ``rewrite`` inserts the fused node(s), erases what died and
+    returns the pattern name to count the rewrite under (a family may have variants). Matches of
+    one ``find`` must not overlap, so rewriting one never invalidates another.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, config: FusionConfig) -> None:
+        self.config = config
+
+    @abc.abstractmethod
+    def find(self, graph: fx.Graph) -> list[MatchT]:
+        """Every candidate in ``graph``, including ones ``check`` will reject."""
+
+    @abc.abstractmethod
+    def anchor(self, match: MatchT) -> fx.Node:
+        """The node a skip is reported at."""
+
+    @abc.abstractmethod
+    def check(self, match: MatchT) -> str | None:
+        """Why ``match`` must not be rewritten, or None."""
+
+    @abc.abstractmethod
+    def rewrite(self, match: MatchT) -> str:
+        """Rewrite ``match``; return the pattern name it counts under."""
+
+    def apply(self, graph: fx.Graph, recorder: MatchRecorder) -> int:
+        done = 0
+        for match in self.find(graph):
+            reason = self.check(match)
+            if reason is not None:
+                recorder.skipped(self.name, self.anchor(match), reason)
+                continue
+            recorder.matched(self.rewrite(match))
+            done += 1
+        return done
 
 
 # --------------------------------------------------------------------------- register_replacement

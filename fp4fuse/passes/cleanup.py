@@ -1,0 +1,83 @@
+"""No-op view elimination: the first pass of the pipeline.
+
+A chain of views (``aten.view.dtype``, ``aten.view``, ``aten.reshape``, ``aten._unsafe_view``)
+that ends where it started -- same dtype, shape and strides as an earlier tensor of the chain --
+is a no-op. Inductor's ``remove_noop_ops`` drops single no-op views; it keeps round trips such as
+``s.view(uint8).view(float8_e4m3fn)``, which hide the producer of a tensor from the fusion
+patterns that run next::
+
+    before:  v1 = view.dtype(s, uint8);  v2 = view.dtype(v1, float8_e4m3fn);  mm_fp4(.., v2, ..)
+    after:   mm_fp4(.., s, ..)                       # v1, v2 erased once unused
+
+Graph outputs keep their own node (a graph output must not become an input or another output),
+so only their other uses are redirected.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from fp4fuse.passes.base import FusionGraphPass
+from fp4fuse.patterns.base import erase_if_unused, fake_value, is_call
+
+__all__ = ["NoOpViewCleanupPass"]
+
+aten = torch.ops.aten
+
+_VIEW_OPS = (aten.view, aten.reshape, aten._unsafe_view)
+PATTERN = "noop_view"
+
+
+def _is_view(node: object) -> bool:
+    return is_call(node, *_VIEW_OPS)
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == b.dtype and a.dim() == b.dim()
+            and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
+            and all(statically_known_true(x == y) for x, y in zip(a.stride(), b.stride())))
+
+
+def find_noop_source(view: fx.Node) -> fx.Node | None:
+    """The earliest tensor up ``view``'s chain of views with ``view``'s exact layout, if any."""
+    out = fake_value(view)
+    if not isinstance(out, torch.Tensor):
+        return None
+    source = None
+    node = view
+    while _is_view(node):
+        node = node.args[0]
+        if not isinstance(node, fx.Node):
+            break
+        val = fake_value(node)
+        if isinstance(val, torch.Tensor) and _same_layout(val, out):
+            source = node
+    return source
+
+
+class NoOpViewCleanupPass(FusionGraphPass):
+    """Replace every no-op view chain by its source (always on; changes no numerics)."""
+
+    name = "cleanup"
+
+    def __call__(self, graph: fx.Graph) -> int:
+        self.recorder.reset()
+        touched: list[fx.Node] = []
+        for node in list(graph.nodes):
+            if not _is_view(node) or len(node.users) == 0:
+                continue
+            source = find_noop_source(node)
+            if source is None:
+                continue
+            before = len(node.users)
+            node.replace_all_uses_with(source, delete_user_cb=lambda user: user.op != "output")
+            if len(node.users) < before:
+                self.recorder.matched(PATTERN)
+                touched.append(node)
+        for node in touched:
+            chain = [node]
+            while _is_view(chain[-1]) and isinstance(chain[-1].args[0], fx.Node):
+                chain.append(chain[-1].args[0])
+            erase_if_unused(n for n in chain if _is_view(n))
+        return self.finish()
