@@ -1,0 +1,198 @@
+"""Amax-reduction groups keyed by integer IDs, and the NVFP4 quantizer value object.
+
+A quantizer with a dynamic global scale must agree with its peers on one amax (an all-reduce MAX of
+one fp32 over the tensor-parallel group) or gathered shards carry different global scales. The
+group travels on the quantizer as an ``int`` ID, never as a ``ProcessGroup``: a process group on a
+quantizer broke pickling and torch.compile in TransformerEngine (ANCHORS.md).
+
+Registry (one per process). ``_REGISTRY`` is a module-level ``dict[int, AmaxGroup]``, written only
+by :func:`register_amax_group` and read only by :func:`amax_group`. The ID is a pure function of
+the group's global ranks (:func:`amax_group_id`), so every rank, and every fresh process that
+builds a group over the same ranks, computes the same ID: a pickled quantizer restores after
+``fp4fuse.register_amax_group(group)`` has run on every rank of the new process group.
+
+Under ``torch.compile`` the registry lookup is an ``int``-keyed dict read that Dynamo traces and
+guards; the resolved group name is baked into the graph as the argument of
+``_c10d_functional.all_reduce``. Re-registering an ID with another process group (after the
+default group was destroyed and re-created) changes the entry, which fails the guard and
+recompiles with the new group name.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import math
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from fp4fuse import format as nvfp4
+
+__all__ = [
+    "AmaxGroup",
+    "UnknownAmaxGroupError",
+    "NVFP4Quantizer",
+    "amax_group",
+    "amax_group_id",
+    "register_amax_group",
+]
+
+logger = logging.getLogger(__name__)
+
+_ID_DOMAIN = b"fp4fuse.amax_group.v1:"
+_INT63 = (1 << 63) - 1
+
+_REGISTRY: dict[int, AmaxGroup] = {}
+
+
+class UnknownAmaxGroupError(KeyError):
+    """An amax-group ID that was never registered in this process."""
+
+    def __str__(self) -> str:  # KeyError would print the message in quotes
+        return str(self.args[0]) if self.args else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class AmaxGroup:
+    """A registered amax-reduction group as resolved in this process.
+
+    ``group_id``: the registry key (:func:`amax_group_id` of ``ranks``). ``ranks``: the group's
+    global ranks, ascending. ``group_name``: ``group.group_name``, the name functional collectives
+    take. ``group``: the live ``ProcessGroup``; it never leaves the registry.
+    """
+
+    group_id: int
+    ranks: tuple[int, ...]
+    group_name: str
+    group: dist.ProcessGroup = dataclasses.field(repr=False, compare=False)
+
+    def __reduce__(self):
+        raise TypeError(
+            f"AmaxGroup {self.group_id} holds a live ProcessGroup and cannot be pickled; "
+            "pickle the integer group_id (e.g. on an NVFP4Quantizer) instead")
+
+
+def amax_group_id(ranks: Iterable[int]) -> int:
+    """The amax-group ID of a set of global ranks: an int in ``[1, 2**63 - 1]``.
+
+    Deterministic across processes and Python versions (a truncated SHA-256 of the sorted ranks,
+    not ``hash()``); order and duplicates in ``ranks`` do not matter."""
+    rank_set = sorted({int(r) for r in ranks})
+    if not rank_set:
+        raise ValueError("amax_group_id: a group needs at least one rank")
+    if rank_set[0] < 0:
+        raise ValueError(f"amax_group_id: global ranks must be >= 0, got {rank_set}")
+    digest = hashlib.sha256(_ID_DOMAIN + ",".join(map(str, rank_set)).encode("ascii")).digest()
+    return int.from_bytes(digest[:8], "big") % _INT63 + 1
+
+
+def register_amax_group(group: dist.ProcessGroup | None = None) -> int:
+    """Register ``group`` (default: the default process group) and return its amax-group ID.
+
+    Call it on every rank of the group after ``torch.distributed.init_process_group``. Idempotent:
+    registering the same group again returns the same ID and changes nothing. Registering another
+    group over the same ranks (e.g. after the default group was re-created) replaces the entry;
+    the most recent registration wins."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "fp4fuse.register_amax_group: torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group first")
+    if group is None:
+        group = dist.group.WORLD
+    if group is dist.GroupMember.NON_GROUP_MEMBER or group is None:
+        raise ValueError(
+            f"fp4fuse.register_amax_group: rank {dist.get_rank()} is not a member of this group; "
+            "register a group only on its own ranks")
+    ranks = tuple(sorted(dist.get_process_group_ranks(group)))
+    group_id = amax_group_id(ranks)
+    record = AmaxGroup(group_id=group_id, ranks=ranks, group_name=group.group_name, group=group)
+    previous = _REGISTRY.get(group_id)
+    if previous is not None and previous.group is group:
+        return group_id
+    if previous is not None:
+        logger.info("amax group %d (ranks %s): replacing process group %r with %r",
+                    group_id, list(ranks), previous.group_name, record.group_name)
+    else:
+        logger.debug("amax group %d registered: ranks %s, group %r", group_id, list(ranks),
+                     record.group_name)
+    _REGISTRY[group_id] = record
+    return group_id
+
+
+def amax_group(group_id: int) -> AmaxGroup:
+    """Resolve a registered amax-group ID; :class:`UnknownAmaxGroupError` if it is unknown."""
+    record = _REGISTRY.get(group_id)
+    if record is None:
+        # int(): under torch.compile an ID that varied between calls is traced as a SymInt, which
+        # an f-string cannot format; int() specializes it to the concrete value.
+        raise UnknownAmaxGroupError(
+            f"fp4fuse: amax group {int(group_id)} is not registered in this process; call "
+            "fp4fuse.register_amax_group(group) on every rank of the group after "
+            "torch.distributed.init_process_group (the same global ranks give the same ID)")
+    return record
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4Quantizer:
+    """How to quantize an activation or weight to NVFP4: a plain, picklable value object.
+
+    ``global_scale``: a static encode-convention global scale (``448 * 6 / amax``, unitless,
+    finite and > 0), or None for a dynamic one computed from the tensor's amax at each call.
+    ``amax_group``: for a dynamic scale, the ID (:func:`register_amax_group`) of the group whose
+    ranks share one amax (all-reduce MAX); None keeps the amax local. Setting both is an error:
+    a static scale reads no amax.
+    """
+
+    amax_group: int | None = None
+    global_scale: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.amax_group is not None:
+            if isinstance(self.amax_group, bool) or not isinstance(self.amax_group, int):
+                raise TypeError(f"NVFP4Quantizer.amax_group must be an int ID from "
+                                f"fp4fuse.register_amax_group, got {type(self.amax_group).__name__}")
+            if not 1 <= self.amax_group <= _INT63:
+                raise ValueError(f"NVFP4Quantizer.amax_group must be in [1, 2**63 - 1], got {self.amax_group}")
+        if self.global_scale is not None:
+            if isinstance(self.global_scale, bool) or not isinstance(self.global_scale, (int, float)):
+                raise TypeError(f"NVFP4Quantizer.global_scale must be a float or None, "
+                                f"got {type(self.global_scale).__name__}")
+            scale = float(self.global_scale)
+            if not (math.isfinite(scale) and scale > 0):
+                raise ValueError(f"NVFP4Quantizer.global_scale must be finite and > 0, got {scale}")
+            object.__setattr__(self, "global_scale", scale)
+            if self.amax_group is not None:
+                raise ValueError("NVFP4Quantizer: a static global_scale reads no amax; set amax_group "
+                                 "(dynamic, group-wide amax) or global_scale (static), not both")
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Quantize ``x [M, K]`` (bf16/fp16/fp32, K a multiple of 16) to NVFP4.
+
+        Returns ``(q, s, gs)``: q uint8 ``[M, K/2]``, s float8_e4m3fn ``[M, K/16]`` (linear),
+        gs the encode-convention global scale as fp32 of shape ``[1]`` on x's device; dequantize
+        as ``q * s / gs``. A dynamic gs is ``448 * 6 / amax`` with amax the max of ``|x|`` (over
+        every rank of ``amax_group`` when set, through ``_c10d_functional.all_reduce``, so a
+        compiled graph holds the collective; an empty x counts as amax 0, and an amax of 0 gives
+        gs 1). A NaN in x makes gs NaN on every rank of the group.
+        """
+        gs = self.global_scale_for(x)
+        q, s = torch.ops.fp4fuse.scaled_fp4_quant(x, gs)
+        return q, s, gs
+
+    def global_scale_for(self, x: torch.Tensor) -> torch.Tensor:
+        """The global scale :meth:`quantize` uses for ``x``: fp32 ``[1]`` on x's device."""
+        if self.global_scale is not None:
+            return torch.full((1,), self.global_scale, dtype=torch.float32, device=x.device)
+        if x.numel() == 0:  # a rank without tokens still joins the group's all-reduce
+            amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+        else:
+            amax = x.abs().amax().float().reshape(1)
+        # NaN -> +inf: inf survives any backend's MAX, and global_scale_from_amax maps it to NaN.
+        amax = torch.where(torch.isnan(amax), torch.full_like(amax, math.inf), amax)
+        if self.amax_group is not None:
+            group_name = amax_group(self.amax_group).group_name
+            amax = torch.ops._c10d_functional.all_reduce(amax, "max", group_name)
+            amax = torch.ops._c10d_functional.wait_tensor(amax)
+        return nvfp4.global_scale_from_amax(amax)

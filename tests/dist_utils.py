@@ -1,0 +1,207 @@
+"""Run a function on N freshly spawned ranks and collect what each returns (or raises).
+
+    from dist_utils import run_on_ranks
+
+    def _check_on_rank(n):           # module level, so spawned processes can import it
+        ...                          # the process group is initialized here (gloo by default)
+        return torch.distributed.get_rank() * n
+
+    assert run_on_ranks(_check_on_rank, 2, 10, timeout=60) == [0, 10]
+
+Each call starts ``world_size`` new processes (``spawn``), so nothing leaks between calls: a
+second call is a fresh process group, as after a restart. The ranks meet through a
+``FileStore`` in a private temporary directory (no ports). Return values travel back through
+``torch.save`` files, so tensors and any picklable object come back safely after the ranks exit.
+
+Failures never hang the test: a rank that raises is reported as :class:`RankError` naming the
+rank, the exception and its remote traceback (the original exception is the ``__cause__`` where it
+pickles); once one rank has failed the others get ``grace`` seconds to finish before they are
+terminated; the whole run is bounded by ``timeout`` seconds (:class:`TimeoutError` names the ranks
+still running).
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import multiprocessing
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RankError", "run_on_ranks"]
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+
+
+class RankError(RuntimeError):
+    """One or more ranks failed. ``failures`` maps rank -> description; ``rank`` is the lowest rank
+    that raised or died (ranks terminated because of it are listed in ``failures`` too)."""
+
+    def __init__(self, rank: int, failures: dict[int, str]):
+        self.rank = rank
+        self.failures = dict(sorted(failures.items()))
+        super().__init__("\n\n".join(f"rank {r}: {msg}" for r, msg in self.failures.items()))
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    backend: str | None = "gloo",
+    grace: float = 5.0,
+    env: Mapping[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(*args)`` on ranks ``0 .. world_size - 1``, each in a new process.
+
+    ``fn`` must be importable by name (a module-level function), and its arguments and return
+    value picklable. With ``backend`` (default ``"gloo"``; ``"nccl"`` also sets the CUDA device to
+    the rank) the default process group is initialized before ``fn`` runs and destroyed after;
+    with None, ``fn`` initializes what it needs itself. Every rank sees the environment variables
+    ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``, plus ``env``; torch's
+    intra-op threads are split evenly between the ranks.
+
+    ``timeout``: seconds for the whole run, also the process group's collective timeout.
+    Returns the per-rank return values, indexed by rank. Raises :class:`RankError` if any rank
+    raised or died, :class:`TimeoutError` if the run did not finish in time.
+    """
+    if world_size < 1:
+        raise ValueError(f"run_on_ranks: world_size must be >= 1, got {world_size}")
+    ctx = multiprocessing.get_context("spawn")
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    with tempfile.TemporaryDirectory(prefix="fp4fuse_ranks_") as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(rank, world_size, fn, args, backend, store_path, tmp, timeout, threads),
+                name=f"rank{rank}",
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        with _environ(env or {}):
+            for p in procs:
+                p.start()
+        try:
+            unfinished = _wait(procs, tmp, timeout, grace)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+            for p in procs:
+                p.join(5.0)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        return _collect(procs, tmp, unfinished, timeout)
+
+
+def _wait(procs: list, result_dir: str, timeout: float, grace: float) -> set[int]:
+    """Wait for the ranks; return those still running when the deadline passed."""
+    deadline = time.monotonic() + timeout
+    failed_deadline: float | None = None
+    while True:
+        alive = {rank for rank, p in enumerate(procs) if p.is_alive()}
+        if not alive:
+            return set()
+        now = time.monotonic()
+        if failed_deadline is None and any(
+            _failed(rank, p, result_dir) for rank, p in enumerate(procs) if rank not in alive
+        ):
+            failed_deadline = now + grace
+        if now >= deadline or (failed_deadline is not None and now >= failed_deadline):
+            return alive
+        time.sleep(_POLL_S)
+
+
+def _failed(rank: int, proc, result_dir: str) -> bool:
+    return proc.exitcode != 0 or not os.path.exists(_ok_path(result_dir, rank))
+
+
+def _collect(procs: list, result_dir: str, unfinished: set[int], timeout: float) -> list[Any]:
+    """Per-rank values; RankError if a rank raised or died, TimeoutError if some only ran late."""
+    failures: dict[int, str] = {}
+    causes: dict[int, BaseException] = {}
+    values: list[Any] = []
+    for rank, proc in enumerate(procs):
+        ok, err = _ok_path(result_dir, rank), _err_path(result_dir, rank)
+        values.append(torch.load(ok, weights_only=False) if os.path.exists(ok) else None)
+        if os.path.exists(err):
+            report = torch.load(err, weights_only=False)
+            failures[rank] = f"raised {report['summary']}\n--- remote traceback ---\n{report['traceback']}"
+            if report["exception"] is not None:
+                with contextlib.suppress(Exception):
+                    causes[rank] = pickle.loads(report["exception"])
+        elif not os.path.exists(ok) and rank not in unfinished:
+            failures[rank] = f"exited with code {proc.exitcode} without a result"
+    if failures:
+        first = min(failures)
+        for rank in unfinished:
+            failures[rank] = "still running after another rank failed (terminated)"
+        raise RankError(first, failures) from causes.get(first)
+    if unfinished:
+        raise TimeoutError(f"run_on_ranks: ranks {sorted(unfinished)} did not finish within {timeout} s")
+    return values
+
+
+def _rank_main(
+    rank: int, world_size: int, fn: Callable[..., Any], args: tuple, backend: str | None,
+    store_path: str, result_dir: str, timeout: float, threads: int,
+) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(threads)
+    try:
+        if backend is not None:
+            if backend == "nccl":
+                torch.cuda.set_device(rank)
+            dist.init_process_group(
+                backend, store=dist.FileStore(store_path, world_size), rank=rank,
+                world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+        value = fn(*args)
+        torch.save(value, _ok_path(result_dir, rank) + ".tmp")
+        os.replace(_ok_path(result_dir, rank) + ".tmp", _ok_path(result_dir, rank))
+    except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
+        try:
+            pickled: bytes | None = pickle.dumps(exc)
+        except Exception:  # noqa: BLE001 - unpicklable exceptions travel as text only
+            pickled = None
+        torch.save({"summary": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
+                    "exception": pickled}, _err_path(result_dir, rank))
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _ok_path(result_dir: str, rank: int) -> str:
+    return os.path.join(result_dir, f"rank{rank}.result.pt")
+
+
+def _err_path(result_dir: str, rank: int) -> str:
+    return os.path.join(result_dir, f"rank{rank}.error.pt")
+
+
+@contextlib.contextmanager
+def _environ(env: Mapping[str, str]) -> Iterator[None]:
+    """Set ``env`` in this process while the ranks start (spawned children copy the environment)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -1,0 +1,55 @@
+"""tests/dist_utils.run_on_ranks: values come back per rank, failures and hangs are reported."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import RankError, run_on_ranks
+
+
+def _all_reduce_rank(scale: int) -> tuple[int, torch.Tensor]:
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return dist.get_rank() * scale, t
+
+
+def _misbehave() -> None:
+    rank = int(os.environ["RANK"])
+    if rank == 0:
+        raise ValueError("bad input on rank 0")
+    if rank == 1:
+        os._exit(3)
+    time.sleep(600)
+
+
+def _sleep_forever() -> None:
+    time.sleep(600)
+
+
+def test_returns_values_in_rank_order():
+    results = run_on_ranks(_all_reduce_rank, 2, 10, timeout=60)
+    assert [r[0] for r in results] == [0, 10]
+    assert all(torch.equal(r[1], torch.tensor([3.0])) for r in results)
+
+
+def test_failures_name_the_rank_and_stragglers_are_stopped():
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_on_ranks(_misbehave, 3, backend=None, timeout=60, grace=1.0)
+    assert time.monotonic() - start < 30
+    err = info.value
+    assert err.rank == 0 and isinstance(err.__cause__, ValueError)
+    assert "rank 0: raised ValueError: bad input on rank 0" in str(err) and "_misbehave" in str(err)
+    assert "exited with code 3" in err.failures[1]
+    assert "terminated" in err.failures[2]
+
+
+def test_timeout_raises_instead_of_hanging():
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[0\] did not finish within 3"):
+        run_on_ranks(_sleep_forever, 1, backend=None, timeout=3)
+    assert time.monotonic() - start < 20
