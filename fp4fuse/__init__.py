@@ -1,5 +1,26 @@
-"""fp4fuse: tensor-parallel NVFP4 fusion passes for torch.compile / Inductor."""
+"""fp4fuse: tensor-parallel NVFP4 fusion passes for torch.compile / Inductor.
+
+    import fp4fuse
+    cfg = fp4fuse.FusionConfig(enable_sequence_parallelism=True, enable_async_tp=True)
+    model = torch.compile(model, options={"post_grad_custom_post_pass": fp4fuse.FusionPass(cfg)})
+
+Importing fp4fuse registers ``torch.ops.fp4fuse.*``; the pass machinery (which imports Inductor)
+loads on first use of ``FusionPass`` / ``FusionConfig``.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from fp4fuse import ops  # noqa: F401  (registers torch.ops.fp4fuse.*)
+from fp4fuse.amax import (
+    AmaxGroup,
+    NVFP4Quantizer,
+    UnknownAmaxGroupError,
+    amax_group,
+    amax_group_id,
+    register_amax_group,
+)
 from fp4fuse.format import (
     dequantize_reference,
     global_scale_from_amax,
@@ -8,11 +29,30 @@ from fp4fuse.format import (
     unswizzle_scales,
 )
 
+_LAZY = {
+    "FusionConfig": "fp4fuse.config",
+    "FusionPass": "fp4fuse.passes.manager",
+}
+
 __all__ = [
+    "AmaxGroup",
+    "FusionConfig",
+    "FusionPass",
+    "NVFP4Quantizer",
+    "UnknownAmaxGroupError",
+    "amax_group",
+    "amax_group_id",
     "dequantize_reference",
     "global_scale_from_amax",
     "quantize_reference",
+    "register_amax_group",
     "swizzle_scales",
     "unswizzle_scales",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'fp4fuse' has no attribute {name!r}")
