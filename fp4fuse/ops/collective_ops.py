@@ -10,18 +10,37 @@
   returns); they are summed in fp32 and rounded once to ``out_dtype``. For two ranks that equals a
   reduce-scatter in ``out_dtype``.
 
-This module holds the contracts and the path that runs everywhere: functional collectives plus
-``mm_fp4`` (gloo on CPU, or a CUDA group symmetric memory cannot serve) -- identical results to the
-unfused graph, no overlap. Scales travel as uint8 views (gloo has no float8 collectives).
+Two implementations, the same results:
+
+* CUDA, a group symmetric memory can serve, at least :func:`~fp4fuse.ops.collective_policy.overlap_min_rows`
+  total rows: the overlapped pipelines of :mod:`fp4fuse.ops.symm_mem_gemm` (registered as the
+  ops' CUDA kernels).
+* Everywhere else (CPU / gloo, small calls, groups symmetric memory cannot serve): functional
+  collectives plus ``mm_fp4``, no overlap; the reason is logged once per group at INFO. Scales
+  travel as uint8 views (gloo has no float8 collectives).
+
+Every call first makes sure all ranks agree on shapes and dtypes
+(:func:`~fp4fuse.ops.collective_policy.check_ranks_agree`): a mismatch is a ``ValueError`` on every
+rank, not a hang.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.distributed as dist
 
+from fp4fuse.ops import collective_policy as policy
 from fp4fuse.ops import validation
+from fp4fuse.ops.collective_policy import CollectiveKind, NoOverlapReason
+
+logger = logging.getLogger(__name__)
 
 _funcol = torch.ops._c10d_functional
+
+_AG_OP = "fused_all_gather_fp4_matmul"
+_AG_GATHERED_OP = "fused_all_gather_fp4_matmul_gathered"
+_RS_OP = "fused_fp4_matmul_reduce_scatter"
 
 
 def group_size_of(group_name: str) -> int:
@@ -31,6 +50,7 @@ def group_size_of(group_name: str) -> int:
 
 
 def group_rank_of(group_name: str) -> int:
+    """This process's rank in the process group registered under ``group_name``."""
     from torch.distributed.distributed_c10d import _resolve_process_group
     return dist.get_rank(_resolve_process_group(group_name))
 
@@ -77,12 +97,70 @@ def fp4_matmul_reduce_scatter_fallback(
     return reduce_scatter_rows_fp32(partial, group_name)
 
 
+# ----------------------------------------------------------------------------------------------
+# Shared front half: agree across ranks, validate, choose the path
+# ----------------------------------------------------------------------------------------------
+def _prepare_all_gather(
+    op: str, kind: CollectiveKind, a_shard: torch.Tensor, a_scale_shard: torch.Tensor, b: torch.Tensor,
+    b_scale: torch.Tensor, alpha: torch.Tensor, out_dtype: torch.dtype, group_name: str,
+) -> int:
+    """Agreement + validation; returns the total (gathered) row count."""
+    policy.check_ranks_agree(op, group_name, kind, {
+        "a_shard": a_shard, "a_scale_shard": a_scale_shard, "b": b, "b_scale": b_scale, "alpha": alpha,
+    }, out_dtype)
+    validation.check_mm_inputs(a_shard, b, a_scale_shard, b_scale, alpha, out_dtype, op=op)
+    return a_shard.shape[0] * group_size_of(group_name)
+
+
+def _prepare_reduce_scatter(
+    a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+    alpha: torch.Tensor, out_dtype: torch.dtype, group_name: str,
+) -> int:
+    """Agreement + validation (rows divisible by the group); returns the total row count."""
+    policy.check_ranks_agree(_RS_OP, group_name, CollectiveKind.MATMUL_REDUCE_SCATTER, {
+        "a": a, "b": b, "a_scale": a_scale, "b_scale": b_scale, "alpha": alpha,
+    }, out_dtype)
+    validation.check_mm_inputs(a, b, a_scale, b_scale, alpha, out_dtype, op=_RS_OP)
+    _check_rows_divisible(_RS_OP, a.shape[0], group_size_of(group_name))
+    return a.shape[0]
+
+
+def _overlap_workspace(op: str, group_name: str, total_rows: int, device: torch.device):
+    """The symmetric workspace to overlap this CUDA call on, or ``None`` (reason logged once).
+
+    Every input of the decision is the same on every rank (agreed shapes, env, a collective
+    capability answer), so all ranks take the same path."""
+    from fp4fuse.ops import workspace
+    world = group_size_of(group_name)
+    if world == 1:
+        reason, detail = NoOverlapReason.SINGLE_RANK, ""
+    elif policy.overlap_disabled():
+        reason, detail = NoOverlapReason.DISABLED, ""
+    elif total_rows == 0:
+        reason, detail = NoOverlapReason.EMPTY, ""
+    elif total_rows < policy.overlap_min_rows():
+        reason = NoOverlapReason.BELOW_THRESHOLD
+        detail = f"{total_rows} < {policy.ENV_MIN_ROWS}={policy.overlap_min_rows()}"
+    else:
+        try:
+            return workspace.get_workspace(group_name, device)
+        except workspace.WorkspaceUnavailable as exc:
+            reason, detail = NoOverlapReason.SYMM_MEM_UNAVAILABLE, str(exc)
+    policy.log_no_overlap_once(op, group_name, reason, detail)
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# fused_all_gather_fp4_matmul
+# ----------------------------------------------------------------------------------------------
 @torch.library.custom_op("fp4fuse::fused_all_gather_fp4_matmul", mutates_args=())
 def fused_all_gather_fp4_matmul(
     a_shard: torch.Tensor, a_scale_shard: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
     alpha: torch.Tensor, out_dtype: torch.dtype, group_name: str,
 ) -> torch.Tensor:
-    validation.check_mm_inputs(a_shard, b, a_scale_shard, b_scale, alpha, out_dtype, op="fused_all_gather_fp4_matmul")
+    _prepare_all_gather(_AG_OP, CollectiveKind.ALL_GATHER_MATMUL, a_shard, a_scale_shard, b, b_scale, alpha,
+                        out_dtype, group_name)
+    policy.log_no_overlap_once(_AG_OP, group_name, NoOverlapReason.NOT_CUDA, a_shard.device.type)
     return all_gather_fp4_matmul_fallback(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name)[0]
 
 
@@ -92,13 +170,29 @@ def _(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name):
     return a_shard.new_empty((a_shard.shape[0] * world, b.shape[0]), dtype=out_dtype)
 
 
+@fused_all_gather_fp4_matmul.register_kernel("cuda")
+def _(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name):
+    total = _prepare_all_gather(_AG_OP, CollectiveKind.ALL_GATHER_MATMUL, a_shard, a_scale_shard, b, b_scale,
+                                alpha, out_dtype, group_name)
+    ws = _overlap_workspace(_AG_OP, group_name, total, a_shard.device)
+    if ws is None:
+        return all_gather_fp4_matmul_fallback(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name)[0]
+    from fp4fuse.ops import symm_mem_gemm
+    return symm_mem_gemm.all_gather_fp4_matmul(
+        ws, a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, need_gathered=False).out
+
+
+# ----------------------------------------------------------------------------------------------
+# fused_all_gather_fp4_matmul_gathered
+# ----------------------------------------------------------------------------------------------
 @torch.library.custom_op("fp4fuse::fused_all_gather_fp4_matmul_gathered", mutates_args=())
 def fused_all_gather_fp4_matmul_gathered(
     a_shard: torch.Tensor, a_scale_shard: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
     alpha: torch.Tensor, out_dtype: torch.dtype, group_name: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    validation.check_mm_inputs(a_shard, b, a_scale_shard, b_scale, alpha, out_dtype,
-                               op="fused_all_gather_fp4_matmul_gathered")
+    _prepare_all_gather(_AG_GATHERED_OP, CollectiveKind.ALL_GATHER_MATMUL_GATHERED, a_shard, a_scale_shard, b,
+                        b_scale, alpha, out_dtype, group_name)
+    policy.log_no_overlap_once(_AG_GATHERED_OP, group_name, NoOverlapReason.NOT_CUDA, a_shard.device.type)
     return all_gather_fp4_matmul_fallback(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name)
 
 
@@ -111,19 +205,44 @@ def _(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name):
             a_scale_shard.new_empty((m, a_scale_shard.shape[1])))
 
 
+@fused_all_gather_fp4_matmul_gathered.register_kernel("cuda")
+def _(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name):
+    total = _prepare_all_gather(_AG_GATHERED_OP, CollectiveKind.ALL_GATHER_MATMUL_GATHERED, a_shard, a_scale_shard,
+                                b, b_scale, alpha, out_dtype, group_name)
+    ws = _overlap_workspace(_AG_GATHERED_OP, group_name, total, a_shard.device)
+    if ws is None:
+        return all_gather_fp4_matmul_fallback(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name)
+    from fp4fuse.ops import symm_mem_gemm
+    res = symm_mem_gemm.all_gather_fp4_matmul(
+        ws, a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, need_gathered=True)
+    return res.out, res.a, res.a_scale
+
+
+# ----------------------------------------------------------------------------------------------
+# fused_fp4_matmul_reduce_scatter
+# ----------------------------------------------------------------------------------------------
 @torch.library.custom_op("fp4fuse::fused_fp4_matmul_reduce_scatter", mutates_args=())
 def fused_fp4_matmul_reduce_scatter(
     a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
     alpha: torch.Tensor, out_dtype: torch.dtype, group_name: str,
 ) -> torch.Tensor:
-    op = "fused_fp4_matmul_reduce_scatter"
-    validation.check_mm_inputs(a, b, a_scale, b_scale, alpha, out_dtype, op=op)
-    _check_rows_divisible(op, a.shape[0], group_size_of(group_name))
+    _prepare_reduce_scatter(a, b, a_scale, b_scale, alpha, out_dtype, group_name)
+    policy.log_no_overlap_once(_RS_OP, group_name, NoOverlapReason.NOT_CUDA, a.device.type)
     return fp4_matmul_reduce_scatter_fallback(a, b, a_scale, b_scale, alpha, out_dtype, group_name)
 
 
 @fused_fp4_matmul_reduce_scatter.register_fake
 def _(a, b, a_scale, b_scale, alpha, out_dtype, group_name):
     world = group_size_of(group_name)
-    _check_rows_divisible("fused_fp4_matmul_reduce_scatter", a.shape[0], world)
+    _check_rows_divisible(_RS_OP, a.shape[0], world)
     return a.new_empty((a.shape[0] // world, b.shape[0]), dtype=out_dtype)
+
+
+@fused_fp4_matmul_reduce_scatter.register_kernel("cuda")
+def _(a, b, a_scale, b_scale, alpha, out_dtype, group_name):
+    total = _prepare_reduce_scatter(a, b, a_scale, b_scale, alpha, out_dtype, group_name)
+    ws = _overlap_workspace(_RS_OP, group_name, total, a.device)
+    if ws is None:
+        return fp4_matmul_reduce_scatter_fallback(a, b, a_scale, b_scale, alpha, out_dtype, group_name)
+    from fp4fuse.ops import symm_mem_gemm
+    return symm_mem_gemm.fp4_matmul_reduce_scatter(ws, a, b, a_scale, b_scale, alpha, out_dtype)

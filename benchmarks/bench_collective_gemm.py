@@ -1,0 +1,318 @@
+"""Collective NVFP4 GEMMs on 2 GPUs: fp4fuse's overlapped ops vs NCCL + mm_fp4, and PyTorch's bf16 ones.
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+        PYTHONPATH=. python benchmarks/bench_collective_gemm.py --out results.md
+
+Spawns 2 NCCL ranks. For total M in {512, 2048, 8192, 32768} x (N, K) in {(4096, 4096),
+(14336, 4096), (4096, 14336)} it times, per side:
+
+* all-gather side: NCCL all-gather of the NVFP4 payload (data + scales) alone, ``mm_fp4`` of the
+  gathered ``[M, K]`` alone, both in sequence (unfused: fp4fuse's functional fallback), and
+  ``fused_all_gather_fp4_matmul`` with the overlapped path forced on (threshold 0); PyTorch's bf16
+  ``symm_mem.fused_all_gather_matmul`` and its unfused baseline (NCCL all-gather of bf16 + mm).
+* reduce-scatter side (``a`` is ``[M, K]`` on every rank, K being the rank's K shard): ``mm_fp4``
+  alone, the fp32 reduce-scatter of the partial alone (cast, NCCL, cast back, as the fallback does),
+  both (unfused) and ``fused_fp4_matmul_reduce_scatter`` forced on; PyTorch's bf16
+  ``symm_mem.fused_matmul_reduce_scatter`` and mm + NCCL bf16 reduce-scatter.
+
+Timing: per iteration the ranks synchronize the device and meet at a barrier, then CUDA events
+bracket one eager call; median over the iterations, then the slower rank's median. Overlap
+efficiency ``(t_comm + t_mm - t_fused) / min(t_comm, t_mm)`` is shown where ``min >= 50 us``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import socket
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SHAPES_NK = ((4096, 4096), (14336, 4096), (4096, 14336))
+TOTAL_M = (512, 2048, 8192, 32768)
+MIN_HIDEABLE_MS = 0.05
+WORLD = 2
+
+
+@dataclasses.dataclass
+class Row:
+    """One (side, M, N, K) line of the results; times in ms (None: not measured / failed)."""
+    side: str
+    m: int
+    n: int
+    k: int
+    comm: float | None = None
+    mm: float | None = None
+    unfused: float | None = None
+    fused: float | None = None
+    bf16_comm: float | None = None
+    bf16_mm: float | None = None
+    bf16_unfused: float | None = None
+    bf16_fused: float | None = None
+    notes: str = ""
+
+    def speedup(self) -> float | None:
+        return self.unfused / self.fused if self.unfused and self.fused else None
+
+    def efficiency(self) -> float | None:
+        if None in (self.comm, self.mm, self.fused):
+            return None
+        hideable = min(self.comm, self.mm)
+        if hideable < MIN_HIDEABLE_MS:
+            return None
+        return (self.comm + self.mm - self.fused) / hideable
+
+    def bf16_speedup(self) -> float | None:
+        return self.bf16_unfused / self.bf16_fused if self.bf16_unfused and self.bf16_fused else None
+
+
+def _time_ms(fn: Callable[[], object], budget_s: float = 0.25, min_iters: int = 5, max_iters: int = 30) -> float:
+    """Median CUDA-event time of one call, ranks aligned by a barrier before each call; the slower
+    rank's median is returned on every rank."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    approx = time.perf_counter() - t0 + 3e-4
+    iters = max(min_iters, min(max_iters, int(budget_s / approx)))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        dist.barrier()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    med = torch.tensor([statistics.median(samples)], device="cuda")
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    return med.item()
+
+
+def _try(fn: Callable[[], float], notes: list[str], label: str) -> float | None:
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - a baseline that fails is reported, not fatal
+        notes.append(f"{label}: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}")
+        return None
+
+
+def _quantized(rows: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from fp4fuse import format as nvfp4
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(rows, k, device="cuda", generator=g, dtype=torch.bfloat16)
+    gs = nvfp4.global_scale_from_amax(torch.tensor([4.5], device="cuda"))
+    q, s = torch.ops.fp4fuse.scaled_fp4_quant(x, gs)
+    return q, s, gs
+
+
+def _bench_shape(m_total: int, n: int, k: int, group: str) -> list[Row]:
+    from fp4fuse.ops import collective_ops as co
+    rank = dist.get_rank()
+    ops = torch.ops.fp4fuse
+    rows_shard = m_total // WORLD
+    out_dtype = torch.bfloat16
+    b, sb, gs_b = _quantized(n, k, 1)
+    alpha = 1.0 / (gs_b * gs_b)
+
+    # --- all-gather side -------------------------------------------------------------------
+    ag = Row("all-gather", m_total, n, k)
+    notes: list[str] = []
+    a_shard, s_shard, _ = _quantized(rows_shard, k, 10 + rank)
+    a_full = co.all_gather_rows(a_shard, group)
+    s_full = co.all_gather_rows(s_shard, group)
+    ag.comm = _time_ms(lambda: (co.all_gather_rows(a_shard, group), co.all_gather_rows(s_shard, group)))
+    ag.mm = _time_ms(lambda: ops.mm_fp4(a_full, b, s_full, sb, alpha, out_dtype))
+    ag.unfused = _time_ms(lambda: co.all_gather_fp4_matmul_fallback(a_shard, s_shard, b, sb, alpha, out_dtype, group))
+    ag.fused = _try(lambda: _time_ms(
+        lambda: ops.fused_all_gather_fp4_matmul(a_shard, s_shard, b, sb, alpha, out_dtype, group)), notes, "fused")
+    a16_shard = torch.randn(rows_shard, k, device="cuda", dtype=torch.bfloat16)
+    w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    a16_full = co.all_gather_rows(a16_shard, group)
+    ag.bf16_comm = _time_ms(lambda: co.all_gather_rows(a16_shard, group))
+    ag.bf16_mm = _time_ms(lambda: torch.mm(a16_full, w16.t()))
+    ag.bf16_unfused = _time_ms(lambda: torch.mm(co.all_gather_rows(a16_shard, group), w16.t()))
+    ag.bf16_fused = _try(lambda: _time_ms(lambda: torch.ops.symm_mem.fused_all_gather_matmul(
+        a16_shard, [w16.t()], 0, group, return_A=True)), notes, "torch bf16 fused")
+    ag.notes = "; ".join(notes)
+    del a_full, s_full, a16_full
+
+    # --- reduce-scatter side ----------------------------------------------------------------
+    rs = Row("reduce-scatter", m_total, n, k)
+    notes = []
+    a, s, _ = _quantized(m_total, k, 20 + rank)
+    partial = ops.mm_fp4(a, b, s, sb, alpha, out_dtype)
+    rs.mm = _time_ms(lambda: ops.mm_fp4(a, b, s, sb, alpha, out_dtype))
+    rs.comm = _time_ms(lambda: co.reduce_scatter_rows_fp32(partial, group))
+    rs.unfused = _time_ms(lambda: co.fp4_matmul_reduce_scatter_fallback(a, b, s, sb, alpha, out_dtype, group))
+    rs.fused = _try(lambda: _time_ms(
+        lambda: ops.fused_fp4_matmul_reduce_scatter(a, b, s, sb, alpha, out_dtype, group)), notes, "fused")
+    a16 = torch.randn(m_total, k, device="cuda", dtype=torch.bfloat16)
+    p16 = torch.mm(a16, w16.t())
+    funcol = torch.ops._c10d_functional
+    rs_bf16 = lambda t: funcol.wait_tensor(funcol.reduce_scatter_tensor(t, "sum", WORLD, group))  # noqa: E731
+    rs.bf16_mm = _time_ms(lambda: torch.mm(a16, w16.t()))
+    rs.bf16_comm = _time_ms(lambda: rs_bf16(p16))
+    rs.bf16_unfused = _time_ms(lambda: rs_bf16(torch.mm(a16, w16.t())))
+    rs.bf16_fused = _try(lambda: _time_ms(lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(
+        a16, w16.t(), "sum", 0, group)), notes, "torch bf16 fused")
+    rs.notes = "; ".join(notes)
+    return [ag, rs]
+
+
+def _fmt(v: float | None, digits: int = 3) -> str:
+    return "—" if v is None else f"{v:.{digits}f}"
+
+
+def _table(rows: list[Row], side: str) -> list[str]:
+    comm = "AG fp4 payload" if side == "all-gather" else "RS fp32 partial"
+    bcomm = "AG bf16" if side == "all-gather" else "RS bf16"
+    lines = [
+        f"| M total | N | K | {comm} ms | mm_fp4 ms | unfused ms | fused ms | speedup | overlap eff. | "
+        f"{bcomm} ms | bf16 mm ms | bf16 unfused ms | torch bf16 fused ms | torch speedup |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        if r.side != side:
+            continue
+        eff = r.efficiency()
+        eff_s = _fmt(eff, 2) if eff is not None else ("n/a (<50 µs)" if r.fused is not None else "—")
+        lines.append(
+            f"| {r.m} | {r.n} | {r.k} | {_fmt(r.comm)} | {_fmt(r.mm)} | {_fmt(r.unfused)} | {_fmt(r.fused)} | "
+            f"{_fmt(r.speedup(), 2)} | {eff_s} | {_fmt(r.bf16_comm)} | {_fmt(r.bf16_mm)} | "
+            f"{_fmt(r.bf16_unfused)} | {_fmt(r.bf16_fused)} | {_fmt(r.bf16_speedup(), 2)} |")
+    return lines
+
+
+def _crossover(rows: list[Row], tolerance: float = 1.02) -> int | None:
+    """Smallest grid M from which the fused op is never more than ``tolerance`` x unfused (both
+    sides, every (N, K), every larger M); None if no such M."""
+    for m in sorted({r.m for r in rows}):
+        ok = all(r.fused is not None and r.unfused is not None and r.fused <= tolerance * r.unfused
+                 for r in rows if r.m >= m)
+        if ok:
+            return m
+    return None
+
+
+def _report(rows: list[Row], meta: dict[str, str], elapsed: float) -> str:
+    from fp4fuse.ops import collective_policy as policy
+    cross = _crossover(rows)
+    lines = [
+        f"# Collective NVFP4 GEMMs, 2 GPUs — {meta['date']}",
+        "",
+        f"- Device: 2 x {meta['device']} ({meta['host']}); torch {meta['torch']}, Triton {meta['triton']}, "
+        f"NCCL {meta['nccl']}; mm_fp4 backend: {meta['backend']}; fused GEMM mode: {meta['gemm_mode']}.",
+        "- NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (P2P only). out_dtype bf16.",
+        "- Times: median of CUDA-event timings of one eager call, ranks synchronized and barriered "
+        "before each call, after warm-up; the slower rank's median. `fused` runs fp4fuse's "
+        "overlapped path at every size (threshold forced to 0); the op as shipped runs `unfused` "
+        f"below `{policy.ENV_MIN_ROWS}` (default {policy.DEFAULT_OVERLAP_MIN_ROWS}).",
+        "- Overlap efficiency = (t_comm + t_mm − t_fused) / min(t_comm, t_mm), shown where "
+        "min ≥ 50 µs. Reduce-scatter side: `a` is `[M, K]` per rank (K = the rank's K shard); its "
+        "unfused comm is the fallback's fp32 reduce-scatter of the bf16 partial (cast, NCCL, cast).",
+        "",
+        "## All-gather + GEMM",
+        "",
+        *_table(rows, "all-gather"),
+        "",
+        "## GEMM + reduce-scatter",
+        "",
+        *_table(rows, "reduce-scatter"),
+        "",
+        f"Measured crossover (smallest grid M from which fused ≤ 1.02 × unfused everywhere above): "
+        f"{cross if cross is not None else 'none on this grid'}. Benchmark wall time {elapsed:.0f} s.",
+    ]
+    notes = [f"- {r.side} M={r.m} N={r.n} K={r.k}: {r.notes}" for r in rows if r.notes]
+    if notes:
+        lines += ["", "Notes:", *notes]
+    return "\n".join(lines) + "\n"
+
+
+def _nccl_version() -> str:
+    v = torch.cuda.nccl.version()
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
+def _meta(group: str) -> dict[str, str]:
+    from fp4fuse.ops.backend import backend_for
+    from fp4fuse.ops.symm_mem_gemm import RowBlockGemm
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "absent"
+    b, sb, gs = _quantized(64, 64, 3)
+    return {
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name(),
+        "host": socket.gethostname(),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "nccl": _nccl_version(),
+        "backend": backend_for(b).value,
+        "gemm_mode": RowBlockGemm(b, sb, gs, torch.bfloat16, 4096).mode.value,
+    }
+
+
+def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), FP4FUSE_OVERLAP_MIN_ROWS="0")
+    os.environ.setdefault("FP4FUSE_SYMM_MEM_TIMEOUT_MS", "60000")  # a broken pipeline traps, never hangs
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=WORLD, device_id=torch.device("cuda", rank))
+    import fp4fuse  # noqa: F401  (registers the ops)
+    group = dist.group.WORLD.group_name
+    started = time.perf_counter()
+    rows: list[Row] = []
+    shapes = [(m, n, k) for n, k in SHAPES_NK for m in args.m]
+    for m, n, k in shapes:
+        if time.perf_counter() - started > args.budget_s:
+            if rank == 0:
+                print(f"budget of {args.budget_s} s spent: skipping M={m} N={n} K={k}", flush=True)
+            continue
+        rows += _bench_shape(m, n, k, group)
+        if rank == 0:
+            for r in rows[-2:]:
+                print(f"{r.side:>14} M={r.m:>6} N={r.n:>6} K={r.k:>6}: comm {_fmt(r.comm)} mm {_fmt(r.mm)} "
+                      f"unfused {_fmt(r.unfused)} fused {_fmt(r.fused)} eff {_fmt(r.efficiency(), 2)} | "
+                      f"bf16 unfused {_fmt(r.bf16_unfused)} torch fused {_fmt(r.bf16_fused)} {r.notes}", flush=True)
+        torch.cuda.empty_cache()
+    meta = _meta(group)
+    if rank == 0:
+        text = _report(rows, meta, time.perf_counter() - started)
+        print(text)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="", help="markdown file to write (rank 0)")
+    parser.add_argument("--m", type=int, nargs="+", default=list(TOTAL_M), help="total M values")
+    parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting new shapes after this")
+    args = parser.parse_args()
+    if torch.cuda.device_count() < WORLD:
+        sys.exit(f"needs {WORLD} GPUs, found {torch.cuda.device_count()}")
+    # Never NVLink multicast (it can take a shared host down); P2P only.
+    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank_main, args=(args, port), nprocs=WORLD, join=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""Overlapped NVFP4 collective GEMMs on CUDA symmetric memory (P2P only, never multicast).
+
+All-gather + GEMM (``W`` ranks, this rank ``r``, ``m`` rows per shard)::
+
+    side stream (high priority)                     caller's stream
+    ---------------------------                     ---------------
+    wait caller's stream                            mm(own shard)      -> out[r]   (no wait at all)
+    own shard (data, scales) -> my buffer
+    barrier(READY)                # all shards in
+    for p = r+1, r+2, ...:                          for p = r+1, r+2, ...:
+        pull p's shard -> a[p]  (copy engine)           wait event(p)
+        record event(p)                                 mm(a[p])       -> out[p]
+    [gathered variant: a_shard -> a[r]]
+    barrier(DONE)                 # peers done reading my buffer
+                                                    wait side stream
+
+The barriers run on the side stream only, so the caller's stream starts the local GEMM at once and
+never waits on a peer except for the data it needs. The pulls are plain ``copy_`` of mapped peer
+memory (``cudaMemcpyAsync``: copy engine, no SMs).
+
+GEMM + reduce-scatter (rows of ``a`` split in ``W`` chunks; chunk ``d`` belongs to rank ``d``)::
+
+    caller's stream                                 side stream
+    ---------------                                 -----------
+    for step s = 1 .. W-1 (dst = r+s, src = r-s):
+        mm(a[dst]) -> my buffer slot s-1                wait event(s)
+        record event(s)                                 signal dst READY, wait src READY
+                                                        pull src's slot s-1 -> recv[src]
+    mm(a[r]) -> recv[r]                                 barrier(DONE)
+    wait side stream
+    out = sum_src recv[src]  (one kernel; fp32 accumulation, one rounding to out_dtype)
+
+Source ``s`` keeps its partial for destination ``d`` in slot ``(d - s - 1) mod W``, so the slot a
+rank reads at step ``s`` has the same index as the one it wrote. With two ranks the READY handoff
+is a single barrier kernel.
+
+Each row block's GEMM writes straight into its rows of the output (or workspace slot) through
+:class:`RowBlockGemm`; only where the backend cannot write into a view does it copy.
+
+Numerics: each output row of ``mm_fp4`` depends only on its row of ``a`` (the fp4fuse kernels'
+contract), so the per-shard GEMMs equal the full GEMM's rows; the reduce-scatter sums the
+``out_dtype`` partials in fp32 in rank order and rounds once, as the functional fallback does
+(bit-equal for two ranks; for more, NCCL's summation order may differ in the last bit).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import inspect
+import logging
+
+import torch
+
+from fp4fuse.ops.backend import Backend, backend_for
+from fp4fuse.ops.workspace import Channel, Region, SymmWorkspace, align_up
+
+logger = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------------------------
+# Buffer layouts (pure functions of the shapes, identical on every rank)
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class AllGatherLayout:
+    """Where a rank's shard sits in its buffer: packed data, then block scales (both uint8)."""
+    data: Region
+    scales: Region
+
+    @property
+    def nbytes(self) -> int:
+        return align_up(self.scales.end)
+
+
+def all_gather_layout(shard_rows: int, k_half: int, k_blocks: int) -> AllGatherLayout:
+    data = Region(0, (shard_rows, k_half), torch.uint8)
+    scales = Region(align_up(data.end), (shard_rows, k_blocks), torch.uint8)
+    return AllGatherLayout(data, scales)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceScatterLayout:
+    """``W - 1`` slots of one ``[m, N]`` ``out_dtype`` partial each (the rank's own chunk stays local)."""
+    slots: tuple[Region, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return align_up(self.slots[-1].end) if self.slots else 0
+
+
+def reduce_scatter_layout(world_size: int, chunk_rows: int, n: int, out_dtype: torch.dtype) -> ReduceScatterLayout:
+    slot_bytes = align_up(chunk_rows * n * out_dtype.itemsize)
+    return ReduceScatterLayout(tuple(
+        Region(i * slot_bytes, (chunk_rows, n), out_dtype) for i in range(world_size - 1)))
+
+
+# ----------------------------------------------------------------------------------------------
+# GEMMs of row blocks into preallocated outputs
+# ----------------------------------------------------------------------------------------------
+class GemmMode(enum.Enum):
+    """How :class:`RowBlockGemm` writes a row block's ``mm_fp4`` into an output view."""
+    OUT_ARG = "launcher writes into out="
+    DEQUANT_CUBLAS = "exact bf16 dequantize + cuBLAS into out="
+    COPY = "mm_fp4 then copy"
+
+
+@functools.cache
+def _accepts_out(fn) -> bool:
+    try:
+        return "out" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _triton_mm_module():
+    try:
+        from fp4fuse.ops import triton_mm
+    except ImportError:
+        return None
+    return triton_mm
+
+
+class RowBlockGemm:
+    """``mm_fp4`` of row blocks of ``a`` against one weight, each written into an output view.
+
+    ``fp4fuse::mm_fp4`` returns a fresh tensor; copying each block's output into place would cost
+    a full extra pass over ``[M, N]`` (7% of a large GEMM), so this picks, once per op call:
+
+    * ``OUT_ARG``: the backend launcher takes ``out=`` (preferred whenever it does);
+    * ``DEQUANT_CUBLAS``: the Triton backend's own large-M bf16 path, reproduced through its public
+      functions so it can write into the view: ``torch.mm(dequant(a), dequant(b).T, out=view)`` then
+      ``view *= alpha`` -- the same kernels and arithmetic as ``triton_mm.mm_fp4_dequant_mm``, so
+      bit-identical, with ``b`` dequantized once per call instead of once per block;
+    * ``COPY``: anything else (reference backend, fp32/fp16 output, small blocks).
+
+    Numerics equal ``mm_fp4`` on the same row block (tests pin it). Inputs validated by the op.
+    """
+
+    def __init__(self, b: torch.Tensor, b_scale: torch.Tensor, alpha: torch.Tensor, out_dtype: torch.dtype,
+                 block_rows: int) -> None:
+        self.b, self.b_scale, self.alpha, self.out_dtype = b, b_scale, alpha, out_dtype
+        self._launcher = None
+        self._b_dequant: torch.Tensor | None = None
+        backend = backend_for(b)
+        triton_mm = _triton_mm_module() if backend is Backend.TRITON else None
+        if triton_mm is not None and _accepts_out(triton_mm.mm_fp4_triton):
+            self.mode, self._launcher = GemmMode.OUT_ARG, triton_mm.mm_fp4_triton
+        elif (triton_mm is not None and out_dtype == torch.bfloat16
+              and block_rows >= getattr(triton_mm, "DEQUANT_MIN_M", float("inf"))
+              and hasattr(triton_mm, "dequantize_fp4_triton")):
+            self.mode = GemmMode.DEQUANT_CUBLAS
+            self._dequantize = triton_mm.dequantize_fp4_triton
+        else:
+            self.mode = GemmMode.COPY
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("fp4fuse: %d-row blocks, N=%d, %s: %s", block_rows, b.shape[0], out_dtype, self.mode.value)
+
+    def __call__(self, out: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor) -> None:
+        """``out[:] = mm_fp4(a, b, a_scale, b_scale, alpha, out_dtype)`` on the current stream;
+        ``out`` a contiguous ``[rows, N]`` view."""
+        if self.mode is GemmMode.OUT_ARG:
+            self._launcher(a, self.b, a_scale, self.b_scale, self.alpha, self.out_dtype, out=out)
+        elif self.mode is GemmMode.DEQUANT_CUBLAS:
+            if self._b_dequant is None:
+                self._b_dequant = self._dequantize(self.b, self.b_scale)
+            torch.mm(self._dequantize(a, a_scale), self._b_dequant.t(), out=out)
+            out.mul_(self.alpha.reshape(()))
+        else:
+            out.copy_(torch.ops.fp4fuse.mm_fp4(a, self.b, a_scale, self.b_scale, self.alpha, self.out_dtype))
+
+
+# ----------------------------------------------------------------------------------------------
+# Pipelines
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class GatheredMatmul:
+    """Result of the all-gather pipeline: the GEMM output and the gathered operand."""
+    out: torch.Tensor
+    a: torch.Tensor
+    a_scale: torch.Tensor
+
+
+def all_gather_fp4_matmul(
+    ws: SymmWorkspace, a_shard: torch.Tensor, a_scale_shard: torch.Tensor, b: torch.Tensor,
+    b_scale: torch.Tensor, alpha: torch.Tensor, out_dtype: torch.dtype, *, need_gathered: bool,
+) -> GatheredMatmul:
+    """``mm_fp4(all_gather(a_shard), b, all_gather(a_scale_shard), ...)`` overlapped (module doc).
+
+    Collective over ``ws``'s group; inputs validated and agreed across ranks by the caller.
+    ``need_gathered``: also fill this rank's rows of the returned ``a`` / ``a_scale`` (else those
+    rows are left unwritten and the caller must not use them)."""
+    world, rank = ws.world_size, ws.rank
+    m, k_half = a_shard.shape
+    k_blocks = a_scale_shard.shape[1]
+    layout = all_gather_layout(m, k_half, k_blocks)
+    ws.ensure_capacity(layout.nbytes)
+
+    a = a_shard.new_empty((world * m, k_half))
+    a_scale = a_scale_shard.new_empty((world * m, k_blocks))
+    a_scale_bytes = a_scale.view(torch.uint8)
+    out = a_shard.new_empty((world * m, b.shape[0]), dtype=out_dtype)
+    peers = [(rank + step) % world for step in range(1, world)]
+
+    gemm = RowBlockGemm(b, b_scale, alpha, out_dtype, m)
+    main, side = torch.cuda.current_stream(), ws.side_stream
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        ws.view(rank, layout.data).copy_(a_shard)
+        ws.view(rank, layout.scales).copy_(a_scale_shard.view(torch.uint8))
+        ws.barrier(Channel.READY)
+        for step, peer in enumerate(peers, start=1):
+            rows = slice(peer * m, (peer + 1) * m)
+            a[rows].copy_(ws.view(peer, layout.data))
+            a_scale_bytes[rows].copy_(ws.view(peer, layout.scales))
+            ws.step_events[step].record(side)
+        if need_gathered:
+            own = slice(rank * m, (rank + 1) * m)
+            a[own].copy_(a_shard)
+            a_scale[own].copy_(a_scale_shard)
+        ws.barrier(Channel.DONE)
+
+    gemm(out[rank * m:(rank + 1) * m], a_shard, a_scale_shard)
+    for step, peer in enumerate(peers, start=1):
+        rows = slice(peer * m, (peer + 1) * m)
+        main.wait_event(ws.step_events[step])
+        gemm(out[rows], a[rows], a_scale[rows])
+    main.wait_stream(side)
+    return GatheredMatmul(out, a, a_scale)
+
+
+def fp4_matmul_reduce_scatter(
+    ws: SymmWorkspace, a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+    alpha: torch.Tensor, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``reduce_scatter_sum(mm_fp4(a, b, ...))`` along dim 0, overlapped (module doc).
+
+    Collective over ``ws``'s group; rows of ``a`` divisible by the group size, inputs validated
+    and agreed across ranks by the caller. Returns this rank's ``[M/W, N]`` chunk in ``out_dtype``."""
+    world, rank = ws.world_size, ws.rank
+    m = a.shape[0] // world
+    n = b.shape[0]
+    layout = reduce_scatter_layout(world, m, n, out_dtype)
+    ws.ensure_capacity(layout.nbytes)
+
+    recv = a.new_empty((world, m, n), dtype=out_dtype)
+    gemm = RowBlockGemm(b, b_scale, alpha, out_dtype, m)
+    main, side = torch.cuda.current_stream(), ws.side_stream
+    side.wait_stream(main)
+    for step in range(1, world):
+        dst, src = (rank + step) % world, (rank - step) % world
+        slot = layout.slots[step - 1]
+        rows = slice(dst * m, (dst + 1) * m)
+        gemm(ws.view(rank, slot), a[rows], a_scale[rows])
+        ws.step_events[step].record(main)
+        with torch.cuda.stream(side):
+            side.wait_event(ws.step_events[step])
+            if world == 2:
+                ws.barrier(Channel.READY)
+            else:
+                ws.put_signal(dst, Channel.READY)
+                ws.wait_signal(src, Channel.READY)
+            recv[src].copy_(ws.view(src, slot))
+    own = slice(rank * m, (rank + 1) * m)
+    gemm(recv[rank], a[own], a_scale[own])
+    with torch.cuda.stream(side):
+        ws.barrier(Channel.DONE)
+    main.wait_stream(side)
+    return torch.sum(recv, dim=0)

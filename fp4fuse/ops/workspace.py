@@ -1,0 +1,295 @@
+"""Per-group symmetric-memory workspaces for the overlapped collective GEMMs.
+
+A :class:`SymmWorkspace` is one P2P buffer (``torch.distributed._symmetric_memory``, CUDA
+backend, no multicast) shared by the ranks of one process group, plus the side stream and events
+the pipelines in :mod:`fp4fuse.ops.symm_mem_gemm` run on. Every rank maps every peer's buffer, so a
+rank pulls a peer's data with a plain copy (copy engine over NVLink) and signals through the
+buffer's signal pad (``barrier`` / ``put_signal`` / ``wait_signal``).
+
+Lifetime: a workspace is created on the first overlapped call for its ``(group_name, device)``
+(or by :func:`reserve_workspace`) and then kept in this module's registry until
+:func:`release_workspaces` or the end of the process. Creating and growing are collective: every
+rank of the group must do them with the same sizes in the same order. The ops guarantee that by
+checking, before their first overlapped call with a given shape, that all ranks agree on the shapes
+(:mod:`fp4fuse.ops.collective_policy`); sizes are a pure function of those shapes.
+
+Growing cannot happen while a CUDA graph is being captured (the rendezvous synchronizes the host):
+call :func:`reserve_workspace` with the largest shapes first. Handles and peer views are cached,
+so steady-state calls do no rendezvous.
+
+Signal-pad channels used by the pipelines (see :class:`Channel`): ``READY`` (data in a buffer may
+be read) and ``DONE`` (every peer finished reading this call's buffers; the buffer may be
+overwritten). Every op ends with the ``DONE`` barrier on the side stream and the caller's stream
+waiting for it, so consecutive ops on one group never race on the buffer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import os
+import socket
+import zlib
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+ENV_TIMEOUT_MS = "FP4FUSE_SYMM_MEM_TIMEOUT_MS"
+#: How long (ms) a device-side wait for a peer may spin before the kernel traps (an error, not a
+#: hang). Generous: a peer may be compiling or autotuning a kernel the first time through.
+DEFAULT_TIMEOUT_MS = 300_000
+#: Region alignment inside the buffer, bytes (full 128-byte lines for the copy engine).
+ALIGN_BYTES = 256
+#: Smallest buffer ever allocated, bytes; growth is at least 1.5x so serving with growing batches
+#: does few rendezvous.
+MIN_CAPACITY_BYTES = 4 << 20
+_GROWTH = 1.5
+_CAPACITY_ROUND = 2 << 20
+
+
+class Channel(enum.IntEnum):
+    """Signal-pad channels of an fp4fuse workspace."""
+    READY = 0
+    DONE = 1
+
+
+def align_up(n: int, align: int = ALIGN_BYTES) -> int:
+    return -(-n // align) * align
+
+
+def grown_capacity(current: int, requested: int) -> int:
+    """Capacity (bytes) to allocate when ``requested`` exceeds ``current``: at least
+    ``MIN_CAPACITY_BYTES``, ``requested`` and 1.5x ``current``, rounded up to 2 MiB.
+    A pure function, so every rank grows to the same size."""
+    want = max(requested, int(current * _GROWTH), MIN_CAPACITY_BYTES)
+    return align_up(want, _CAPACITY_ROUND)
+
+
+def timeout_ms() -> int:
+    return int(os.environ.get(ENV_TIMEOUT_MS, DEFAULT_TIMEOUT_MS))
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """A typed window of a workspace buffer: ``shape`` elements of ``dtype`` at byte ``offset``."""
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+class WorkspaceUnavailable(RuntimeError):
+    """Symmetric memory cannot serve this group; the message says why."""
+
+
+def _symm_mem_class():
+    from torch._C._distributed_c10d import _SymmetricMemory
+    return _SymmetricMemory
+
+
+def local_unavailability(device: torch.device) -> str | None:
+    """Why this process cannot use CUDA symmetric memory on ``device`` (``None`` if it can)."""
+    if device.type != "cuda":
+        return f"inputs are on {device.type}; symmetric memory needs CUDA"
+    try:
+        symm = _symm_mem_class()
+    except ImportError as exc:
+        return f"this torch build has no symmetric memory ({exc})"
+    backend = symm.get_backend(device) if hasattr(symm, "get_backend") else None
+    if backend not in (None, "CUDA"):
+        return f"symmetric-memory backend is {backend}; fp4fuse's pipelines are written for the CUDA backend"
+    return None
+
+
+def _host_id() -> int:
+    return zlib.crc32(socket.gethostname().encode())
+
+
+class SymmWorkspace:
+    """One group's symmetric buffer on one device, its side stream and its events.
+
+    Not thread-safe; one workspace serves the ops of its group in stream order on one device.
+    """
+
+    def __init__(self, group_name: str, device: torch.device, rank: int, world_size: int) -> None:
+        self.group_name = group_name
+        self.device = device
+        self.rank = rank
+        self.world_size = world_size
+        self.side_stream = torch.cuda.Stream(device=device, priority=-1)
+        # One event per pipeline step (index 0 unused by the pipelines but kept for simple indexing).
+        self.step_events = [torch.cuda.Event() for _ in range(world_size)]
+        self.capacity = 0
+        self.generation = 0
+        self._buffer: torch.Tensor | None = None
+        self._handle = None
+        self._views: dict[tuple[int, Region], torch.Tensor] = {}
+
+    # -- capacity -------------------------------------------------------------------------------
+    def ensure_capacity(self, nbytes: int) -> None:
+        """Grow the buffer to hold ``nbytes`` (collective when it grows; see the module doc)."""
+        if nbytes <= self.capacity:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"fp4fuse: the symmetric workspace of group {self.group_name!r} holds {self.capacity} bytes "
+                f"but this call needs {nbytes}; it cannot grow during CUDA-graph capture. Call "
+                f"fp4fuse.ops.workspace.reserve_workspace({self.group_name!r}, max_rows=..., k=..., n=...) "
+                "with the largest shapes before capturing.")
+        new_capacity = grown_capacity(self.capacity, nbytes)
+        symm = _symm_mem_class()
+        if self._buffer is not None:
+            # Peers may still read the old buffer until this rank's last DONE barrier has run;
+            # waiting for the device covers it (the barrier needs every peer's reads finished).
+            torch.cuda.synchronize(self.device)
+            self._views.clear()
+            self._handle = None
+            self._buffer = None
+        buffer = symm.empty_strided_p2p(
+            (new_capacity,), (1,), torch.uint8, self.device, self.group_name)
+        from torch.distributed._symmetric_memory import rendezvous
+        handle = rendezvous(buffer, self.group_name)
+        if handle.world_size != self.world_size or handle.rank != self.rank:
+            raise RuntimeError(
+                f"fp4fuse: symmetric memory of group {self.group_name!r} reports rank {handle.rank} of "
+                f"{handle.world_size}, the process group says {self.rank} of {self.world_size}")
+        self._buffer, self._handle = buffer, handle
+        self.capacity = new_capacity
+        self.generation += 1
+        logger.info("fp4fuse: symmetric workspace of group %r on %s: %d bytes (generation %d)",
+                    self.group_name, self.device, new_capacity, self.generation)
+
+    # -- views ----------------------------------------------------------------------------------
+    def view(self, rank: int, region: Region) -> torch.Tensor:
+        """``region`` of ``rank``'s buffer as a tensor on this device (peer memory is mapped).
+
+        Cached until the buffer grows; a view never outlives its buffer generation."""
+        key = (rank, region)
+        t = self._views.get(key)
+        if t is None:
+            if region.end > self.capacity:
+                raise RuntimeError(f"fp4fuse: region {region} exceeds the workspace ({self.capacity} bytes)")
+            raw = self._handle.get_buffer(rank, (region.nbytes,), torch.uint8, region.offset)
+            t = raw.view(region.dtype).view(region.shape)
+            self._views[key] = t
+        return t
+
+    # -- signals (enqueued on the current stream) -----------------------------------------------
+    def barrier(self, channel: Channel) -> None:
+        self._handle.barrier(int(channel), timeout_ms())
+
+    def put_signal(self, dst_rank: int, channel: Channel) -> None:
+        self._handle.put_signal(dst_rank, int(channel), timeout_ms())
+
+    def wait_signal(self, src_rank: int, channel: Channel) -> None:
+        self._handle.wait_signal(src_rank, int(channel), timeout_ms())
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unavailable:
+    reason: str
+
+
+# Registry: (group_name, device index) -> workspace, or the reason symmetric memory cannot serve
+# that group. Entries live until release_workspaces() or process exit.
+_REGISTRY: dict[tuple[str, int], SymmWorkspace | _Unavailable] = {}
+
+
+def _agree_on_capability(group_name: str, device: torch.device) -> str | None:
+    """Collective: every rank reports whether it can use symmetric memory and its host; returns
+    why the group cannot (``None`` if it can). The same answer on every rank."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    group = _resolve_process_group(group_name)
+    local = local_unavailability(device)
+    mine = torch.tensor([0 if local is None else 1, _host_id()], dtype=torch.int64, device=device)
+    world = dist.get_world_size(group)
+    gathered = torch.empty((world, 2), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(gathered, mine, group=group)
+    rows = gathered.tolist()
+    bad = [r for r, (flag, _) in enumerate(rows) if flag]
+    if bad:
+        return local or f"rank(s) {bad} of the group cannot use CUDA symmetric memory"
+    if len({host for _, host in rows}) != 1:
+        return "the group spans several hosts; fp4fuse's symmetric-memory pipelines need one host (P2P)"
+    return None
+
+
+def get_workspace(group_name: str, device: torch.device) -> SymmWorkspace:
+    """The workspace of ``group_name`` on ``device``, created on first use (collective).
+
+    Raises :class:`WorkspaceUnavailable` (the same on every rank) if symmetric memory cannot
+    serve the group; the answer is cached."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (group_name, index)
+    entry = _REGISTRY.get(key)
+    if entry is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"fp4fuse: no symmetric workspace for group {group_name!r} yet, and none can be created "
+                "during CUDA-graph capture; call fp4fuse.ops.workspace.reserve_workspace(...) (or run the "
+                "model once) before capturing.")
+        device = torch.device("cuda", index)
+        reason = _agree_on_capability(group_name, device)
+        if reason is not None:
+            entry = _Unavailable(reason)
+        else:
+            from torch.distributed.distributed_c10d import _resolve_process_group
+            group = _resolve_process_group(group_name)
+            entry = SymmWorkspace(group_name, device, dist.get_rank(group), dist.get_world_size(group))
+        _REGISTRY[key] = entry
+    if isinstance(entry, _Unavailable):
+        raise WorkspaceUnavailable(entry.reason)
+    return entry
+
+
+def release_workspaces() -> None:
+    """Drop every cached workspace (collective in spirit: call it on every rank, outside capture,
+    when no op is in flight). The next overlapped call creates a fresh one."""
+    for entry in _REGISTRY.values():
+        if isinstance(entry, SymmWorkspace):
+            torch.cuda.synchronize(entry.device)
+    _REGISTRY.clear()
+
+
+def reserve_workspace(
+    group_name: str, max_rows: int, k: int, n: int, out_dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | None = None,
+) -> int:
+    """Size ``group_name``'s workspace for both collective GEMMs up to ``max_rows`` total rows.
+
+    ``max_rows``: largest total M (gathered rows of ``fused_all_gather_fp4_matmul``, input rows of
+    ``fused_fp4_matmul_reduce_scatter``); ``k``: unpacked K; ``n``: output columns; ``out_dtype``:
+    the GEMM output dtype. Collective: call it on every rank with the same arguments, outside
+    CUDA-graph capture. Returns the capacity in bytes. Raises :class:`WorkspaceUnavailable` if
+    symmetric memory cannot serve the group.
+    """
+    from fp4fuse.ops.collective_policy import gather_values
+    from fp4fuse.ops.symm_mem_gemm import all_gather_layout, reduce_scatter_layout
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    if k % 16 != 0 or max_rows < 0 or n < 0:
+        raise ValueError(f"reserve_workspace: need max_rows >= 0, n >= 0 and k a multiple of 16; got "
+                         f"max_rows={max_rows}, k={k}, n={n}")
+    mine = (max_rows, k, n, out_dtype.itemsize)
+    everyone = gather_values(group_name, mine, device)
+    if any(v != mine for v in everyone):
+        raise ValueError(f"reserve_workspace: the ranks of group {group_name!r} passed different sizes "
+                         f"(max_rows, k, n, out_dtype bytes) = {everyone}; every rank must pass the same")
+    ws = get_workspace(group_name, device)
+    world = ws.world_size
+    shard_rows = -(-max_rows // world)
+    need = max(all_gather_layout(shard_rows, k // 2, k // 16).nbytes,
+               reduce_scatter_layout(world, shard_rows, n, out_dtype).nbytes)
+    ws.ensure_capacity(need)
+    return ws.capacity
