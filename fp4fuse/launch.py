@@ -1,6 +1,8 @@
 """Run a function on N freshly spawned ranks and collect what each returns (or raises).
 
-    from dist_utils import run_on_ranks
+Used by the TP=2 demo (``python -m fp4fuse.demo``) and by the tests (``tests/dist_utils.py``).
+
+    from fp4fuse.launch import run_on_ranks
 
     def _check_on_rank(n):           # module level, so spawned processes can import it
         ...                          # the process group is initialized here (gloo by default)
