@@ -33,7 +33,7 @@ import logging
 from pathlib import Path
 
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from fp4fuse.config import FusionConfig
 from fp4fuse.passes.async_tp import AsyncTPPass
@@ -121,10 +121,17 @@ class FusionPass(CustomGraphPass):
         return sorted(files)
 
     def uuid(self) -> str:
+        """sha256 over the config's ``hash_key()``, the enabled passes, the content of every file of
+        ``source_files()`` (read on each call: Inductor's ``get_hash_for_files`` caches by path and
+        would miss an edit made while the process runs) and, where a pass needs it, the process-group
+        layout."""
         hasher = hashlib.sha256()
         hasher.update(self.config.hash_key().encode())
         hasher.update(json.dumps(self.pass_names).encode())
-        hasher.update(get_hash_for_files(tuple(self.source_files())))
+        for path in map(Path, self.source_files()):
+            name = path.relative_to(_PACKAGE) if path.is_relative_to(_PACKAGE) else Path(path.name)
+            hasher.update(name.as_posix().encode())
+            hasher.update(path.read_bytes())
         if any(p.reads_process_groups for p in self.passes):
             hasher.update(json.dumps(process_group_fingerprint(), sort_keys=True).encode())
         return hasher.hexdigest()

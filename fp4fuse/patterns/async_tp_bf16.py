@@ -111,10 +111,9 @@ class AllGatherMm(GraphRewrite[AllGatherMmMatch]):
             outs = insert_call(graph, operator.getitem, (fused, 1))
             for i, mm in enumerate(match.mms):
                 mm.replace_all_uses_with(insert_call(graph, operator.getitem, (outs, i)))
-                graph.erase_node(mm)
             if return_a:
-                redirect_gathered(g, insert_call(graph, operator.getitem, (fused, 0)), chain)
-        erase_if_unused(chain)
+                redirect_gathered(g, insert_call(graph, operator.getitem, (fused, 0)), chain | set(match.mms))
+        erase_if_unused([*match.mms, *chain])
         return "all_gather_mm"
 
 

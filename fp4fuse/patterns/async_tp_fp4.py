@@ -173,11 +173,10 @@ class AllGatherMmFp4(GraphRewrite[AllGatherMmFp4Match]):
                 fused = insert_call(graph, fp4.fused_all_gather_fp4_matmul_gathered.default, fused_args)
                 out, a, a_scale = (insert_call(graph, operator.getitem, (fused, i)) for i in range(3))
             mm.replace_all_uses_with(out)
-            graph.erase_node(mm)
             if needs_gathered:
-                redirect_gathered(match.data, a, chain)
-                redirect_gathered(match.scale, a_scale, chain)
-        erase_if_unused(chain)
+                redirect_gathered(match.data, a, chain | {mm})
+                redirect_gathered(match.scale, a_scale, chain | {mm})
+        erase_if_unused([mm, *chain])
         return "all_gather_mm_fp4_gathered" if needs_gathered else "all_gather_mm_fp4"
 
 

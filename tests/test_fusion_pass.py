@@ -1,0 +1,240 @@
+"""FusionPass: pipeline order, uuid / FX graph cache, counts and logging, no-op view cleanup, and a
+real 2-rank gloo compile whose fused output equals the eager unfused output bit for bit."""
+from __future__ import annotations
+
+import collections
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._dynamo.utils import counters
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.pattern_matcher import fwd_only
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import fp4fuse
+from dist_utils import run_on_ranks
+from fp4fuse.config import FusionConfig
+from fp4fuse.passes import FusionGraphPass, FusionPass, process_group_fingerprint
+from fp4fuse.passes.cleanup import NoOpViewCleanupPass
+
+W, M, K, N = 2, 8, 64, 32
+U8, F8, BF16 = torch.uint8, torch.float8_e4m3fn, torch.bfloat16
+fc = torch.ops._c10d_functional
+fp4 = torch.ops.fp4fuse
+PACKAGE = Path(fp4fuse.__file__).resolve().parent
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fake_group():
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=W)
+    yield
+    if owned:
+        dist.destroy_process_group()
+
+
+def ag_mm_rs(q, s, b, bs, alpha):
+    """A gathered GEMM and a reduce-scattered GEMM: one rewrite of each AsyncTP family."""
+    group = dist.group.WORLD.group_name
+    qa = fc.wait_tensor(fc.all_gather_into_tensor(q, W, group))
+    sa = fc.wait_tensor(fc.all_gather_into_tensor(s.view(U8), W, group)).view(F8)
+    gathered = fp4.mm_fp4(qa, b, sa, bs, alpha, BF16)
+    partial = fp4.mm_fp4(q, b, s, bs, alpha, BF16)
+    return gathered, fc.wait_tensor(fc.reduce_scatter_tensor(partial, "sum", W, group))
+
+
+def real_inputs(rows: int = M) -> list[torch.Tensor]:
+    return [torch.zeros(rows, K // 2, dtype=U8), torch.zeros(rows, K // 16, dtype=F8),
+            torch.zeros(N, K // 2, dtype=U8), torch.zeros(N, K // 16, dtype=F8), torch.ones(1)]
+
+
+def traced(fn=ag_mm_rs) -> torch.fx.GraphModule:
+    with FakeTensorMode() as mode:
+        return fwd_only(fn, [mode.from_tensor(t) for t in real_inputs()])
+
+
+BOTH = {"async_tp.all_gather_mm_fp4": 1, "async_tp.mm_fp4_reduce_scatter": 1}
+
+
+# --------------------------------------------------------------------------- pipeline
+
+
+def test_is_a_custom_graph_pass_with_documented_order():
+    assert isinstance(FusionPass(), CustomGraphPass)
+    assert FusionPass().pass_names == ["cleanup"]
+    assert FusionPass(FusionConfig(enable_sequence_parallelism=True)).pass_names == ["cleanup", "sequence_parallel"]
+    assert FusionPass(FusionConfig(enable_async_tp=True)).pass_names == ["cleanup", "sequence_parallel", "async_tp"]
+
+
+def test_counts_cumulative_and_last_and_one_summary_line(caplog):
+    caplog.set_level(logging.INFO, logger="fp4fuse.passes")
+    fusion = FusionPass(FusionConfig(enable_async_tp=True))
+    for call in (1, 2):
+        gm = traced()
+        fusion(gm.graph)
+        gm.graph.lint()
+        assert fusion.last_match_counts == BOTH and fusion.calls == call
+        assert fusion.match_counts == {k: call * v for k, v in BOTH.items()}
+    summaries = [r for r in caplog.records if r.name == "fp4fuse.passes.manager"]
+    assert len(summaries) == 2 and all(r.levelno == logging.INFO for r in summaries)
+    assert summaries[0].getMessage() == ("fp4fuse: replaced 2 patterns: async_tp.all_gather_mm_fp4=1, "
+                                         "async_tp.mm_fp4_reduce_scatter=1 (0 skipped, 0 no-op views removed)")
+
+
+def test_disabled_pipeline_leaves_graph_alone(caplog):
+    caplog.set_level(logging.INFO, logger="fp4fuse.passes")
+    gm = traced()
+    code = gm.code
+    fusion = FusionPass()
+    fusion(gm.graph)
+    gm.recompile()
+    assert gm.code == code and fusion.last_match_counts == {}
+    assert caplog.records[-1].getMessage() == "fp4fuse: replaced 0 patterns (0 skipped, 0 no-op views removed)"
+
+
+# --------------------------------------------------------------------------- uuid and the FX cache
+
+
+def test_uuid_stable_and_config_sensitive():
+    base = FusionPass(FusionConfig(enable_async_tp=True)).uuid()
+    assert base == FusionPass(FusionConfig(enable_async_tp=True)).uuid()
+    assert base == FusionPass(FusionConfig(enable_async_tp=True, log_level="DEBUG")).uuid()
+    others = [FusionPass(c).uuid() for c in (
+        FusionConfig(), FusionConfig(enable_sequence_parallelism=True),
+        FusionConfig(enable_async_tp=True, min_tokens=1), FusionConfig(enable_bf16_async_tp=True))]
+    assert len({base, *others}) == 5
+
+
+def test_uuid_covers_every_pass_pattern_and_op_source(tmp_path, monkeypatch):
+    fusion = FusionPass(FusionConfig(enable_async_tp=True))
+    files = set(fusion.source_files())
+    for folder in ("passes", "patterns", "ops"):
+        assert {str(p) for p in (PACKAGE / folder).rglob("*.py")} <= files
+    assert str(PACKAGE / "config.py") in files
+    extra = tmp_path / "extra_pattern.py"
+    extra.write_text("A = 1\n")
+    monkeypatch.setattr(FusionPass, "source_files", lambda self: sorted(files | {str(extra)}))
+    before = fusion.uuid()
+    extra.write_text("A = 2\n")
+    assert fusion.uuid() != before
+
+
+class _ReadsGroups(FusionGraphPass):
+    name = "reads_groups"
+    reads_process_groups = True
+
+    def __call__(self, graph: torch.fx.Graph) -> int:
+        return 0
+
+
+def test_process_group_layout_in_uuid_only_for_passes_that_read_it():
+    assert process_group_fingerprint() == {"rank": 0, "world_size": W, "groups": [("0", W, [0, 1])]}
+    plain, reading = FusionPass(), FusionPass()
+    reading.passes.append(_ReadsGroups(reading.config))
+    plain_uuid, reading_uuid = plain.uuid(), reading.uuid()
+    dist.new_group([0, 1])
+    assert plain.uuid() == plain_uuid
+    assert reading.uuid() != reading_uuid
+
+
+def _compile_and_run(fusion: FusionPass) -> None:
+    torch._dynamo.reset()
+    compiled = torch.compile(ag_mm_rs, fullgraph=True, options={"post_grad_custom_post_pass": fusion})
+    compiled(*real_inputs())
+
+
+def test_fx_graph_cache_hit_in_fresh_dynamo_state_and_miss_under_other_config():
+    from torch._inductor.utils import fresh_cache
+
+    with fresh_cache():
+        counters.clear()
+        first = FusionPass(FusionConfig(enable_async_tp=True))
+        _compile_and_run(first)
+        assert counters["inductor"]["fxgraph_cache_miss"] == 1 and first.last_match_counts == BOTH
+
+        counters.clear()
+        same = FusionPass(FusionConfig(enable_async_tp=True))
+        _compile_and_run(same)
+        assert counters["inductor"]["fxgraph_cache_hit"] == 1 and counters["inductor"]["fxgraph_cache_miss"] == 0
+        assert same.calls == 0  # served from the cache: the passes did not run again
+
+        counters.clear()
+        other = FusionPass(FusionConfig(enable_async_tp=True, min_tokens=10 ** 6))
+        assert other.uuid() != first.uuid()
+        _compile_and_run(other)
+        assert counters["inductor"]["fxgraph_cache_miss"] == 1 and counters["inductor"]["fxgraph_cache_hit"] == 0
+        assert other.last_match_counts == {}
+        assert sorted(s.key for s in other.last_skips) == sorted(BOTH)
+        assert all("below min_tokens=1000000" in s.reason for s in other.last_skips)
+
+
+# --------------------------------------------------------------------------- cleanup
+
+
+def test_cleanup_removes_round_trip_views_but_keeps_outputs():
+    def fn(q, s, b, bs, alpha):
+        s_rt = s.view(U8).view(F8)
+        q_rt = q.view(2, -1).view(M, K // 2)
+        return fp4.mm_fp4(q_rt, b, s_rt, bs, alpha, BF16), s.view(U8).view(F8)
+
+    gm = traced(fn)
+    ops = collections.Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+    assert ops["aten.view.dtype"] == 4 and ops["aten.view.default"] == 2
+    cleanup = NoOpViewCleanupPass(FusionConfig())
+    assert cleanup(gm.graph) == 2 and cleanup.match_counts == {"cleanup.noop_view": 2}
+    gm.graph.lint()
+    mm = next(n for n in gm.graph.nodes if n.target == fp4.mm_fp4.default)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert mm.args[0] is placeholders[0] and mm.args[2] is placeholders[1]
+    output = next(n for n in gm.graph.nodes if n.op == "output").args[0][1]
+    assert output.target == torch.ops.aten.view.dtype  # a graph output keeps its own node
+
+
+# --------------------------------------------------------------------------- real ranks
+
+
+def _nvfp4(x: torch.Tensor, gs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return fp4.scaled_fp4_quant(x.contiguous(), gs)
+
+
+def _fused_equals_eager_on_rank() -> dict:
+    """gloo rank: the same tiny graph eager (unfused) and compiled with FusionPass."""
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(1234 + rank)
+    gs = torch.tensor([448.0 * 6.0 / 4.0])  # one global scale for every rank: amax bound 4
+    x = torch.randn(M // W, K, generator=gen).clamp(-4, 4).to(BF16)
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(99)).clamp(-4, 4).to(BF16)
+    x_full = torch.randn(M, K, generator=gen).clamp(-4, 4).to(BF16)
+    (q, s), (b, bs), (qf, sf) = _nvfp4(x, gs), _nvfp4(w, gs), _nvfp4(x_full, gs)
+    alpha = 1.0 / (gs * gs)
+
+    def fn(q, s, qf, sf, b, bs, alpha):
+        group = dist.group.WORLD.group_name
+        qa = fc.wait_tensor(fc.all_gather_into_tensor(q, W, group))
+        sa = fc.wait_tensor(fc.all_gather_into_tensor(s.view(U8), W, group)).view(F8)
+        gathered = fp4.mm_fp4(qa, b, sa, bs, alpha, BF16)
+        partial = fp4.mm_fp4(qf, b, sf, bs, alpha, BF16)
+        return gathered, fc.wait_tensor(fc.reduce_scatter_tensor(partial, "sum", W, group))
+
+    args = (q, s, qf, sf, b, bs, alpha)
+    eager = fn(*args)
+    fusion = FusionPass(FusionConfig(enable_async_tp=True))
+    torch._inductor.config.force_disable_caches = True  # a fresh process per rank: the passes must run
+    compiled = torch.compile(fn, fullgraph=True, options={"post_grad_custom_post_pass": fusion})
+    fused = compiled(*args)
+    return {"equal": [torch.equal(e, f) for e, f in zip(eager, fused)],
+            "shapes": [tuple(f.shape) for f in fused], "counts": dict(fusion.match_counts),
+            "nonzero": bool(eager[0].abs().sum() > 0)}
+
+
+def test_two_gloo_ranks_fused_output_equals_eager_bitwise():
+    results = run_on_ranks(_fused_equals_eager_on_rank, W, timeout=300)
+    for r in results:
+        assert r["counts"] == BOTH
+        assert r["shapes"] == [(M, N), (M // W, N)]
+        assert r["equal"] == [True, True] and r["nonzero"]
