@@ -3,16 +3,16 @@
 * ``MatchRecorder``: per-pattern match counts (keys ``"pass.pattern"``) and skip reasons, each
   skip logged at DEBUG on the owning pass's logger.
 * Node helpers: ``fake_value``, ``is_call``, ``get_arg``.
-* ``FunctionalCollective`` / ``decode_collective`` / ``collective_groups``: the functional
+* ``FunctionalCollective`` / ``decode_collective`` / ``find_collectives``: the functional
   collectives of a post-grad graph (``_c10d_functional.*`` + ``wait_tensor``), decoded.
 * ``token_count_reason``: the shared "token count divisible / at least min_tokens" check, for
   static and symbolic sizes (a symbolic size passes only if the shape env already proves it).
 * ``insert_call``: add a call node with its fake ``meta["val"]`` computed.
 * ``GraphRewrite``: a rewrite family written as find -> check (reason) -> rewrite on small typed
   match objects (``micro_pipeline_tp`` style), for fusions that need reasons or variants.
-* ``ReplacementPattern`` + ``LazyGroupPatterns``: ``register_replacement`` patterns (vLLM style)
-  whose group name is a constructor argument, registered when a pass first sees the group in a
-  graph -- never read from global distributed state when the pattern is built.
+* ``ReplacementPattern`` + ``registration_mode``: ``register_replacement`` patterns (vLLM style)
+  whose group name is a constructor argument (a pass registers a group's patterns when it first
+  sees the group in a graph) -- never read from global distributed state when a pattern is built.
 """
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ if TYPE_CHECKING:
     from fp4fuse.config import FusionConfig
 
 __all__ = [
-    "CollectiveKind", "FunctionalCollective", "GraphRewrite", "LazyGroupPatterns", "MatchRecorder",
-    "ReplacementPattern", "Skip", "collective_groups", "decode_collective", "erase_if_unused",
+    "CollectiveKind", "FunctionalCollective", "GraphRewrite", "MatchRecorder",
+    "ReplacementPattern", "Skip", "decode_collective", "erase_if_unused",
     "fake_value", "find_collectives", "get_arg", "insert_call", "is_call", "registration_mode",
     "token_count_reason",
 ]
@@ -173,15 +173,6 @@ def find_collectives(graph: fx.Graph, kind: CollectiveKind | None = None) -> lis
     """Every functional collective of ``graph`` (of one ``kind`` if given), in graph order."""
     found = (decode_collective(n) for n in graph.nodes)
     return [c for c in found if c is not None and (kind is None or c.kind is kind)]
-
-
-def collective_groups(graph: fx.Graph) -> dict[str, int | None]:
-    """Group names used by the graph's collectives -> group size where a collective states it."""
-    groups: dict[str, int | None] = {}
-    for c in find_collectives(graph):
-        if groups.get(c.group_name) is None:
-            groups[c.group_name] = c.group_size
-    return groups
 
 
 # --------------------------------------------------------------------------- size checks
@@ -352,32 +343,3 @@ class ReplacementPattern(abc.ABC):
                 self.example_inputs(), pm.fwd_only, pm_pass,
                 extra_check=extra_check, skip_duplicates=True,
             )
-
-
-class LazyGroupPatterns:
-    """A ``PatternMatcherPass`` whose patterns bake in a group name.
-
-    ``build(group_name, group_size)`` returns the patterns for one group; they are registered
-    the first time ``apply`` sees a collective over that group in a graph. ``group_size`` is the
-    size stated by a collective of the graph, or None when only all_reduces use the group.
-    """
-
-    def __init__(self, pass_name: str, recorder: MatchRecorder,
-                 build: Callable[[str, int | None], Iterable[ReplacementPattern]]) -> None:
-        self.pm_pass = pm.PatternMatcherPass(pass_name=pass_name)
-        self.recorder = recorder
-        self._build = build
-        self._registered: set[tuple[str, int | None]] = set()
-
-    def apply(self, graph: fx.Graph) -> int:
-        for group_name, group_size in collective_groups(graph).items():
-            if (group_name, group_size) in self._registered:
-                continue
-            for pattern in self._build(group_name, group_size):
-                pattern.register(self.pm_pass, self.recorder)
-            self._registered.add((group_name, group_size))
-        return self.pm_pass.apply(graph)
-
-    @property
-    def registered_groups(self) -> frozenset[tuple[str, int | None]]:
-        return frozenset(self._registered)
