@@ -238,3 +238,16 @@ def test_two_gloo_ranks_fused_output_equals_eager_bitwise():
         assert r["counts"] == BOTH
         assert r["shapes"] == [(M, N), (M // W, N)]
         assert r["equal"] == [True, True] and r["nonzero"]
+
+
+def test_log_level_applies_to_the_fp4fuse_logger():
+    root = logging.getLogger("fp4fuse")
+    saved = root.level
+    try:
+        FusionPass(FusionConfig(log_level="DEBUG"))
+        assert root.level == logging.DEBUG
+        root.setLevel(logging.WARNING)
+        FusionPass(FusionConfig())
+        assert root.level == logging.WARNING  # None leaves logging configuration alone
+    finally:
+        root.setLevel(saved)
