@@ -37,6 +37,8 @@ import torch.multiprocessing as mp
 
 SHAPES_NK = ((4096, 4096), (14336, 4096), (4096, 14336))
 TOTAL_M = (512, 2048, 8192, 32768)
+#: Extra grid points that place the overlap threshold (not part of the headline grid).
+EXTRA_M = (1024, 4096, 16384)
 MIN_HIDEABLE_MS = 0.05
 WORLD = 2
 
@@ -170,6 +172,44 @@ def _bench_shape(m_total: int, n: int, k: int, group: str) -> list[Row]:
     return [ag, rs]
 
 
+def _profile(m_total: int, n: int, k: int, group: str) -> None:
+    """Rank 0 prints the GPU timeline (per stream, µs from the first event) of one fused call per side."""
+    import json
+    import tempfile
+    ops = torch.ops.fp4fuse
+    rank = dist.get_rank()
+    b, sb, gs_b = _quantized(n, k, 1)
+    alpha = 1.0 / (gs_b * gs_b)
+    a_shard, s_shard, _ = _quantized(m_total // WORLD, k, 10 + rank)
+    a, s, _ = _quantized(m_total, k, 20 + rank)
+    calls = {
+        "all-gather": lambda: ops.fused_all_gather_fp4_matmul(a_shard, s_shard, b, sb, alpha, torch.bfloat16, group),
+        "reduce-scatter": lambda: ops.fused_fp4_matmul_reduce_scatter(a, b, s, sb, alpha, torch.bfloat16, group),
+    }
+    for side, fn in calls.items():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        dist.barrier()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        if rank != 0:
+            continue
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            prof.export_chrome_trace(f.name)
+            trace = json.load(open(f.name))
+        events = [e for e in trace.get("traceEvents", [])
+                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "ts" in e]
+        if not events:
+            continue
+        t0 = min(e["ts"] for e in events)
+        print(f"--- profile {side} M={m_total} N={n} K={k} (rank 0; start / duration µs, stream) ---")
+        for e in sorted(events, key=lambda e: e["ts"]):
+            stream = e.get("args", {}).get("stream", e.get("tid"))
+            print(f"{e['ts'] - t0:9.1f} {e.get('dur', 0):8.1f}  s{stream:<4} {e['name'][:70]}")
+
+
 def _fmt(v: float | None, digits: int = 3) -> str:
     return "—" if v is None else f"{v:.{digits}f}"
 
@@ -194,9 +234,10 @@ def _table(rows: list[Row], side: str) -> list[str]:
     return lines
 
 
-def _crossover(rows: list[Row], tolerance: float = 1.02) -> int | None:
-    """Smallest grid M from which the fused op is never more than ``tolerance`` x unfused (both
-    sides, every (N, K), every larger M); None if no such M."""
+def _crossover(rows: list[Row], side: str, tolerance: float = 1.02) -> int | None:
+    """Smallest grid M from which ``side``'s fused op is never more than ``tolerance`` x unfused
+    (every (N, K), every larger M); None if no such M."""
+    rows = [r for r in rows if r.side == side]
     for m in sorted({r.m for r in rows}):
         ok = all(r.fused is not None and r.unfused is not None and r.fused <= tolerance * r.unfused
                  for r in rows if r.m >= m)
@@ -207,7 +248,7 @@ def _crossover(rows: list[Row], tolerance: float = 1.02) -> int | None:
 
 def _report(rows: list[Row], meta: dict[str, str], elapsed: float) -> str:
     from fp4fuse.ops import collective_policy as policy
-    cross = _crossover(rows)
+    cross = {side: _crossover(rows, side) for side in ("all-gather", "reduce-scatter")}
     lines = [
         f"# Collective NVFP4 GEMMs, 2 GPUs — {meta['date']}",
         "",
@@ -217,7 +258,8 @@ def _report(rows: list[Row], meta: dict[str, str], elapsed: float) -> str:
         "- Times: median of CUDA-event timings of one eager call, ranks synchronized and barriered "
         "before each call, after warm-up; the slower rank's median. `fused` runs fp4fuse's "
         "overlapped path at every size (threshold forced to 0); the op as shipped runs `unfused` "
-        f"below `{policy.ENV_MIN_ROWS}` (default {policy.DEFAULT_OVERLAP_MIN_ROWS}).",
+        f"below `{policy.ENV_MIN_ROWS}` (defaults: all-gather {policy.DEFAULT_ALL_GATHER_MIN_ROWS}, "
+        f"reduce-scatter {policy.DEFAULT_REDUCE_SCATTER_MIN_ROWS} total rows).",
         "- Overlap efficiency = (t_comm + t_mm − t_fused) / min(t_comm, t_mm), shown where "
         "min ≥ 50 µs. Reduce-scatter side: `a` is `[M, K]` per rank (K = the rank's K shard); its "
         "unfused comm is the fallback's fp32 reduce-scatter of the bf16 partial (cast, NCCL, cast).",
@@ -230,8 +272,10 @@ def _report(rows: list[Row], meta: dict[str, str], elapsed: float) -> str:
         "",
         *_table(rows, "reduce-scatter"),
         "",
-        f"Measured crossover (smallest grid M from which fused ≤ 1.02 × unfused everywhere above): "
-        f"{cross if cross is not None else 'none on this grid'}. Benchmark wall time {elapsed:.0f} s.",
+        "Measured crossover (smallest grid M from which fused ≤ 1.02 × unfused for every (N, K) and "
+        "every larger M): " + ", ".join(f"{side} {m if m is not None else 'none on this grid'}"
+                                         for side, m in cross.items())
+        + f". Benchmark wall time {elapsed:.0f} s.",
     ]
     notes = [f"- {r.side} M={r.m} N={r.n} K={r.k}: {r.notes}" for r in rows if r.notes]
     if notes:
@@ -274,7 +318,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     group = dist.group.WORLD.group_name
     started = time.perf_counter()
     rows: list[Row] = []
-    shapes = [(m, n, k) for n, k in SHAPES_NK for m in args.m]
+    shapes = [(m, n, k) for n, k in SHAPES_NK for m in sorted(args.m)]
     for m, n, k in shapes:
         if time.perf_counter() - started > args.budget_s:
             if rank == 0:
@@ -287,6 +331,8 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
                       f"unfused {_fmt(r.unfused)} fused {_fmt(r.fused)} eff {_fmt(r.efficiency(), 2)} | "
                       f"bf16 unfused {_fmt(r.bf16_unfused)} torch fused {_fmt(r.bf16_fused)} {r.notes}", flush=True)
         torch.cuda.empty_cache()
+    for m, n, k in args.profile:
+        _profile(m, n, k, group)
     meta = _meta(group)
     if rank == 0:
         text = _report(rows, meta, time.perf_counter() - started)
@@ -301,7 +347,9 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="", help="markdown file to write (rank 0)")
-    parser.add_argument("--m", type=int, nargs="+", default=list(TOTAL_M), help="total M values")
+    parser.add_argument("--m", type=int, nargs="+", default=list(TOTAL_M + EXTRA_M), help="total M values")
+    parser.add_argument("--profile", type=int, nargs=3, action="append", default=[], metavar=("M", "N", "K"),
+                        help="print rank 0's GPU timeline of one fused call of each side at this shape")
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting new shapes after this")
     args = parser.parse_args()
     if torch.cuda.device_count() < WORLD:

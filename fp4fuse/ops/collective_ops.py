@@ -12,8 +12,8 @@
 
 Two implementations, the same results:
 
-* CUDA, a group symmetric memory can serve, at least :func:`~fp4fuse.ops.collective_policy.overlap_min_rows`
-  total rows: the overlapped pipelines of :mod:`fp4fuse.ops.symm_mem_gemm` (registered as the
+* CUDA, a group symmetric memory can serve, at least
+  :func:`~fp4fuse.ops.collective_policy.overlap_min_rows` total rows: the overlapped pipelines of :mod:`fp4fuse.ops.symm_mem_gemm` (registered as the
   ops' CUDA kernels).
 * Everywhere else (CPU / gloo, small calls, groups symmetric memory cannot serve): functional
   collectives plus ``mm_fp4``, no overlap; the reason is logged once per group at INFO. Scales
@@ -125,7 +125,7 @@ def _prepare_reduce_scatter(
     return a.shape[0]
 
 
-def _overlap_workspace(op: str, group_name: str, total_rows: int, device: torch.device):
+def _overlap_workspace(op: str, kind: CollectiveKind, group_name: str, total_rows: int, device: torch.device):
     """The symmetric workspace to overlap this CUDA call on, or ``None`` (reason logged once).
 
     Every input of the decision is the same on every rank (agreed shapes, env, a collective
@@ -138,9 +138,9 @@ def _overlap_workspace(op: str, group_name: str, total_rows: int, device: torch.
         reason, detail = NoOverlapReason.DISABLED, ""
     elif total_rows == 0:
         reason, detail = NoOverlapReason.EMPTY, ""
-    elif total_rows < policy.overlap_min_rows():
+    elif total_rows < policy.overlap_min_rows(kind):
         reason = NoOverlapReason.BELOW_THRESHOLD
-        detail = f"{total_rows} < {policy.ENV_MIN_ROWS}={policy.overlap_min_rows()}"
+        detail = f"{total_rows} rows < {policy.overlap_min_rows(kind)} ({policy.ENV_MIN_ROWS})"
     else:
         try:
             return workspace.get_workspace(group_name, device)
@@ -174,7 +174,7 @@ def _(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name):
 def _(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name):
     total = _prepare_all_gather(_AG_OP, CollectiveKind.ALL_GATHER_MATMUL, a_shard, a_scale_shard, b, b_scale,
                                 alpha, out_dtype, group_name)
-    ws = _overlap_workspace(_AG_OP, group_name, total, a_shard.device)
+    ws = _overlap_workspace(_AG_OP, CollectiveKind.ALL_GATHER_MATMUL, group_name, total, a_shard.device)
     if ws is None:
         return all_gather_fp4_matmul_fallback(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name)[0]
     from fp4fuse.ops import symm_mem_gemm
@@ -209,7 +209,8 @@ def _(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name):
 def _(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name):
     total = _prepare_all_gather(_AG_GATHERED_OP, CollectiveKind.ALL_GATHER_MATMUL_GATHERED, a_shard, a_scale_shard,
                                 b, b_scale, alpha, out_dtype, group_name)
-    ws = _overlap_workspace(_AG_GATHERED_OP, group_name, total, a_shard.device)
+    ws = _overlap_workspace(_AG_GATHERED_OP, CollectiveKind.ALL_GATHER_MATMUL_GATHERED, group_name, total,
+                            a_shard.device)
     if ws is None:
         return all_gather_fp4_matmul_fallback(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name)
     from fp4fuse.ops import symm_mem_gemm
@@ -241,7 +242,7 @@ def _(a, b, a_scale, b_scale, alpha, out_dtype, group_name):
 @fused_fp4_matmul_reduce_scatter.register_kernel("cuda")
 def _(a, b, a_scale, b_scale, alpha, out_dtype, group_name):
     total = _prepare_reduce_scatter(a, b, a_scale, b_scale, alpha, out_dtype, group_name)
-    ws = _overlap_workspace(_RS_OP, group_name, total, a.device)
+    ws = _overlap_workspace(_RS_OP, CollectiveKind.MATMUL_REDUCE_SCATTER, group_name, total, a.device)
     if ws is None:
         return fp4_matmul_reduce_scatter_fallback(a, b, a_scale, b_scale, alpha, out_dtype, group_name)
     from fp4fuse.ops import symm_mem_gemm

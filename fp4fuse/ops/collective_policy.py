@@ -33,9 +33,10 @@ ENV_MIN_ROWS = "FP4FUSE_OVERLAP_MIN_ROWS"
 ENV_DISABLE = "FP4FUSE_DISABLE_OVERLAP"
 ENV_CHECK = "FP4FUSE_COLLECTIVE_CHECK"
 
-#: Total rows below which the functional-collective path runs instead of the overlapped one.
-#: Measured crossover on 2xH200 (NV18), torch 2.11, Triton 3.6: see the module doc.
-DEFAULT_OVERLAP_MIN_ROWS = 4096
+#: Total rows below which the functional-collective path runs instead of the overlapped one, per
+#: op family. Measured crossover on 2xH200 (NV18), torch 2.11, Triton 3.6: see the module doc.
+DEFAULT_ALL_GATHER_MIN_ROWS = 8192
+DEFAULT_REDUCE_SCATTER_MIN_ROWS = 8192
 
 _funcol = torch.ops._c10d_functional
 
@@ -62,11 +63,18 @@ class NoOverlapReason(enum.Enum):
     SYMM_MEM_UNAVAILABLE = "symmetric memory cannot serve the group"
 
 
-def overlap_min_rows() -> int:
-    """Total-row threshold for the overlapped path (``FP4FUSE_OVERLAP_MIN_ROWS`` or the default)."""
+def default_min_rows(kind: CollectiveKind) -> int:
+    if kind is CollectiveKind.MATMUL_REDUCE_SCATTER:
+        return DEFAULT_REDUCE_SCATTER_MIN_ROWS
+    return DEFAULT_ALL_GATHER_MIN_ROWS
+
+
+def overlap_min_rows(kind: CollectiveKind) -> int:
+    """Total-row threshold for the overlapped path of ``kind`` (``FP4FUSE_OVERLAP_MIN_ROWS``, which
+    sets every kind, or the kind's default)."""
     value = os.environ.get(ENV_MIN_ROWS)
     if value is None or value == "":
-        return DEFAULT_OVERLAP_MIN_ROWS
+        return default_min_rows(kind)
     try:
         rows = int(value)
     except ValueError:

@@ -4,29 +4,26 @@ All-gather + GEMM (``W`` ranks, this rank ``r``, ``m`` rows per shard)::
 
     side stream (high priority)                     caller's stream
     ---------------------------                     ---------------
-    wait caller's stream                            mm(own shard)      -> out[r]   (no wait at all)
+    wait caller's stream                            prepare(own shard)   (decode kernels, if any)
     own shard (data, scales) -> my buffer
-    barrier(READY)                # all shards in
-    for p = r+1, r+2, ...:                          for p = r+1, r+2, ...:
-        pull p's shard -> a[p]  (copy engine)           wait event(p)
-        record event(p)                                 mm(a[p])       -> out[p]
-    [gathered variant: a_shard -> a[r]]
+    barrier(READY)                # all shards in   [wait READY]  (only before a GEMM that may hold every SM)
+    for p = r+1, r+2, ...:                          mm(own shard)        -> out[r]
+        pull p's shard -> a[p]  (copy engine)       for p = r+1, r+2, ...:
+        record event(p)                                 wait event(p)
+    [gathered variant: a_shard -> a[r]]                 mm(a[p])         -> out[p]
     barrier(DONE)                 # peers done reading my buffer
                                                     wait side stream
-
-The barriers run on the side stream only, so the caller's stream starts the local GEMM at once and
-never waits on a peer except for the data it needs. The pulls are plain ``copy_`` of mapped peer
-memory (``cudaMemcpyAsync``: copy engine, no SMs).
 
 GEMM + reduce-scatter (rows of ``a`` split in ``W`` chunks; chunk ``d`` belongs to rank ``d``)::
 
     caller's stream                                 side stream
     ---------------                                 -----------
     for step s = 1 .. W-1 (dst = r+s, src = r-s):
-        mm(a[dst]) -> my buffer slot s-1                wait event(s)
-        record event(s)                                 signal dst READY, wait src READY
-                                                        pull src's slot s-1 -> recv[src]
-    mm(a[r]) -> recv[r]                                 barrier(DONE)
+        [wait READY(s-1)]                               wait event(s)
+        mm(a[dst]) -> my buffer slot s-1                signal dst READY, wait src READY
+        record event(s)                                 pull src's slot s-1 -> recv[src]
+    [wait READY(W-1)]                                   barrier(DONE)
+    mm(a[r]) -> recv[r]
     wait side stream
     out = sum_src recv[src]  (one kernel; fp32 accumulation, one rounding to out_dtype)
 
@@ -34,13 +31,23 @@ Source ``s`` keeps its partial for destination ``d`` in slot ``(d - s - 1) mod W
 rank reads at step ``s`` has the same index as the one it wrote. With two ranks the READY handoff
 is a single barrier kernel.
 
+Why the bracketed waits: signals are small kernels on the side stream, and a persistent GEMM
+(cuBLAS) keeps every multiprocessor until it ends, so a signal kernel queued behind it would start
+only after it -- the pull it gates would no longer overlap anything. Before such a GEMM the
+caller's stream waits until the handoff has run (it costs the peers' skew, a few microseconds);
+the tiled Triton GEMM retires programs tile by tile and skips the waits. The pulls are plain
+``copy_`` of mapped peer memory (``cudaMemcpyAsync``: copy engine, no multiprocessors), and the
+DONE barrier has the whole next GEMM, or the gaps between kernels, to find a multiprocessor.
+
 Each row block's GEMM writes straight into its rows of the output (or workspace slot) through
 :class:`RowBlockGemm`; only where the backend cannot write into a view does it copy.
 
-Numerics: each output row of ``mm_fp4`` depends only on its row of ``a`` (the fp4fuse kernels'
-contract), so the per-shard GEMMs equal the full GEMM's rows; the reduce-scatter sums the
-``out_dtype`` partials in fp32 in rank order and rounds once, as the functional fallback does
-(bit-equal for two ranks; for more, NCCL's summation order may differ in the last bit).
+Numerics: every row block's GEMM equals ``mm_fp4`` on that row block, bit for bit. Against one
+``mm_fp4`` over all rows (the unfused graph) a row can differ in the last bits only where the
+backend picks another configuration for another row count (the Triton kernel's split-K, its
+dequantize + cuBLAS path from ``DEQUANT_MIN_M`` rows, cuBLAS's own heuristics); the tests count
+it. The reduce-scatter sums the ``out_dtype`` partials in fp32 in rank order and rounds once, as
+the functional fallback does (bit-equal for two ranks; for more, NCCL may sum in another order).
 """
 from __future__ import annotations
 
@@ -120,6 +127,14 @@ def _triton_mm_module():
     return triton_mm
 
 
+@dataclasses.dataclass(frozen=True)
+class PreparedBlock:
+    """A row block ready for its GEMM: the packed operand, or (DEQUANT_CUBLAS) its bf16 decode."""
+    a: torch.Tensor
+    a_scale: torch.Tensor
+    a_dequant: torch.Tensor | None = None
+
+
 class RowBlockGemm:
     """``mm_fp4`` of row blocks of ``a`` against one weight, each written into an output view.
 
@@ -133,6 +148,13 @@ class RowBlockGemm:
       bit-identical, with ``b`` dequantized once per call instead of once per block;
     * ``COPY``: anything else (reference backend, fp32/fp16 output, small blocks).
 
+    A block runs in two steps: :meth:`prepare` (DEQUANT_CUBLAS: the decode kernels, which are short
+    and non-persistent) and :meth:`run` (the GEMM). ``may_hold_all_sms``: the GEMM kernel may be
+    persistent (cuBLAS, any launcher we do not know), i.e. keep every multiprocessor until it ends,
+    so a signal kernel queued on another stream meanwhile would not start before it finishes; the
+    pipelines then make the caller's stream wait for the signal before such a GEMM. fp4fuse's
+    tiled Triton kernel retires its programs tile by tile and needs no such wait.
+
     Numerics equal ``mm_fp4`` on the same row block (tests pin it). Inputs validated by the op.
     """
 
@@ -143,6 +165,7 @@ class RowBlockGemm:
         self._b_dequant: torch.Tensor | None = None
         backend = backend_for(b)
         triton_mm = _triton_mm_module() if backend is Backend.TRITON else None
+        tiled_triton = False
         if triton_mm is not None and _accepts_out(triton_mm.mm_fp4_triton):
             self.mode, self._launcher = GemmMode.OUT_ARG, triton_mm.mm_fp4_triton
         elif (triton_mm is not None and out_dtype == torch.bfloat16
@@ -152,21 +175,35 @@ class RowBlockGemm:
             self._dequantize = triton_mm.dequantize_fp4_triton
         else:
             self.mode = GemmMode.COPY
+            # mm_fp4_triton below DEQUANT_MIN_M (or with fp16/fp32 output) is the tiled kernel.
+            tiled_triton = triton_mm is not None and (
+                out_dtype != torch.bfloat16 or block_rows < getattr(triton_mm, "DEQUANT_MIN_M", 0))
+        self.may_hold_all_sms = not tiled_triton
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("fp4fuse: %d-row blocks, N=%d, %s: %s", block_rows, b.shape[0], out_dtype, self.mode.value)
 
-    def __call__(self, out: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor) -> None:
-        """``out[:] = mm_fp4(a, b, a_scale, b_scale, alpha, out_dtype)`` on the current stream;
-        ``out`` a contiguous ``[rows, N]`` view."""
+    def prepare(self, a: torch.Tensor, a_scale: torch.Tensor) -> PreparedBlock:
+        """Work before the GEMM proper, on the current stream (short, non-persistent kernels)."""
+        if self.mode is not GemmMode.DEQUANT_CUBLAS:
+            return PreparedBlock(a, a_scale)
+        if self._b_dequant is None:
+            self._b_dequant = self._dequantize(self.b, self.b_scale)
+        return PreparedBlock(a, a_scale, self._dequantize(a, a_scale))
+
+    def run(self, out: torch.Tensor, block: PreparedBlock) -> None:
+        """``out[:] = mm_fp4(block.a, b, block.a_scale, b_scale, alpha, out_dtype)`` on the current
+        stream; ``out`` a contiguous ``[rows, N]`` view."""
         if self.mode is GemmMode.OUT_ARG:
-            self._launcher(a, self.b, a_scale, self.b_scale, self.alpha, self.out_dtype, out=out)
+            self._launcher(block.a, self.b, block.a_scale, self.b_scale, self.alpha, self.out_dtype, out=out)
         elif self.mode is GemmMode.DEQUANT_CUBLAS:
-            if self._b_dequant is None:
-                self._b_dequant = self._dequantize(self.b, self.b_scale)
-            torch.mm(self._dequantize(a, a_scale), self._b_dequant.t(), out=out)
+            torch.mm(block.a_dequant, self._b_dequant.t(), out=out)
             out.mul_(self.alpha.reshape(()))
         else:
-            out.copy_(torch.ops.fp4fuse.mm_fp4(a, self.b, a_scale, self.b_scale, self.alpha, self.out_dtype))
+            out.copy_(torch.ops.fp4fuse.mm_fp4(block.a, self.b, block.a_scale, self.b_scale, self.alpha,
+                                               self.out_dtype))
+
+    def __call__(self, out: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor) -> None:
+        self.run(out, self.prepare(a, a_scale))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -208,6 +245,7 @@ def all_gather_fp4_matmul(
         ws.view(rank, layout.data).copy_(a_shard)
         ws.view(rank, layout.scales).copy_(a_scale_shard.view(torch.uint8))
         ws.barrier(Channel.READY)
+        ws.ready_events[0].record(side)
         for step, peer in enumerate(peers, start=1):
             rows = slice(peer * m, (peer + 1) * m)
             a[rows].copy_(ws.view(peer, layout.data))
@@ -219,7 +257,10 @@ def all_gather_fp4_matmul(
             a_scale[own].copy_(a_scale_shard)
         ws.barrier(Channel.DONE)
 
-    gemm(out[rank * m:(rank + 1) * m], a_shard, a_scale_shard)
+    local = gemm.prepare(a_shard, a_scale_shard)
+    if gemm.may_hold_all_sms:
+        main.wait_event(ws.ready_events[0])  # the READY barrier must be running before the GEMM takes every SM
+    gemm.run(out[rank * m:(rank + 1) * m], local)
     for step, peer in enumerate(peers, start=1):
         rows = slice(peer * m, (peer + 1) * m)
         main.wait_event(ws.step_events[step])
@@ -246,12 +287,21 @@ def fp4_matmul_reduce_scatter(
     gemm = RowBlockGemm(b, b_scale, alpha, out_dtype, m)
     main, side = torch.cuda.current_stream(), ws.side_stream
     side.wait_stream(main)
-    for step in range(1, world):
-        dst, src = (rank + step) % world, (rank - step) % world
-        slot = layout.slots[step - 1]
+    for step in range(1, world + 1):
+        dst = (rank + step) % world  # step == world: this rank's own chunk, last
         rows = slice(dst * m, (dst + 1) * m)
-        gemm(ws.view(rank, slot), a[rows], a_scale[rows])
+        block = gemm.prepare(a[rows], a_scale[rows])
+        if step > 1 and gemm.may_hold_all_sms:
+            # The previous step's handoff must be running before this GEMM takes every SM; then its
+            # pull (copy engine) overlaps this GEMM.
+            main.wait_event(ws.ready_events[step - 1])
+        if step == world:
+            gemm.run(recv[rank], block)
+            break
+        slot = layout.slots[step - 1]
+        gemm.run(ws.view(rank, slot), block)
         ws.step_events[step].record(main)
+        src = (rank - step) % world
         with torch.cuda.stream(side):
             side.wait_event(ws.step_events[step])
             if world == 2:
@@ -259,9 +309,8 @@ def fp4_matmul_reduce_scatter(
             else:
                 ws.put_signal(dst, Channel.READY)
                 ws.wait_signal(src, Channel.READY)
+            ws.ready_events[step].record(side)
             recv[src].copy_(ws.view(src, slot))
-    own = slice(rank * m, (rank + 1) * m)
-    gemm(recv[rank], a[own], a_scale[own])
     with torch.cuda.stream(side):
         ws.barrier(Channel.DONE)
     main.wait_stream(side)

@@ -129,8 +129,11 @@ class SymmWorkspace:
         self.rank = rank
         self.world_size = world_size
         self.side_stream = torch.cuda.Stream(device=device, priority=-1)
-        # One event per pipeline step (index 0 unused by the pipelines but kept for simple indexing).
+        # Per pipeline step: data handed from one stream to the other (step_events), and a READY
+        # handoff completed on the side stream (ready_events). Reused by every call: a wait
+        # captures the event's latest record when it is enqueued.
         self.step_events = [torch.cuda.Event() for _ in range(world_size)]
+        self.ready_events = [torch.cuda.Event() for _ in range(world_size)]
         self.capacity = 0
         self.generation = 0
         self._buffer: torch.Tensor | None = None
