@@ -227,7 +227,7 @@ def _fused_equals_eager_on_rank() -> dict:
     torch._inductor.config.force_disable_caches = True  # a fresh process per rank: the passes must run
     compiled = torch.compile(fn, fullgraph=True, options={"post_grad_custom_post_pass": fusion})
     fused = compiled(*args)
-    return {"equal": [torch.equal(e, f) for e, f in zip(eager, fused)],
+    return {"equal": [torch.equal(e, f) for e, f in zip(eager, fused, strict=True)],
             "shapes": [tuple(f.shape) for f in fused], "counts": dict(fusion.match_counts),
             "nonzero": bool(eager[0].abs().sum() > 0)}
 

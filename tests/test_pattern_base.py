@@ -127,7 +127,8 @@ def test_replacement_pattern_registers_counts_and_skips(caplog):
         return fc.wait_tensor(fc.all_reduce(x, "sum", "0")) * 2, fc.wait_tensor(fc.all_reduce(h, "sum", "0")) * 2
 
     with FakeTensorMode() as mode:
-        gm = fwd_only(fn, [mode.from_tensor(torch.empty(4, 8)), mode.from_tensor(torch.empty(4, 8, dtype=torch.float16))])
+        inputs = [mode.from_tensor(torch.empty(4, 8)), mode.from_tensor(torch.empty(4, 8, dtype=torch.float16))]
+        gm = fwd_only(fn, inputs)
     assert pm_pass.apply(gm.graph) == 1
     assert rec.counts == {"toy.double_before_all_reduce": 1}
     assert [s.reason for s in rec.skips] == ["float16 is left alone"]

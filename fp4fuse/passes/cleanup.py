@@ -35,8 +35,8 @@ def _is_view(node: object) -> bool:
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.dtype == b.dtype and a.dim() == b.dim()
-            and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
-            and all(statically_known_true(x == y) for x, y in zip(a.stride(), b.stride())))
+            and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape, strict=True))
+            and all(statically_known_true(x == y) for x, y in zip(a.stride(), b.stride(), strict=True)))
 
 
 def find_noop_source(view: fx.Node) -> fx.Node | None:

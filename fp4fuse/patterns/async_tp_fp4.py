@@ -159,25 +159,38 @@ class AllGatherMmFp4(GraphRewrite[AllGatherMmFp4Match]):
             y, qa, sa = fused_all_gather_fp4_matmul_gathered(q, s, b, sb, alpha, dt, g)
             y2 = mm_fp4(qa, b2, sa, ...)
         """
-        assert match.data is not None and match.scale is not None
-        mm, graph = match.mms[0], match.mms[0].graph
-        args = MmFp4Args.of(mm)
-        fused_args = (match.data.shard, match.scale.shard, args.b, args.b_scale, args.alpha, args.out_dtype,
-                      match.data.collective.group_name)
+        mm = match.mms[0]
         chain = chain_nodes(match.gathers)
-        needs_gathered = match.needs_gathered
-        with graph.inserting_before(match.readers[0]):
-            if not needs_gathered:
-                out = insert_call(graph, fp4.fused_all_gather_fp4_matmul.default, fused_args)
+        gathered = match.needs_gathered
+        with mm.graph.inserting_before(match.readers[0]):
+            if gathered:
+                _insert_fused_gathered(match, chain)
             else:
-                fused = insert_call(graph, fp4.fused_all_gather_fp4_matmul_gathered.default, fused_args)
-                out, a, a_scale = (insert_call(graph, operator.getitem, (fused, i)) for i in range(3))
-            mm.replace_all_uses_with(out)
-            if needs_gathered:
-                redirect_gathered(match.data, a, chain | {mm})
-                redirect_gathered(match.scale, a_scale, chain | {mm})
+                _insert_fused(match)
         erase_if_unused([mm, *chain])
-        return "all_gather_mm_fp4_gathered" if needs_gathered else "all_gather_mm_fp4"
+        return "all_gather_mm_fp4_gathered" if gathered else "all_gather_mm_fp4"
+
+
+def _fused_args(match: AllGatherMmFp4Match) -> tuple[object, ...]:
+    assert match.data is not None and match.scale is not None
+    args = MmFp4Args.of(match.mms[0])
+    return (match.data.shard, match.scale.shard, args.b, args.b_scale, args.alpha, args.out_dtype,
+            match.data.collective.group_name)
+
+
+def _insert_fused(match: AllGatherMmFp4Match) -> None:
+    mm = match.mms[0]
+    mm.replace_all_uses_with(insert_call(mm.graph, fp4.fused_all_gather_fp4_matmul.default, _fused_args(match)))
+
+
+def _insert_fused_gathered(match: AllGatherMmFp4Match, chain: set[fx.Node]) -> None:
+    assert match.data is not None and match.scale is not None
+    mm = match.mms[0]
+    fused = insert_call(mm.graph, fp4.fused_all_gather_fp4_matmul_gathered.default, _fused_args(match))
+    out, a, a_scale = (insert_call(mm.graph, operator.getitem, (fused, i)) for i in range(3))
+    mm.replace_all_uses_with(out)
+    redirect_gathered(match.data, a, chain | {mm})
+    redirect_gathered(match.scale, a_scale, chain | {mm})
 
 
 # --------------------------------------------------------------------------- mm_fp4 + reduce-scatter

@@ -153,12 +153,14 @@ class FunctionalCollective:
 def decode_collective(node: Any) -> FunctionalCollective | None:
     """Decode ``node`` if it is a functional all_gather / reduce_scatter / all_reduce call."""
     if is_call(node, c10d.all_gather_into_tensor):
-        kind, size, op, name = CollectiveKind.ALL_GATHER, get_arg(node, 1, "group_size"), None, get_arg(node, 2, "group_name")
+        kind, op = CollectiveKind.ALL_GATHER, None
+        size, name = get_arg(node, 1, "group_size"), get_arg(node, 2, "group_name")
     elif is_call(node, c10d.reduce_scatter_tensor):
         kind, op = CollectiveKind.REDUCE_SCATTER, get_arg(node, 1, "reduce_op")
         size, name = get_arg(node, 2, "group_size"), get_arg(node, 3, "group_name")
     elif is_call(node, c10d.all_reduce):
-        kind, size, op, name = CollectiveKind.ALL_REDUCE, None, get_arg(node, 1, "reduce_op"), get_arg(node, 2, "group_name")
+        kind, op = CollectiveKind.ALL_REDUCE, get_arg(node, 1, "reduce_op")
+        size, name = None, get_arg(node, 2, "group_name")
     else:
         return None
     inp = get_arg(node, 0, "input")
