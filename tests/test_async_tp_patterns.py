@@ -415,3 +415,22 @@ def test_bf16_on_cuda_graph_rewritten():
     assert len(ag.args[1]) == 2 and ag.args[2:] == (0, group()) and ag.kwargs == {"return_A": False}
     outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     assert [o.meta["val"].shape for o in outputs] == [(16, N), (16, N), (8, N)]
+
+
+def test_gather_paired_with_two_scale_gathers_left_alone(debug_log):
+    """Overlapping matches (one gathered a, two different gathered scales) are all skipped."""
+    mode = FakeTensorMode()
+    q, s, b, bs, alpha = fp4_inputs(mode, rows=8)
+    with mode:
+        s2 = torch.empty_like(s)
+
+    def fn(q, s, s2, b, bs, alpha):
+        qa = gather(q)
+        return mm_fp4(qa, gather_scales(s), b, bs, alpha), mm_fp4(qa, gather_scales(s2), b, bs, alpha)
+
+    gm = trace(fn, [q, s, s2, b, bs, alpha], mode)
+    before = ops(gm)
+    p = run_pass(gm)
+    assert ops(gm) == before and p.match_counts == {}
+    assert [s.key for s in p.skips] == ["async_tp.all_gather_mm_fp4"] * 2
+    assert all("pairs it with a different gather" in s.reason for s in p.skips)

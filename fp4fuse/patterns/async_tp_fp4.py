@@ -21,6 +21,7 @@ bit-equality with the unfused graph holds for 2-rank groups and fp32 outputs onl
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import operator
 
@@ -78,11 +79,14 @@ class AllGatherMmFp4Match:
         mms: the ``mm_fp4`` nodes reading this (codes, scales) pair, graph order; ``mms[0]`` is fused.
         data: the gather producing ``a`` (None if ``a`` is not gathered).
         scale: the gather producing ``a_scale`` (None if it is not gathered).
+        shares_gather: ``data`` or ``scale`` also feeds an ``mm_fp4`` paired with another gather
+            (matches would overlap; all of them are left alone).
     """
 
     mms: tuple[fx.Node, ...]
     data: GatheredTensor | None
     scale: GatheredTensor | None
+    shares_gather: bool = False
 
     @property
     def gathers(self) -> list[GatheredTensor]:
@@ -112,7 +116,9 @@ class AllGatherMmFp4(GraphRewrite[AllGatherMmFp4Match]):
             key = (data.collective.node if data else mm, scale.collective.node if scale else mm)
             groups.setdefault(key, []).append(mm)
             decoded[key] = (data, scale)
-        return [AllGatherMmFp4Match(tuple(mms), *decoded[key]) for key, mms in groups.items()]
+        uses = collections.Counter(node for key in groups for node in key)
+        return [AllGatherMmFp4Match(tuple(mms), *decoded[key], shares_gather=any(uses[n] > 1 for n in key))
+                for key, mms in groups.items()]
 
     def anchor(self, match: AllGatherMmFp4Match) -> fx.Node:
         return match.mms[0]
@@ -123,6 +129,8 @@ class AllGatherMmFp4(GraphRewrite[AllGatherMmFp4Match]):
             return "a_scale is all-gathered but a is not"
         if scale is None:
             return "a is all-gathered but a_scale is not"
+        if match.shares_gather:
+            return "the gathered a or a_scale also feeds an mm_fp4 that pairs it with a different gather"
         for role, g in (("a", data), ("a_scale", scale)):
             if g.gather_dim != 0:
                 return (f"{role} is all-gathered along dim {g.gather_dim} (split + cat); "
