@@ -2,7 +2,11 @@
 
 Behind ``FusionConfig.enable_bf16_async_tp``. PyTorch's symmetric-memory ops have CUDA kernels
 only (their Meta implementations are the unfused fallbacks), so on any other device every match
-is skipped with that reason.
+is skipped with that reason. Unlike PyTorch's micro-pipeline TP, the rewrite does not consult
+``is_symm_mem_enabled_for_group``: that predicate only reflects the deprecated
+``enable_symm_mem_for_group`` registration (pytorch/pytorch#193027), while symmetric-memory
+rendezvous resolves a group by name. The rewrite thus depends on the graph alone, as a graph
+served from the FX cache requires.
 
 * ``AllGatherMm``: every ``aten.mm`` reading one all-gathered activation (dim 0) ->
   ``symm_mem.fused_all_gather_matmul(A_shard, [B0, B1, ...], 0, group, return_A=...)``;
