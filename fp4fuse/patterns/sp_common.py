@@ -1,0 +1,321 @@
+"""Sequence-parallel (SP) rewrites of ``all_reduce -> rms_norm``, shared by the norm families in
+``fp4fuse/patterns/sp_*_norm.py``.
+
+Each pattern is one ``Position`` of one norm family (which supplies ``norm`` and ``add_norm``),
+built for one tensor-parallel group (name and size are constructor arguments; nothing here
+reads global distributed state). Before / after, for a middle layer::
+
+    y = all_reduce(x)                          y_r = reduce_scatter(x)              # rows of rank r
+    out, res_out = add_norm(y, res, w)         out_r, res_r = add_norm(y_r, shard_rows(res), w)
+                                               out = all_gather(out_r)
+                                               res_out = all_gather(res_r)
+
+Every rewrite is correct on its own: its outputs are the full, replicated tensors the graph had
+before, so a graph where only some norms match is still right. The pass's later steps make it
+fast: fp4fuse.patterns.sp_quant moves an NVFP4 quant of ``out`` before the gather (4.5 bits per
+element on the wire instead of 16), and the cleanup folds ``shard_rows(all_gather(res_r))`` into
+``res_r``, so the residual stream stays sharded from one layer to the next.
+
+Positions: FIRST has no residual input (the all-reduced tensor is the residual stream), MIDDLE
+adds a residual and passes the sum on, LAST adds one whose sum nobody reads.
+"""
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+import enum
+import inspect
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import torch
+import torch.fx as fx
+from torch._functorch.aot_autograd import aot_function, make_boxed_func
+from torch._inductor import pattern_matcher as pm
+from torch._inductor.decomposition import select_decomp_table
+from torch._inductor.fx_passes.post_grad import remove_noop_ops, view_to_reshape
+from torch.utils import _pytree as pytree
+
+from fp4fuse.ops import sp_ops  # noqa: F401  (registers fp4fuse::shard_rows)
+from fp4fuse.patterns.base import (
+    MatchRecorder, ReplacementPattern, fake_value, get_arg, is_call, registration_mode,
+)
+
+__all__ = [
+    "EXAMPLE_EPS", "NormFamily", "Position", "SPGroup", "SPMatch", "SPPattern", "all_gather_rows",
+    "all_reduce_sum", "aot_trace", "guard_token_count", "insert_traced", "reduce_scatter_rows", "shard_rows",
+]
+
+logger = logging.getLogger(__name__)
+
+c10d = torch.ops._c10d_functional
+
+# The eps of a pattern is a wildcard (register_replacement's scalar_workaround): any float of the
+# traced pattern equal to this value becomes a keyword argument. It must survive a round trip
+# through float32 (F.rms_norm stores eps as a float32), hence a power of two, and be unlikely to
+# occur elsewhere in a norm.
+EXAMPLE_EPS = 2.0 ** -17
+
+
+class Position(enum.Enum):
+    FIRST = "first"      # all_reduce -> norm; the reduced tensor is also the residual stream
+    MIDDLE = "middle"    # all_reduce -> add residual -> norm; the sum is the next residual
+    LAST = "last"        # all_reduce -> add residual -> norm; the sum is not read again
+
+
+@dataclasses.dataclass(frozen=True)
+class SPGroup:
+    """The tensor-parallel group a pattern is built for: its name and number of ranks."""
+
+    name: str
+    size: int
+
+
+class NormFamily(abc.ABC):
+    """One way a model writes RMSNorm (one ``fp4fuse/patterns/sp_*.py`` module per family)."""
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``rms_norm(x) * weight``."""
+
+    @abc.abstractmethod
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``."""
+
+
+# --------------------------------------------------------------------------- collectives (dim 0)
+
+
+def all_reduce_sum(x: torch.Tensor, group: SPGroup) -> torch.Tensor:
+    return c10d.wait_tensor(c10d.all_reduce(x, "sum", group.name))
+
+
+def reduce_scatter_rows(x: torch.Tensor, group: SPGroup) -> torch.Tensor:
+    return c10d.wait_tensor(c10d.reduce_scatter_tensor(x, "sum", group.size, group.name))
+
+
+def all_gather_rows(x: torch.Tensor, group: SPGroup) -> torch.Tensor:
+    """All-gather along dim 0; float8 travels as a uint8 view (gloo has no float8 collectives)."""
+    if x.dtype == torch.float8_e4m3fn:
+        gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(x.view(torch.uint8), group.size, group.name))
+        return gathered.view(torch.float8_e4m3fn)
+    return c10d.wait_tensor(c10d.all_gather_into_tensor(x, group.size, group.name))
+
+
+def shard_rows(x: torch.Tensor, group: SPGroup) -> torch.Tensor:
+    return torch.ops.fp4fuse.shard_rows(x, group.name)
+
+
+# --------------------------------------------------------------------------- tracing
+
+
+def aot_trace(fn: Callable[..., Any], args: Sequence[Any], **_: Any) -> fx.GraphModule:
+    """Trace ``fn`` the way Inductor's post-grad graphs are made: AOT autograd (functionalized,
+    Inductor decompositions), then ``view_to_reshape`` and no-op removal.
+
+    ``pm.fwd_only`` traces without functionalization, which leaves in-place ops that a post-grad
+    graph never has (``F.rms_norm`` decomposes to ``mean(...).add_(eps)``); such a pattern never
+    matches. Accepts and ignores register_replacement's extra keywords (``get_decomp_fn``)."""
+    captured: list[fx.GraphModule] = []
+
+    def capture(gm: fx.GraphModule, _inputs: Any) -> Any:
+        captured.append(gm)
+        return make_boxed_func(gm)
+
+    # aot_function also runs what it traced: inside the inputs' fake mode, factory ops stay fake.
+    fake_mode = torch._guards.detect_fake_mode(list(args))
+    with torch._guards.tracing(None), torch.no_grad(), fake_mode or contextlib.nullcontext():
+        aot_function(fn, fw_compiler=capture, decompositions=select_decomp_table())(*args)
+    gm = captured[0]
+    view_to_reshape(gm)
+    remove_noop_ops(gm.graph)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def insert_traced(graph: fx.Graph, fn: Callable[..., Any], inputs: Sequence[fx.Node]) -> list[fx.Node]:
+    """Trace ``fn`` on the fake values of ``inputs`` (:func:`aot_trace`: decomposed, lowerable
+    ops only) and insert its nodes at ``graph``'s insertion point, each with its fake value
+    (computed in the inputs' fake mode, factory ops included); returns the nodes of ``fn``'s
+    outputs (a flat list)."""
+    vals = [fake_value(n) for n in inputs]
+    fake_mode = torch._guards.detect_fake_mode(vals)
+    traced = aot_trace(fn, vals)
+    env: dict[fx.Node, fx.Node] = dict(zip(traced.graph.find_nodes(op="placeholder"), inputs))
+    outputs: list[fx.Node] = []
+    for node in traced.graph.nodes:
+        if node.op == "call_function":
+            args, kwargs = fx.map_arg((node.args, node.kwargs), env.__getitem__)
+            new = graph.call_function(node.target, args, kwargs)
+            with fake_mode:
+                new.meta["val"] = node.target(*fx.map_arg(args, fake_value), **fx.map_arg(kwargs, fake_value))
+            env[node] = new
+        elif node.op == "output":
+            outputs = list(pytree.tree_leaves(fx.map_arg(node.args[0], env.__getitem__)))
+        elif node.op != "placeholder":
+            raise NotImplementedError(f"insert_traced: cannot inline a {node.op} node ({node.format_node()})")
+    return outputs
+
+
+# --------------------------------------------------------------------------- matches
+
+
+@dataclasses.dataclass(frozen=True)
+class SPMatch:
+    """What the check of an SP match looks at (decoded from a specific pattern match)."""
+
+    all_reduce: fx.Node
+    input: fx.Node
+    residual: fx.Node | None
+    weight: fx.Node
+    tokens: int | torch.SymInt
+    shape: tuple[Any, ...]
+
+    @classmethod
+    def decode(cls, match: pm.Match) -> SPMatch:
+        reduce = next(n for n in match.nodes if is_call(n, c10d.all_reduce) and get_arg(n, 1, "reduce_op") == "sum")
+        x = get_arg(reduce, 0, "input")
+        shape = tuple(fake_value(x).shape)
+        return cls(reduce, x, match.kwargs.get("residual"), match.kwargs["weight"], shape[0], shape)
+
+
+def _shape_of(node: Any) -> tuple[Any, ...] | None:
+    val = fake_value(node)
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _is_exactly(value: Any, expected: int) -> bool:
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    return bool(statically_known_true(value == expected))
+
+
+def guard_token_count(tokens: int | torch.SymInt, group_size: int, min_tokens: int) -> str | None:
+    """Why an SP rewrite over ``tokens`` rows must not fire, or None (and then it may).
+
+    A static count must be divisible by the group size and at least ``min_tokens``. A symbolic
+    count whose size hint satisfies both gets the guards ``tokens % size == 0`` and
+    ``tokens >= min_tokens`` (``torch._check`` on a backed size installs a guard), so the compiled
+    graph only ever runs on sizes it is correct and wanted for; other sizes recompile. A count
+    without a hint (unbacked) is left alone.
+    """
+    if isinstance(tokens, int):
+        if tokens % group_size:
+            return f"token count {tokens} is not divisible by the group size {group_size}"
+        if tokens < min_tokens:
+            return f"token count {tokens} is below min_tokens={min_tokens}"
+        return None
+    node = tokens.node
+    if not node.has_hint():
+        return f"dynamic token count {tokens} has no size hint (unbacked); cannot guard it"
+    hint = int(node.hint)
+    if hint % group_size:
+        return f"dynamic token count {tokens} (hint {hint}) is not divisible by the group size {group_size}"
+    if hint < min_tokens:
+        return f"dynamic token count {tokens} (hint {hint}) is below min_tokens={min_tokens}"
+    torch._check(tokens % group_size == 0)
+    if min_tokens > 0:
+        torch._check(tokens >= min_tokens)
+    logger.debug("guarded dynamic token count %s: divisible by %d, >= %d", tokens, group_size, min_tokens)
+    return None
+
+
+# --------------------------------------------------------------------------- the pattern
+
+
+class SPPattern(ReplacementPattern):
+    """``all_reduce -> [add residual ->] norm`` -> its sequence-parallel form (module docstring)."""
+
+    def __init__(self, family: NormFamily, position: Position, group: SPGroup,
+                 dtype: torch.dtype = torch.bfloat16, min_tokens: int = 0) -> None:
+        self.family, self.position, self.group = family, position, group
+        self.dtype, self.min_tokens = dtype, min_tokens
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return f"{self.position.value}.{self.family.name}"
+
+    def arg_names(self) -> list[str]:
+        """x, [residual], weight, eps (eps is a scalar wildcard, not an example tensor)."""
+        return ["x"] + (["residual"] if self.position is not Position.FIRST else []) + ["weight", "eps"]
+
+    def example_inputs(self) -> list[Any]:
+        rows, hidden = 4 * self.group.size, 32
+        tensors = {
+            "x": torch.empty(rows, hidden, dtype=self.dtype),
+            "residual": torch.empty(rows, hidden, dtype=self.dtype),
+            "weight": torch.empty(hidden, dtype=self.dtype),
+        }
+        return [tensors[n] for n in self.arg_names() if n != "eps"]
+
+    def pattern(self, *args: Any) -> Any:
+        a = dict(zip(self.arg_names(), args))
+        reduced = all_reduce_sum(a["x"], self.group)
+        if self.position is Position.FIRST:
+            return self.family.norm(reduced, a["weight"], a["eps"]), reduced
+        out, residual_out = self.family.add_norm(reduced, a["residual"], a["weight"], a["eps"])
+        return out if self.position is Position.LAST else (out, residual_out)
+
+    def replacement(self, *args: Any) -> Any:
+        a = dict(zip(self.arg_names(), args))
+        shard = reduce_scatter_rows(a["x"], self.group)
+        if self.position is Position.FIRST:
+            out = self.family.norm(shard, a["weight"], a["eps"])
+            return all_gather_rows(out, self.group), all_gather_rows(shard, self.group)
+        residual = shard_rows(a["residual"], self.group)
+        out, residual_shard = self.family.add_norm(shard, residual, a["weight"], a["eps"])
+        if self.position is Position.LAST:
+            return all_gather_rows(out, self.group)
+        return all_gather_rows(out, self.group), all_gather_rows(residual_shard, self.group)
+
+    def check(self, match: pm.Match) -> str | None:
+        m = SPMatch.decode(match)
+        if len(m.shape) < 2:
+            return f"input of the all_reduce has shape {list(m.shape)}: need [tokens, hidden]"
+        hidden = m.shape[-1]
+        if m.residual is not None and _shape_of(m.residual) != m.shape:
+            return (f"residual shape {_shape_of(m.residual)} differs from the all_reduce's {list(m.shape)} "
+                    "(a broadcast residual cannot be sharded by rows)")
+        weight_shape = _shape_of(m.weight)
+        if weight_shape is None or len(weight_shape) != 1 or not _is_exactly(weight_shape[0], hidden):
+            return f"norm weight shape {weight_shape} is not [hidden={hidden}] (it must not vary by row)"
+        return guard_token_count(m.tokens, self.group.size, self.min_tokens)
+
+    def register(self, pm_pass: pm.PatternMatcherPass, recorder: MatchRecorder) -> None:
+        """As ReplacementPattern.register, but traced with ``aot_trace`` and with ``eps`` as a
+        scalar wildcard, so one pattern serves every epsilon."""
+        names = self.arg_names()
+
+        def extra_check(match: pm.Match) -> bool:
+            reason = self.check(match)
+            if reason is not None:
+                anchor = next((n for n in match.output_nodes() if n is not None), None)
+                recorder.skipped(self.name, anchor, reason)
+                return False
+            recorder.matched(self.name)
+            return True
+
+        with registration_mode():
+            pm.register_replacement(
+                _with_signature(self.pattern, names), _with_signature(self.replacement, names),
+                self.example_inputs(), aot_trace, pm_pass, extra_check=extra_check,
+                scalar_workaround={"eps": EXAMPLE_EPS}, skip_duplicates=True,
+            )
+
+
+def _with_signature(method: Callable[..., Any], names: list[str]) -> Callable[..., Any]:
+    """A plain function of positional parameters ``names`` calling ``method`` (register_replacement
+    reads the argument names from the signature)."""
+
+    def fn(*args: Any) -> Any:
+        return method(*args)
+
+    fn.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
+    fn.__name__ = getattr(method, "__name__", "fn")
+    return fn

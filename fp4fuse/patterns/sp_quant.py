@@ -1,0 +1,204 @@
+"""Quantize before the all-gather: the NVFP4 half of sequence parallelism.
+
+After the SP norm rewrites (fp4fuse.patterns.sp_common) a norm output reaches its GEMM as
+``scaled_fp4_quant(all_gather(out_r), gs)``. Quantization is row-wise (16-element blocks along K)
+with one global scale, so when ``gs`` is the same on every rank it commutes with the gather::
+
+    before:  g = all_gather(out_r)                      after:  q_r, s_r = scaled_fp4_quant(out_r, gs)
+             q, s = scaled_fp4_quant(g, gs)                     q = all_gather(q_r)
+                                                                s = all_gather(s_r.view(uint8)).view(e4m3)
+
+4.5 bits per element go over the wire instead of 16. ``gs`` must be provably rank-uniform: built
+from constants and the results of all-reduces / all-gathers only (a static scale written as a
+constant qualifies; one read from a graph input does not, since nothing proves every rank passes
+the same value).
+
+A dynamic scale reads the amax of the gathered tensor (``NVFP4Quantizer``:
+``global_scale_from_amax(g.abs().amax())``). That amax is replaced, exactly, by the all-reduce MAX
+of the shards' amaxes, so ``g`` itself is no longer needed::
+
+    before:  a = amax(abs(g))                           after:  m = amax(abs(out_r))
+                                                                r = all_reduce_max([nan_to_num(m, nan=inf), isnan(m)])
+                                                                a = r[1] > 0 ? nan : r[0]
+
+(one two-element all-reduce; the NaN flag keeps NaN propagation exact whatever the backend's MAX
+does with NaN). Pattern keys: ``quant_before_gather`` (static scale) and
+``quant_before_gather.dynamic_scale`` (amax replaced too). A gathered tensor read by anything else
+stays as it is, and so does the quant after it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import operator
+
+import torch
+import torch.fx as fx
+
+from fp4fuse.patterns.base import GraphRewrite, erase_if_unused, fake_value, insert_call, is_call, token_count_reason
+from fp4fuse.patterns.collectives import GatheredTensor, decode_gathered, external_users
+from fp4fuse.patterns.sp_common import insert_traced
+
+__all__ = ["AmaxOfGathered", "QuantBeforeGather", "QuantOfGatheredMatch", "nonuniform_source"]
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+QUANT = torch.ops.fp4fuse.scaled_fp4_quant.default
+_SAME_ON_EVERY_RANK = (c10d.all_reduce.default, c10d.all_gather_into_tensor.default)
+_RANK_LOCAL = (c10d.reduce_scatter_tensor.default, torch.ops.fp4fuse.shard_rows.default)
+
+
+def nonuniform_source(node: fx.Node) -> fx.Node | None:
+    """An ancestor of ``node`` that may differ across ranks (a graph input, a constant attribute,
+    a rank-local collective, a random op), or None if ``node`` is provably the same on every rank.
+    Ancestors are not followed past an all-reduce or all-gather, whose results every rank shares."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op != "call_function":
+            return n
+        if n.target in _SAME_ON_EVERY_RANK:
+            continue
+        if n.target in _RANK_LOCAL:
+            return n
+        if isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags:
+            return n
+        stack.extend(n.all_input_nodes)
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class AmaxOfGathered:
+    """``amax(abs(g))`` over all of ``g``'s elements; ``abs_node`` may have other readers."""
+
+    amax: fx.Node
+    abs_node: fx.Node
+
+    @classmethod
+    def decode(cls, reader: fx.Node) -> AmaxOfGathered | None:
+        if not is_call(reader, aten.abs) or len(reader.users) != 1:
+            return None
+        (amax,) = reader.users
+        if not is_call(amax, aten.amax):
+            return None
+        dims = amax.args[1] if len(amax.args) > 1 else amax.kwargs.get("dim", [])
+        keepdim = amax.args[2] if len(amax.args) > 2 else amax.kwargs.get("keepdim", False)
+        ndim = fake_value(reader).dim()
+        if keepdim or sorted(d % ndim for d in dims) not in ([], list(range(ndim))):
+            return None
+        return cls(amax, reader)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantOfGatheredMatch:
+    """``scaled_fp4_quant(g, gs)`` of an all-gathered ``g``.
+
+    Attributes:
+        quant: the quant node; ``outputs`` its ``getitem`` readers (codes, scales).
+        gathered: how ``g`` was gathered (shard, collective, chain of nodes).
+        global_scale: ``gs``.
+        amaxes: full ``amax(abs(g))`` readers of ``g`` (a dynamic scale), replaced exactly.
+        others: any other readers of ``g`` (they would keep the bf16 gather alive).
+    """
+
+    quant: fx.Node
+    outputs: tuple[fx.Node, ...]
+    gathered: GatheredTensor
+    global_scale: fx.Node
+    amaxes: tuple[AmaxOfGathered, ...]
+    others: tuple[fx.Node, ...]
+
+
+class QuantBeforeGather(GraphRewrite[QuantOfGatheredMatch]):
+    """Move NVFP4 quantization of an all-gathered activation before the gather (module docstring)."""
+
+    name = "quant_before_gather"
+
+    def find(self, graph: fx.Graph) -> list[QuantOfGatheredMatch]:
+        found = []
+        for quant in graph.find_nodes(op="call_function", target=QUANT):
+            gathered = decode_gathered(quant.args[0])
+            if gathered is None:
+                continue
+            readers = [u for u in external_users([gathered]) if u is not quant]
+            amaxes = tuple(a for a in map(AmaxOfGathered.decode, readers) if a is not None)
+            covered = {a.abs_node for a in amaxes}
+            others = tuple(u for u in readers if u not in covered)
+            found.append(QuantOfGatheredMatch(quant, tuple(quant.users), gathered, quant.args[1], amaxes, others))
+        return found
+
+    def anchor(self, match: QuantOfGatheredMatch) -> fx.Node:
+        return match.quant
+
+    def check(self, match: QuantOfGatheredMatch) -> str | None:
+        g = match.gathered
+        if g.gather_dim != 0:
+            return f"the activation is gathered along dim {g.gather_dim}, not 0 (rows)"
+        if not g.round_trips():
+            return "the gathered activation is sent in another dtype than it is quantized in"
+        if match.others:
+            return (f"the gathered activation is also read by {[n.name for n in match.others]}: "
+                    "quantizing before the gather would need the bf16 gather as well")
+        if any(not is_call(u, operator.getitem) for u in match.outputs):
+            return "the quant's outputs are read other than through getitem"
+        shard = fake_value(g.shard)
+        if shard.dim() != 2 or not shard.is_contiguous():
+            return f"the gathered shard is not a contiguous 2-D tensor (shape {list(shard.shape)})"
+        size = g.collective.group_size
+        reason = token_count_reason(shard.shape[0] * size, size, self.config.min_tokens, require_divisible=False)
+        if reason is not None:
+            return reason
+        source = nonuniform_source(match.global_scale)
+        if source is not None:
+            return (f"the global scale {match.global_scale.name} depends on {source.name} ({source.op} "
+                    f"{getattr(source.target, '__name__', source.target)}), which may differ across ranks")
+        return None
+
+    def rewrite(self, match: QuantOfGatheredMatch) -> str:
+        graph = match.quant.graph
+        g = match.gathered
+        group_name, size = g.collective.group_name, g.collective.group_size
+        for amax in match.amaxes:
+            with graph.inserting_before(amax.amax):
+                replacement = _insert_group_amax(graph, g.shard, group_name)
+            amax.amax.replace_all_uses_with(replacement)
+            erase_if_unused([amax.amax, amax.abs_node])
+        with graph.inserting_before(match.quant):
+            local = insert_call(graph, QUANT, (g.shard, match.global_scale))
+            q_r = insert_call(graph, operator.getitem, (local, 0))
+            s_r = insert_call(graph, operator.getitem, (local, 1))
+            gathered = (_insert_all_gather(graph, q_r, size, group_name),
+                        _insert_all_gather(graph, s_r, size, group_name))
+        for out in match.outputs:
+            out.replace_all_uses_with(gathered[out.args[1]])
+        erase_if_unused([*match.outputs, match.quant])
+        erase_if_unused(g.nodes)
+        return self.name if not match.amaxes else "quant_before_gather.dynamic_scale"
+
+
+def _insert_all_gather(graph: fx.Graph, shard: fx.Node, size: int, group_name: str) -> fx.Node:
+    """``all_gather`` along dim 0 at the insertion point; float8 travels as uint8."""
+    dtype = fake_value(shard).dtype
+    wire = insert_call(graph, aten.view.dtype, (shard, torch.uint8)) if dtype == torch.float8_e4m3fn else shard
+    out = insert_call(graph, c10d.wait_tensor.default,
+                      (insert_call(graph, c10d.all_gather_into_tensor.default, (wire, size, group_name)),))
+    return insert_call(graph, aten.view.dtype, (out, dtype)) if wire is not shard else out
+
+
+def _group_amax(shard: torch.Tensor, group_name: str) -> torch.Tensor:
+    """``amax(abs(all_gather(shard)))`` without the gather (module docstring), in shard's dtype."""
+    local = shard.abs().amax().float()
+    nan = torch.isnan(local)
+    packed = torch.stack([torch.where(nan, math.inf, local), nan.float()])
+    reduced = c10d.wait_tensor(c10d.all_reduce(packed, "max", group_name))
+    return torch.where(reduced[1] > 0, math.nan, reduced[0]).to(shard.dtype)
+
+
+def _insert_group_amax(graph: fx.Graph, shard: fx.Node, group_name: str) -> fx.Node:
+    """:func:`_group_amax` of ``shard``, inserted at the insertion point as decomposed aten ops."""
+    (out,) = insert_traced(graph, functools.partial(_group_amax, group_name=group_name), [shard])
+    return out

@@ -1,0 +1,71 @@
+"""RMSNorm (fp4fuse ops or native torch) and a vocab-parallel embedding."""
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import nn
+
+from fp4fuse.tp.parallel import TPGroup, shard
+
+__all__ = ["NormImpl", "RMSNorm", "VocabParallelEmbedding"]
+
+
+class NormImpl(enum.Enum):
+    FP4FUSE = "fp4fuse"                  # fp4fuse::rms_norm / fp4fuse::fused_add_rms_norm
+    TORCH_FUNCTIONAL = "torch_functional"  # torch.nn.functional.rms_norm, residual added with +
+    TORCH_MANUAL = "torch_manual"        # x * rsqrt(mean(x^2) + eps) * w in x's dtype, residual added with +
+
+
+class RMSNorm(nn.Module):
+    """``forward(x)`` -> ``norm(x)``; ``forward(x, residual)`` -> ``(norm(x + residual), x + residual)``.
+
+    With ``NormImpl.FP4FUSE`` the sum is rounded to x's dtype before the norm (fused_add_rms_norm's
+    contract); the torch forms compute the sum in x's dtype as well."""
+
+    def __init__(self, weight: torch.Tensor, eps: float = 1e-6, impl: NormImpl = NormImpl.FP4FUSE) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+        self.impl = impl
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.impl is NormImpl.FP4FUSE:
+            return torch.ops.fp4fuse.rms_norm(x, self.weight, self.eps)
+        if self.impl is NormImpl.TORCH_FUNCTIONAL:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        if self.impl is NormImpl.FP4FUSE:
+            out, total = torch.ops.fp4fuse.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return out, total
+        total = x + residual
+        return self._norm(total), total
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, impl={self.impl.value}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split across the group; each rank looks up its rows (zeros elsewhere) and
+    the partial results are summed with a functional all_reduce (exact: one non-zero term)."""
+
+    def __init__(self, full_weight: torch.Tensor, group: TPGroup) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(shard(full_weight, 0, group, "vocab size"), requires_grad=False)
+        self.group = group
+        self.vocab_start = group.rank * self.weight.shape[0]
+        self.vocab_end = self.vocab_start + self.weight.shape[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = (ids >= self.vocab_start) & (ids < self.vocab_end)
+        rows = torch.where(local, ids - self.vocab_start, torch.zeros_like(ids))
+        out = F.embedding(rows, self.weight)
+        out = torch.where(local.unsqueeze(-1), out, torch.zeros_like(out))
+        return funcol.all_reduce(out, "sum", self.group.name)
