@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import os
 import socket
 import statistics
@@ -41,12 +42,15 @@ TOTAL_M = (512, 2048, 8192, 32768)
 EXTRA_M = (1024, 4096, 16384)
 MIN_HIDEABLE_MS = 0.05
 WORLD = 2
+DEVICE_BOUND = "device-bound"
+EAGER = "eager"
 
 
 @dataclasses.dataclass
 class Row:
     """One (side, M, N, K) line of the results; times in ms (None: not measured / failed)."""
     side: str
+    mode: str
     m: int
     n: int
     k: int
@@ -75,9 +79,17 @@ class Row:
         return self.bf16_unfused / self.bf16_fused if self.bf16_unfused and self.bf16_fused else None
 
 
-def _time_ms(fn: Callable[[], object], budget_s: float = 0.25, min_iters: int = 5, max_iters: int = 30) -> float:
+#: GPU sleep (cycles, ~1 ms at 1.98 GHz) queued before the start event in device-bound timing, so
+#: the host has enqueued the whole call before the GPU reaches it.
+HOST_AHEAD_SLEEP_CYCLES = 2_000_000
+
+
+def _time_ms(fn: Callable[[], object], host_ahead: bool, budget_s: float = 0.25, min_iters: int = 5,
+             max_iters: int = 30) -> float:
     """Median CUDA-event time of one call, ranks aligned by a barrier before each call; the slower
-    rank's median is returned on every rank."""
+    rank's median is returned on every rank. ``host_ahead``: a GPU sleep precedes the start event,
+    so launch latency is hidden (device-bound time, as under CUDA graphs or a busy pipeline);
+    otherwise the GPU is idle when the host starts issuing the call (eager latency included)."""
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
@@ -85,12 +97,14 @@ def _time_ms(fn: Callable[[], object], budget_s: float = 0.25, min_iters: int = 
     fn()
     torch.cuda.synchronize()
     approx = time.perf_counter() - t0 + 3e-4
-    iters = max(min_iters, min(max_iters, int(budget_s / approx)))
+    iters = max(min_iters, min(max_iters, int(budget_s / (approx + (1e-3 if host_ahead else 0.0)))))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     samples = []
     for _ in range(iters):
         torch.cuda.synchronize()
         dist.barrier()
+        if host_ahead:
+            torch.cuda._sleep(HOST_AHEAD_SLEEP_CYCLES)
         start.record()
         fn()
         end.record()
@@ -118,8 +132,9 @@ def _quantized(rows: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor
     return q, s, gs
 
 
-def _bench_shape(m_total: int, n: int, k: int, group: str) -> list[Row]:
+def _bench_shape(m_total: int, n: int, k: int, group: str, mode: str) -> list[Row]:
     from fp4fuse.ops import collective_ops as co
+    timed = functools.partial(_time_ms, host_ahead=mode == DEVICE_BOUND)
     rank = dist.get_rank()
     ops = torch.ops.fp4fuse
     rows_shard = m_total // WORLD
@@ -128,45 +143,45 @@ def _bench_shape(m_total: int, n: int, k: int, group: str) -> list[Row]:
     alpha = 1.0 / (gs_b * gs_b)
 
     # --- all-gather side -------------------------------------------------------------------
-    ag = Row("all-gather", m_total, n, k)
+    ag = Row("all-gather", mode, m_total, n, k)
     notes: list[str] = []
     a_shard, s_shard, _ = _quantized(rows_shard, k, 10 + rank)
     a_full = co.all_gather_rows(a_shard, group)
     s_full = co.all_gather_rows(s_shard, group)
-    ag.comm = _time_ms(lambda: (co.all_gather_rows(a_shard, group), co.all_gather_rows(s_shard, group)))
-    ag.mm = _time_ms(lambda: ops.mm_fp4(a_full, b, s_full, sb, alpha, out_dtype))
-    ag.unfused = _time_ms(lambda: co.all_gather_fp4_matmul_fallback(a_shard, s_shard, b, sb, alpha, out_dtype, group))
-    ag.fused = _try(lambda: _time_ms(
+    ag.comm = timed(lambda: (co.all_gather_rows(a_shard, group), co.all_gather_rows(s_shard, group)))
+    ag.mm = timed(lambda: ops.mm_fp4(a_full, b, s_full, sb, alpha, out_dtype))
+    ag.unfused = timed(lambda: co.all_gather_fp4_matmul_fallback(a_shard, s_shard, b, sb, alpha, out_dtype, group))
+    ag.fused = _try(lambda: timed(
         lambda: ops.fused_all_gather_fp4_matmul(a_shard, s_shard, b, sb, alpha, out_dtype, group)), notes, "fused")
     a16_shard = torch.randn(rows_shard, k, device="cuda", dtype=torch.bfloat16)
     w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
     a16_full = co.all_gather_rows(a16_shard, group)
-    ag.bf16_comm = _time_ms(lambda: co.all_gather_rows(a16_shard, group))
-    ag.bf16_mm = _time_ms(lambda: torch.mm(a16_full, w16.t()))
-    ag.bf16_unfused = _time_ms(lambda: torch.mm(co.all_gather_rows(a16_shard, group), w16.t()))
-    ag.bf16_fused = _try(lambda: _time_ms(lambda: torch.ops.symm_mem.fused_all_gather_matmul(
+    ag.bf16_comm = timed(lambda: co.all_gather_rows(a16_shard, group))
+    ag.bf16_mm = timed(lambda: torch.mm(a16_full, w16.t()))
+    ag.bf16_unfused = timed(lambda: torch.mm(co.all_gather_rows(a16_shard, group), w16.t()))
+    ag.bf16_fused = _try(lambda: timed(lambda: torch.ops.symm_mem.fused_all_gather_matmul(
         a16_shard, [w16.t()], 0, group, return_A=True)), notes, "torch bf16 fused")
     ag.notes = "; ".join(notes)
     del a_full, s_full, a16_full
 
     # --- reduce-scatter side ----------------------------------------------------------------
-    rs = Row("reduce-scatter", m_total, n, k)
+    rs = Row("reduce-scatter", mode, m_total, n, k)
     notes = []
     a, s, _ = _quantized(m_total, k, 20 + rank)
     partial = ops.mm_fp4(a, b, s, sb, alpha, out_dtype)
-    rs.mm = _time_ms(lambda: ops.mm_fp4(a, b, s, sb, alpha, out_dtype))
-    rs.comm = _time_ms(lambda: co.reduce_scatter_rows_fp32(partial, group))
-    rs.unfused = _time_ms(lambda: co.fp4_matmul_reduce_scatter_fallback(a, b, s, sb, alpha, out_dtype, group))
-    rs.fused = _try(lambda: _time_ms(
+    rs.mm = timed(lambda: ops.mm_fp4(a, b, s, sb, alpha, out_dtype))
+    rs.comm = timed(lambda: co.reduce_scatter_rows_fp32(partial, group))
+    rs.unfused = timed(lambda: co.fp4_matmul_reduce_scatter_fallback(a, b, s, sb, alpha, out_dtype, group))
+    rs.fused = _try(lambda: timed(
         lambda: ops.fused_fp4_matmul_reduce_scatter(a, b, s, sb, alpha, out_dtype, group)), notes, "fused")
     a16 = torch.randn(m_total, k, device="cuda", dtype=torch.bfloat16)
     p16 = torch.mm(a16, w16.t())
     funcol = torch.ops._c10d_functional
     rs_bf16 = lambda t: funcol.wait_tensor(funcol.reduce_scatter_tensor(t, "sum", WORLD, group))  # noqa: E731
-    rs.bf16_mm = _time_ms(lambda: torch.mm(a16, w16.t()))
-    rs.bf16_comm = _time_ms(lambda: rs_bf16(p16))
-    rs.bf16_unfused = _time_ms(lambda: rs_bf16(torch.mm(a16, w16.t())))
-    rs.bf16_fused = _try(lambda: _time_ms(lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(
+    rs.bf16_mm = timed(lambda: torch.mm(a16, w16.t()))
+    rs.bf16_comm = timed(lambda: rs_bf16(p16))
+    rs.bf16_unfused = timed(lambda: rs_bf16(torch.mm(a16, w16.t())))
+    rs.bf16_fused = _try(lambda: timed(lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(
         a16, w16.t(), "sum", 0, group)), notes, "torch bf16 fused")
     rs.notes = "; ".join(notes)
     return [ag, rs]
@@ -214,7 +229,7 @@ def _fmt(v: float | None, digits: int = 3) -> str:
     return "—" if v is None else f"{v:.{digits}f}"
 
 
-def _table(rows: list[Row], side: str) -> list[str]:
+def _table(rows: list[Row], side: str, mode: str) -> list[str]:
     comm = "AG fp4 payload" if side == "all-gather" else "RS fp32 partial"
     bcomm = "AG bf16" if side == "all-gather" else "RS bf16"
     lines = [
@@ -223,7 +238,7 @@ def _table(rows: list[Row], side: str) -> list[str]:
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
-        if r.side != side:
+        if r.side != side or r.mode != mode:
             continue
         eff = r.efficiency()
         eff_s = _fmt(eff, 2) if eff is not None else ("n/a (<50 µs)" if r.fused is not None else "—")
@@ -234,10 +249,10 @@ def _table(rows: list[Row], side: str) -> list[str]:
     return lines
 
 
-def _crossover(rows: list[Row], side: str, tolerance: float = 1.02) -> int | None:
+def _crossover(rows: list[Row], side: str, mode: str, tolerance: float = 1.02) -> int | None:
     """Smallest grid M from which ``side``'s fused op is never more than ``tolerance`` x unfused
-    (every (N, K), every larger M); None if no such M."""
-    rows = [r for r in rows if r.side == side]
+    (every (N, K), every larger M) in timing ``mode``; None if no such M."""
+    rows = [r for r in rows if r.side == side and r.mode == mode]
     for m in sorted({r.m for r in rows}):
         ok = all(r.fused is not None and r.unfused is not None and r.fused <= tolerance * r.unfused
                  for r in rows if r.m >= m)
@@ -248,36 +263,36 @@ def _crossover(rows: list[Row], side: str, tolerance: float = 1.02) -> int | Non
 
 def _report(rows: list[Row], meta: dict[str, str], elapsed: float) -> str:
     from fp4fuse.ops import collective_policy as policy
-    cross = {side: _crossover(rows, side) for side in ("all-gather", "reduce-scatter")}
+    sides = ("all-gather", "reduce-scatter")
     lines = [
         f"# Collective NVFP4 GEMMs, 2 GPUs — {meta['date']}",
         "",
         f"- Device: 2 x {meta['device']} ({meta['host']}); torch {meta['torch']}, Triton {meta['triton']}, "
         f"NCCL {meta['nccl']}; mm_fp4 backend: {meta['backend']}; fused GEMM mode: {meta['gemm_mode']}.",
         "- NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (P2P only). out_dtype bf16.",
-        "- Times: median of CUDA-event timings of one eager call, ranks synchronized and barriered "
-        "before each call, after warm-up; the slower rank's median. `fused` runs fp4fuse's "
-        "overlapped path at every size (threshold forced to 0); the op as shipped runs `unfused` "
-        f"below `{policy.ENV_MIN_ROWS}` (defaults: all-gather {policy.DEFAULT_ALL_GATHER_MIN_ROWS}, "
-        f"reduce-scatter {policy.DEFAULT_REDUCE_SCATTER_MIN_ROWS} total rows).",
+        "- Times: median of CUDA-event timings of one call, ranks synchronized and barriered before "
+        "each call, after warm-up; the slower rank's median. Two timing modes: **device-bound** "
+        "(a ~1 ms GPU sleep is queued before the start event, so the host has issued the whole call "
+        "before the GPU starts it: what CUDA graphs or a model whose GPU runs behind the host see) "
+        "and **eager** (the GPU idles while the host issues the call: host launch latency included).",
+        "- `fused` runs fp4fuse's overlapped path at every size (threshold forced to 0); the op as "
+        f"shipped runs `unfused` below `{policy.ENV_MIN_ROWS}` (defaults: all-gather "
+        f"{policy.DEFAULT_ALL_GATHER_MIN_ROWS}, reduce-scatter {policy.DEFAULT_REDUCE_SCATTER_MIN_ROWS} "
+        "total rows).",
         "- Overlap efficiency = (t_comm + t_mm − t_fused) / min(t_comm, t_mm), shown where "
         "min ≥ 50 µs. Reduce-scatter side: `a` is `[M, K]` per rank (K = the rank's K shard); its "
         "unfused comm is the fallback's fp32 reduce-scatter of the bf16 partial (cast, NCCL, cast).",
-        "",
-        "## All-gather + GEMM",
-        "",
-        *_table(rows, "all-gather"),
-        "",
-        "## GEMM + reduce-scatter",
-        "",
-        *_table(rows, "reduce-scatter"),
-        "",
-        "Measured crossover (smallest grid M from which fused ≤ 1.02 × unfused for every (N, K) and "
-        "every larger M): " + ", ".join(f"{side} {m if m is not None else 'none on this grid'}"
-                                         for side, m in cross.items())
-        + f". Benchmark wall time {elapsed:.0f} s.",
     ]
-    notes = [f"- {r.side} M={r.m} N={r.n} K={r.k}: {r.notes}" for r in rows if r.notes]
+    for mode in (DEVICE_BOUND, EAGER):
+        for side, title in zip(sides, ("All-gather + GEMM", "GEMM + reduce-scatter")):
+            lines += ["", f"## {title} — {mode}", "", *_table(rows, side, mode)]
+        cross = {side: _crossover(rows, side, mode) for side in sides}
+        lines += ["", f"Crossover, {mode} (smallest grid M from which fused ≤ 1.02 × unfused for every "
+                      "(N, K) and every larger M): "
+                  + ", ".join(f"{side} {m if m is not None else 'none on this grid'}" for side, m in cross.items())
+                  + "."]
+    lines += ["", f"Benchmark wall time {elapsed:.0f} s."]
+    notes = [f"- {r.mode} {r.side} M={r.m} N={r.n} K={r.k}: {r.notes}" for r in rows if r.notes]
     if notes:
         lines += ["", "Notes:", *notes]
     return "\n".join(lines) + "\n"
@@ -324,10 +339,11 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
             if rank == 0:
                 print(f"budget of {args.budget_s} s spent: skipping M={m} N={n} K={k}", flush=True)
             continue
-        rows += _bench_shape(m, n, k, group)
+        for mode in (DEVICE_BOUND, EAGER):
+            rows += _bench_shape(m, n, k, group, mode)
         if rank == 0:
-            for r in rows[-2:]:
-                print(f"{r.side:>14} M={r.m:>6} N={r.n:>6} K={r.k:>6}: comm {_fmt(r.comm)} mm {_fmt(r.mm)} "
+            for r in rows[-4:]:
+                print(f"{r.mode:>12} {r.side:>14} M={r.m:>6} N={r.n:>6} K={r.k:>6}: comm {_fmt(r.comm)} mm {_fmt(r.mm)} "
                       f"unfused {_fmt(r.unfused)} fused {_fmt(r.fused)} eff {_fmt(r.efficiency(), 2)} | "
                       f"bf16 unfused {_fmt(r.bf16_unfused)} torch fused {_fmt(r.bf16_fused)} {r.notes}", flush=True)
         torch.cuda.empty_cache()

@@ -162,7 +162,8 @@ def describe_signature(sig: tuple[int, ...], names: tuple[str, ...]) -> str:
     return ", ".join(parts) + f", out_dtype={out_dtype}"
 
 
-_agreed: set[tuple[str, tuple[int, ...]]] = set()
+# (group, kind, out_dtype, (shape, dtype, contiguous) per tensor) of calls every rank agreed on.
+_agreed: set[tuple] = set()
 
 
 def gather_values(group_name: str, values: tuple[int, ...], device: torch.device) -> list[tuple[int, ...]]:
@@ -184,10 +185,10 @@ def check_ranks_agree(
     mode = signature_check_mode(device.type)
     if mode is SignatureCheck.OFF:
         return
-    sig = call_signature(kind, tensors, out_dtype)
-    key = (group_name, sig)
+    key = (group_name, kind, out_dtype, *((t.shape, t.dtype, t.is_contiguous()) for t in tensors))
     if mode is SignatureCheck.FIRST and key in _agreed:
         return
+    sig = call_signature(kind, tensors, out_dtype)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return  # a host sync is impossible here; capture replays a call that was checked in warm-up
     rows = gather_values(group_name, sig, device)

@@ -27,6 +27,9 @@ GEMM + reduce-scatter (rows of ``a`` split in ``W`` chunks; chunk ``d`` belongs 
     wait side stream
     out = sum_src recv[src]  (one kernel; fp32 accumulation, one rounding to out_dtype)
 
+(The caller's stream issues its first decode / GEMM before the side stream's work: in eager mode
+every launch costs the host microseconds, and the GEMM is what the pipeline waits for.)
+
 Source ``s`` keeps its partial for destination ``d`` in slot ``(d - s - 1) mod W``, so the slot a
 rank reads at step ``s`` has the same index as the one it wrote. With two ranks the READY handoff
 is a single barrier kernel.
@@ -240,8 +243,15 @@ def all_gather_fp4_matmul(
 
     gemm = RowBlockGemm(b, b_scale, alpha, out_dtype, m)
     main, side = torch.cuda.current_stream(), ws.side_stream
-    side.wait_stream(main)
+    own_out = out[rank * m:(rank + 1) * m]
+    # Issue order matters in eager mode (each launch costs the host microseconds): the caller's
+    # stream gets its first kernels before the side stream's copies and signals are issued.
+    ws.start_event.record(main)
+    local = gemm.prepare(a_shard, a_scale_shard)
+    if not gemm.may_hold_all_sms:
+        gemm.run(own_out, local)
     with torch.cuda.stream(side):
+        side.wait_event(ws.start_event)
         ws.view(rank, layout.data).copy_(a_shard)
         ws.view(rank, layout.scales).copy_(a_scale_shard.view(torch.uint8))
         ws.barrier(Channel.READY)
@@ -257,10 +267,9 @@ def all_gather_fp4_matmul(
             a_scale[own].copy_(a_scale_shard)
         ws.barrier(Channel.DONE)
 
-    local = gemm.prepare(a_shard, a_scale_shard)
     if gemm.may_hold_all_sms:
-        main.wait_event(ws.ready_events[0])  # the READY barrier must be running before the GEMM takes every SM
-    gemm.run(out[rank * m:(rank + 1) * m], local)
+        main.wait_event(ws.ready_events[0])  # the READY barrier must have run before the GEMM takes every SM
+        gemm.run(own_out, local)
     for step, peer in enumerate(peers, start=1):
         rows = slice(peer * m, (peer + 1) * m)
         main.wait_event(ws.step_events[step])
@@ -314,4 +323,6 @@ def fp4_matmul_reduce_scatter(
     with torch.cuda.stream(side):
         ws.barrier(Channel.DONE)
     main.wait_stream(side)
+    if world == 2:  # one elementwise kernel: bf16/fp16 add in fp32 and round once, like the sum below
+        return torch.add(recv[0], recv[1])
     return torch.sum(recv, dim=0)

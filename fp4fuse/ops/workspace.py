@@ -132,6 +132,7 @@ class SymmWorkspace:
         # Per pipeline step: data handed from one stream to the other (step_events), and a READY
         # handoff completed on the side stream (ready_events). Reused by every call: a wait
         # captures the event's latest record when it is enqueued.
+        self.start_event = torch.cuda.Event()
         self.step_events = [torch.cuda.Event() for _ in range(world_size)]
         self.ready_events = [torch.cuda.Event() for _ in range(world_size)]
         self.capacity = 0
