@@ -1,0 +1,423 @@
+"""Sequence-parallel patterns on traced graphs, fake process group (world 2): exact match counts,
+the ops before and after, and the logged reason for every match left alone.
+
+Graphs are traced with ``sp_common.aot_trace`` (AOT autograd + Inductor decompositions, the
+form of a post-grad graph); ``test_patterns_match_inductor_post_grad_graphs`` checks that the
+same patterns match graphs Inductor itself hands to a post-grad pass.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import fp4fuse  # noqa: F401  (registers torch.ops.fp4fuse.*)
+from fp4fuse.amax import NVFP4Quantizer, register_amax_group
+from fp4fuse.config import FusionConfig
+from fp4fuse.ops import sp_ops  # noqa: F401  (registers fp4fuse::shard_rows)
+from fp4fuse.passes.sequence_parallel import SequenceParallelismPass
+from fp4fuse.patterns.sp_common import aot_trace
+
+W = 2
+H = 64
+BF16 = torch.bfloat16
+fc = torch.ops._c10d_functional
+fp4 = torch.ops.fp4fuse
+aten = torch.ops.aten
+SP_LOGGER = "fp4fuse.passes.sequence_parallel"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fake_group():
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=W)
+    assert dist.get_world_size() == W
+    yield dist.group.WORLD.group_name
+    if owned:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def sp_pass() -> SequenceParallelismPass:
+    """One pass for the module: patterns are registered once per group and family."""
+    return SequenceParallelismPass(FusionConfig(enable_sequence_parallelism=True))
+
+
+def group() -> str:
+    return dist.group.WORLD.group_name
+
+
+# --------------------------------------------------------------------------- graph building
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    return funcol.all_reduce(x, "sum", group())
+
+
+def fp4fuse_norm(x, w, residual=None, eps=1e-6):
+    if residual is None:
+        return fp4.rms_norm(x, w, eps)
+    out, total = fp4.fused_add_rms_norm(x, residual, w, eps)
+    return out, total
+
+
+def torch_functional_norm(x, w, residual=None, eps=1e-5, residual_first=False):
+    if residual is None:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    total = residual + x if residual_first else x + residual
+    return F.rms_norm(total, (total.shape[-1],), w, eps), total
+
+
+def torch_manual_norm(x, w, residual=None, eps=1e-6, residual_first=False):
+    def norm(t):
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * w
+    if residual is None:
+        return norm(x)
+    total = residual + x if residual_first else x + residual
+    return norm(total), total
+
+
+def torch_fp32_norm(x, w, residual=None, eps=1e-6, residual_first=False):
+    def norm(t):
+        tf = t.float()
+        return w * (tf * torch.rsqrt(tf.pow(2).mean(-1, keepdim=True) + eps)).to(t.dtype)
+    if residual is None:
+        return norm(x)
+    total = residual + x if residual_first else x + residual
+    return norm(total), total
+
+
+NORMS = {"fp4fuse": fp4fuse_norm, "torch_functional": torch_functional_norm,
+         "torch_manual": torch_manual_norm, "torch_fp32": torch_fp32_norm}
+
+
+def static_quant(x):
+    return fp4.scaled_fp4_quant(x, torch.full((1,), 3.0, device=x.device))
+
+
+def three_layers(norm, quant=static_quant, **norm_kwargs):
+    """embedding all_reduce -> first norm -> quant; o_proj all_reduce -> middle norm -> quant;
+    down all_reduce -> last norm (bf16). The quantized activations feed the next "GEMM" input."""
+    def fn(x0, x1, x2, w0, w1, w2):
+        r0 = all_reduce(x0)
+        q0, s0 = quant(norm(r0, w0, **norm_kwargs))[:2]
+        n1, r1 = norm(all_reduce(x1), w1, r0, **norm_kwargs)
+        q1, s1 = quant(n1)[:2]
+        n2, _ = norm(all_reduce(x2), w2, r1, **norm_kwargs)
+        return q0, s0, q1, s1, n2
+    return fn
+
+
+def trace(fn, shapes, dtype=BF16, mode: FakeTensorMode | None = None) -> torch.fx.GraphModule:
+    mode = mode or FakeTensorMode()
+    with mode:
+        args = [torch.empty(s, dtype=dtype) for s in shapes]
+    return aot_trace(fn, args)
+
+
+def layer_shapes(tokens: int = 8):
+    return [(tokens, H)] * 3 + [(H,)] * 3
+
+
+def ops(gm: torch.fx.GraphModule) -> collections.Counter:
+    return collections.Counter(n.target for n in gm.graph.nodes if n.op == "call_function")
+
+
+def reduce_ops(gm) -> list[str]:
+    return [n.args[1] for n in gm.graph.nodes if n.target is fc.all_reduce.default]
+
+
+def run(sp: SequenceParallelismPass, gm: torch.fx.GraphModule) -> int:
+    n = sp(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    return n
+
+
+def counts(sp: SequenceParallelismPass) -> dict[str, int]:
+    return {k.removeprefix("sequence_parallel."): v for k, v in sp.match_counts.items()}
+
+
+# --------------------------------------------------------------------------- matches
+
+
+def test_fp4fuse_norms_first_middle_last_static_scale(sp_pass):
+    gm = trace(three_layers(fp4fuse_norm), layer_shapes())
+    before = ops(gm)
+    assert before[fc.all_reduce.default] == 3 and before[fc.all_gather_into_tensor.default] == 0
+
+    assert run(sp_pass, gm) == 5
+    assert counts(sp_pass) == {"first.fp4fuse": 1, "middle.fp4fuse": 1, "last.fp4fuse": 1, "quant_before_gather": 2}
+    after = ops(gm)
+    assert after[fc.all_reduce.default] == 0
+    assert after[fc.reduce_scatter_tensor.default] == 3
+    # codes + scales of two quantized activations, and the last norm's bf16 output
+    assert after[fc.all_gather_into_tensor.default] == 5
+    assert after[fp4.scaled_fp4_quant.default] == 2 and after[fp4.fused_add_rms_norm.default] == 2
+    # the residual stream stayed sharded: both shard_rows folded into the shards they re-sliced
+    assert after[fp4.shard_rows.default] == 0 and sp_pass.folded_residuals == 2
+    assert sp_pass.skips == []
+
+
+def test_quantize_happens_before_the_gather(sp_pass):
+    gm = trace(three_layers(fp4fuse_norm), layer_shapes(tokens=8))
+    run(sp_pass, gm)
+    for quant in gm.graph.find_nodes(op="call_function", target=fp4.scaled_fp4_quant.default):
+        assert quant.meta["val"][0].shape == (4, H // 2)  # 8 tokens over 2 ranks: quantizes a shard
+    gathers = gm.graph.find_nodes(op="call_function", target=fc.all_gather_into_tensor.default)
+    gathered = [n.meta["val"] for n in gathers]
+    assert sorted((tuple(v.shape), v.dtype) for v in gathered) == sorted(
+        [((8, H // 2), torch.uint8)] * 2 + [((8, H // 16), torch.uint8)] * 2 + [((8, H), BF16)])
+    views = gm.graph.find_nodes(op="call_function", target=aten.view.dtype)
+    assert {n.args[1] for n in views} == {torch.uint8, torch.float8_e4m3fn}  # scales travel as uint8
+
+
+@pytest.mark.parametrize("form", ["torch_functional", "torch_manual", "torch_fp32"])
+@pytest.mark.parametrize("residual_first", [False, True])
+def test_torch_norm_forms(sp_pass, form, residual_first):
+    gm = trace(three_layers(NORMS[form], residual_first=residual_first), layer_shapes())
+    assert run(sp_pass, gm) == 5
+    assert counts(sp_pass) == {f"first.{form}": 1, f"middle.{form}": 1, f"last.{form}": 1, "quant_before_gather": 2}
+    assert ops(gm)[fc.all_reduce.default] == 0
+
+
+def test_torch_norm_fp32_activations(sp_pass):
+    gm = trace(three_layers(torch_functional_norm), layer_shapes(), dtype=torch.float32)
+    assert run(sp_pass, gm) == 5
+    assert counts(sp_pass)["middle.torch_functional"] == 1
+
+
+def test_any_epsilon_and_it_is_kept(sp_pass):
+    gm = trace(three_layers(fp4fuse_norm, eps=3e-4), layer_shapes())
+    run(sp_pass, gm)
+    norms = gm.graph.find_nodes(op="call_function", target=fp4.fused_add_rms_norm.default)
+    assert len(norms) == 2 and {n.args[3] for n in norms} == {3e-4}
+
+
+def test_dynamic_scale_gets_a_group_amax(sp_pass):
+    quant = NVFP4Quantizer().quantize
+    gm = trace(three_layers(fp4fuse_norm, quant=quant), layer_shapes())
+    assert reduce_ops(gm) == ["sum"] * 3
+    run(sp_pass, gm)
+    assert counts(sp_pass) == {"first.fp4fuse": 1, "middle.fp4fuse": 1, "last.fp4fuse": 1,
+                               "quant_before_gather.dynamic_scale": 2}
+    # one all-reduce MAX of [amax, isnan flag] per quantized activation, nothing else all-reduced
+    maxes = [n for n in gm.graph.find_nodes(op="call_function", target=fc.all_reduce.default)]
+    assert [n.args[1] for n in maxes] == ["max", "max"]
+    assert all(tuple(n.meta["val"].shape) == (2,) for n in maxes)
+    # no amax reads a gathered tensor any more
+    for amax in gm.graph.find_nodes(op="call_function", target=aten.amax.default):
+        assert amax.meta["val"].dim() == 0
+        assert amax.args[0].args[0].target is not fc.wait_tensor.default
+
+
+def test_dynamic_scale_with_amax_group(sp_pass):
+    group_id = register_amax_group()
+    quant = NVFP4Quantizer(amax_group=group_id).quantize
+    gm = trace(three_layers(fp4fuse_norm, quant=quant), layer_shapes())
+    run(sp_pass, gm)
+    assert counts(sp_pass)["quant_before_gather.dynamic_scale"] == 2
+    assert sp_pass.amax_groups == {group(): group_id}
+    # the quantizer's own all-reduce MAX stays (now over identical values); the SP one is added
+    assert sorted(reduce_ops(gm)) == ["max"] * 4
+
+
+def test_residual_from_a_graph_input_is_sharded_at_run_time(sp_pass):
+    def fn(x, residual, w, w2):
+        out, total = fp4fuse_norm(all_reduce(x), w, residual)
+        return out, total
+    gm = trace(fn, [(8, H), (8, H), (H,), (H,)])
+    run(sp_pass, gm)
+    assert counts(sp_pass) == {"middle.fp4fuse": 1}
+    shards = gm.graph.find_nodes(op="call_function", target=fp4.shard_rows.default)
+    assert len(shards) == 1 and shards[0].args == (gm.graph.find_nodes(op="placeholder")[1], group())
+    # nothing rank-specific was baked in: no slice of the residual by a constant offset
+    assert not gm.graph.find_nodes(op="call_function", target=aten.slice.Tensor)
+
+
+# --------------------------------------------------------------------------- left alone, with a reason
+
+
+def assert_skipped(sp, caplog, reason_part: str, key_part: str = "") -> None:
+    assert any(reason_part in s.reason and key_part in s.key for s in sp.skips), sp.skips
+    assert any(reason_part in r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG)
+
+
+def test_token_count_not_divisible(sp_pass, caplog):
+    caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
+    gm = trace(three_layers(fp4fuse_norm), layer_shapes(tokens=7))
+    assert run(sp_pass, gm) == 0
+    assert reduce_ops(gm) == ["sum"] * 3
+    assert_skipped(sp_pass, caplog, "token count 7 is not divisible by the group size 2", "fp4fuse")
+
+
+def test_min_tokens(caplog):
+    caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
+    sp = SequenceParallelismPass(FusionConfig(enable_sequence_parallelism=True, min_tokens=16))
+    gm = trace(three_layers(fp4fuse_norm), layer_shapes(tokens=8))
+    assert run(sp, gm) == 0
+    assert_skipped(sp, caplog, "token count 8 is below min_tokens=16")
+    gm = trace(three_layers(fp4fuse_norm), layer_shapes(tokens=16))
+    assert run(sp, gm) == 5
+
+
+def test_broadcast_residual(sp_pass, caplog):
+    caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
+
+    def fn(x, residual, w):
+        return torch_manual_norm(all_reduce(x), w, residual)
+    gm = trace(fn, [(8, H), (1, H), (H,)])
+    assert run(sp_pass, gm) == 0
+    assert_skipped(sp_pass, caplog, "a broadcast residual cannot be sharded by rows", "torch_manual")
+
+
+def test_per_row_norm_weight(sp_pass, caplog):
+    caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
+
+    def fn(x, w):
+        r = all_reduce(x)
+        return torch_manual_norm(r, w), r
+    gm = trace(fn, [(8, H), (8, H)])
+    assert run(sp_pass, gm) == 0
+    assert_skipped(sp_pass, caplog, "it must not vary by row", "first.torch_manual")
+
+
+def test_static_scale_from_a_graph_input_stays_after_the_gather(sp_pass, caplog):
+    caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
+
+    def fn(x, w, gs):
+        r = all_reduce(x)
+        q, s = fp4.scaled_fp4_quant(fp4fuse_norm(r, w), gs)
+        return q, s, r
+    with FakeTensorMode():
+        args = [torch.empty(8, H, dtype=BF16), torch.empty(H, dtype=BF16), torch.empty(1)]
+    gm = aot_trace(fn, args)
+    run(sp_pass, gm)
+    assert counts(sp_pass) == {"first.fp4fuse": 1}  # the norm is sharded, the quant is not moved
+    assert_skipped(sp_pass, caplog, "which may differ across ranks", "quant_before_gather")
+    quant = gm.graph.find_nodes(op="call_function", target=fp4.scaled_fp4_quant.default)[0]
+    assert quant.args[0].target is fc.wait_tensor.default  # still quantizes the gathered rows
+
+
+def test_gathered_activation_with_another_reader(sp_pass, caplog):
+    caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
+
+    def fn(x, w):
+        r = all_reduce(x)
+        n = fp4fuse_norm(r, w)
+        q, s = static_quant(n)
+        return q, s, n, r
+    gm = trace(fn, [(8, H), (H,)])
+    run(sp_pass, gm)
+    assert counts(sp_pass) == {"first.fp4fuse": 1}
+    assert_skipped(sp_pass, caplog, "quantizing before the gather would need the bf16 gather as well")
+
+
+def test_group_that_does_not_resolve(caplog):
+    caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
+    sp = SequenceParallelismPass(FusionConfig(enable_sequence_parallelism=True))
+
+    def fn(x, w):
+        r = fc.wait_tensor(fc.all_reduce(x, "sum", "no_such_group"))
+        return fp4fuse_norm(r, w), r
+    gm = trace(fn, [(8, H), (H,)])
+    assert run(sp, gm) == 0
+    assert_skipped(sp, caplog, "does not resolve in this process", "group")
+
+
+def test_disabled_config_changes_nothing():
+    sp = SequenceParallelismPass(FusionConfig())
+    gm = trace(three_layers(fp4fuse_norm), layer_shapes())
+    before = str(gm.graph)
+    assert run(sp, gm) == 0 and str(gm.graph) == before
+
+
+# --------------------------------------------------------------------------- symbolic token counts
+
+
+def symbolic_trace(tokens_hint: int):
+    """The three-layer graph with a symbolic token count (one symbol shared by every activation)."""
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env)
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    x0 = mode.from_tensor(torch.empty(tokens_hint, H, dtype=BF16), symbolic_context=ctx)
+    with mode:
+        xs = [x0] + [x0.new_empty(x0.shape[0], H) for _ in range(2)]
+        ws = [torch.empty(H, dtype=BF16) for _ in range(3)]
+    return shape_env, aot_trace(three_layers(fp4fuse_norm), [*xs, *ws])
+
+
+def test_symbolic_tokens_get_a_divisibility_guard(sp_pass):
+    shape_env, gm = symbolic_trace(tokens_hint=10)
+    assert run(sp_pass, gm) == 5
+    guards = [str(g.expr) for g in shape_env.guards]
+    assert any("Mod(" in g and "2" in g for g in guards), guards
+
+
+def test_symbolic_tokens_with_an_odd_hint_are_left_alone(sp_pass, caplog):
+    caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
+    shape_env, gm = symbolic_trace(tokens_hint=9)
+    assert run(sp_pass, gm) == 0
+    assert not [g for g in shape_env.guards if "Mod(" in str(g.expr)]
+    assert_skipped(sp_pass, caplog, "(hint 9) is not divisible by the group size 2")
+
+
+# --------------------------------------------------------------------------- the real post-grad graphs
+
+
+def test_patterns_match_inductor_post_grad_graphs():
+    """Compile (fake group) a function holding every norm form; the pass runs inside Inductor."""
+    sp = SequenceParallelismPass(FusionConfig(enable_sequence_parallelism=True))
+    seen = []
+
+    def post_grad(graph: torch.fx.Graph) -> None:
+        sp(graph)
+        seen.append(dict(sp.match_counts))
+
+    def fn(xs, ws):
+        outs = []
+        for i, form in enumerate(NORMS.values()):
+            r = all_reduce(xs[2 * i])
+            q, s, _ = NVFP4Quantizer().quantize(form(r, ws[i]))
+            n, _ = form(all_reduce(xs[2 * i + 1]), ws[i], r)
+            outs += [q, s, n]
+        return outs
+
+    xs = [torch.randn(8, H, dtype=BF16) for _ in range(2 * len(NORMS))]
+    ws = [torch.randn(H, dtype=BF16) for _ in NORMS]
+    with torch._inductor.config.patch(post_grad_custom_post_pass=post_grad, fx_graph_cache=False):
+        torch._dynamo.reset()
+        torch.compile(fn, fullgraph=True)(xs, ws)
+    (got,) = seen
+    expected = {f"sequence_parallel.{pos}.{form}": 1 for form in NORMS for pos in ("first", "last")}
+    expected["sequence_parallel.quant_before_gather.dynamic_scale"] = len(NORMS)
+    assert got == expected
+
+
+# --------------------------------------------------------------------------- bookkeeping
+
+
+def test_source_files_cover_patterns_and_ops(sp_pass):
+    names = {p.rsplit("/", 1)[-1] for p in sp_pass.source_files()}
+    assert {"sequence_parallel.py", "sp_common.py", "sp_fp4fuse_norm.py", "sp_torch_norm.py", "sp_quant.py",
+            "sp_ops.py"} <= names
+    assert SequenceParallelismPass.reads_process_groups
+
+
+def test_shard_rows_op_contract():
+    x = torch.arange(12.0).reshape(6, 2)
+    torch.library.opcheck(torch.ops.fp4fuse.shard_rows, (x, group()))
+    assert torch.equal(torch.ops.fp4fuse.shard_rows(x, group()), x[:3])  # the fake group's rank is 0
+    with pytest.raises(RuntimeError, match="divisible by the group size 2"):
+        torch.ops.fp4fuse.shard_rows(torch.zeros(5, 2), group())
+    assert math.isfinite(float(torch.ops.fp4fuse.shard_rows(x, group()).sum()))
