@@ -16,8 +16,11 @@ Spawns 2 NCCL ranks. For total M in {512, 2048, 8192, 32768} x (N, K) in {(4096,
   ``symm_mem.fused_matmul_reduce_scatter`` and mm + NCCL bf16 reduce-scatter.
 
 Timing: per iteration the ranks synchronize the device and meet at a barrier, then CUDA events
-bracket one eager call; median over the iterations, then the slower rank's median. Overlap
-efficiency ``(t_comm + t_mm - t_fused) / min(t_comm, t_mm)`` is shown where ``min >= 50 us``.
+bracket one call; median over the iterations, then the slower rank's median. Each shape is timed
+twice: device-bound (a ~1 ms GPU sleep queued first, so the host has issued the call before the
+GPU starts it) and eager (host launch latency included). Overlap efficiency
+``(t_comm + t_mm - t_fused) / min(t_comm, t_mm)`` is shown where ``min >= 50 us``. A full run
+(21 shapes x 2 modes) takes about 3-4 minutes on 2xH200; ``--budget-s`` stops starting new shapes.
 """
 from __future__ import annotations
 
@@ -84,8 +87,8 @@ class Row:
 HOST_AHEAD_SLEEP_CYCLES = 2_000_000
 
 
-def _time_ms(fn: Callable[[], object], host_ahead: bool, budget_s: float = 0.25, min_iters: int = 5,
-             max_iters: int = 30) -> float:
+def _time_ms(fn: Callable[[], object], host_ahead: bool, budget_s: float = 0.15, min_iters: int = 5,
+             max_iters: int = 20) -> float:
     """Median CUDA-event time of one call, ranks aligned by a barrier before each call; the slower
     rank's median is returned on every rank. ``host_ahead``: a GPU sleep precedes the start event,
     so launch latency is hidden (device-bound time, as under CUDA graphs or a busy pipeline);

@@ -301,7 +301,7 @@ def fp4_matmul_reduce_scatter(
         rows = slice(dst * m, (dst + 1) * m)
         block = gemm.prepare(a[rows], a_scale[rows])
         if step > 1 and gemm.may_hold_all_sms:
-            # The previous step's handoff must be running before this GEMM takes every SM; then its
+            # The previous step's handoff must have run before this GEMM takes every SM; then its
             # pull (copy engine) overlaps this GEMM.
             main.wait_event(ws.ready_events[step - 1])
         if step == world:
