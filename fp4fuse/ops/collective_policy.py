@@ -3,13 +3,15 @@
 * Size threshold: below :func:`overlap_min_rows` total rows (gathered rows of the all-gather GEMM,
   input rows of the GEMM + reduce-scatter) the ops run the functional-collective path, where the
   overlapped pipeline's fixed cost (more launches, two barriers, split GEMMs) does not pay. The
-  defaults (4096 both sides) come from ``benchmarks/bench_collective_gemm.py`` on 2xH200, torch
-  2.11, Triton 3.6 (``benchmarks/results/2026-11-21-collective-gemm-2xh200.md``): with the host
-  ahead of the GPU (CUDA graphs, or a model whose GPU runs behind its host) both fused ops are
-  at least as fast as unfused from 2048 rows, 1024-row calls are slower (512-row shards fall on
-  the slower tiled GEMM), and 4096 adds one grid step of margin. With an idle GPU waiting on
-  eager host launches, the all-gather side only breaks even from 32768 rows (the reduce-scatter
-  side from 4096): set ``FP4FUSE_OVERLAP_MIN_ROWS=32768`` for such host-bound eager use.
+  defaults come from ``benchmarks/bench_collective_gemm.py`` on 2xH200, torch 2.11, Triton 3.6
+  (``benchmarks/results/2026-11-21-collective-gemm-2xh200.md``). With the host ahead of the GPU
+  (CUDA graphs, or a model whose GPU runs behind its host) both fused ops are at least as fast as
+  unfused from 2048 rows (1024-row calls are slower: 512-row shards fall on the slower tiled GEMM).
+  With an idle GPU waiting on eager host launches -- what a ``torch.compile`` graph without CUDA
+  graphs does -- the all-gather side only breaks even from 32768 rows, the reduce-scatter side
+  from 4096. The defaults are the eager-safe ones (all-gather 32768, reduce-scatter 4096), so the
+  fused ops are never measurably slower than unfused in either mode; under CUDA graphs set
+  ``FP4FUSE_OVERLAP_MIN_ROWS=4096`` to overlap the all-gather side from there (1.02-1.13x).
   ``FP4FUSE_OVERLAP_MIN_ROWS`` sets both sides; ``FP4FUSE_DISABLE_OVERLAP=1`` turns the overlapped
   path off. Both must be the same on every rank (the decision must be the same everywhere).
 * Agreement: the group all-gathers the call signature (op, every tensor's shape / dtype /
@@ -40,7 +42,7 @@ ENV_CHECK = "FP4FUSE_COLLECTIVE_CHECK"
 
 #: Total rows below which the functional-collective path runs instead of the overlapped one, per
 #: op family. Measured crossover on 2xH200 (NV18), torch 2.11, Triton 3.6: see the module doc.
-DEFAULT_ALL_GATHER_MIN_ROWS = 4096
+DEFAULT_ALL_GATHER_MIN_ROWS = 32768
 DEFAULT_REDUCE_SCATTER_MIN_ROWS = 4096
 
 _funcol = torch.ops._c10d_functional
