@@ -32,6 +32,7 @@ from fp4fuse.format import (
 _LAZY = {
     "FusionConfig": "fp4fuse.config",
     "FusionPass": "fp4fuse.passes.manager",
+    "reserve_workspace": "fp4fuse.ops.workspace",
 }
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "global_scale_from_amax",
     "quantize_reference",
     "register_amax_group",
+    "reserve_workspace",
     "swizzle_scales",
     "unswizzle_scales",
 ]
