@@ -39,6 +39,7 @@ from fp4fuse.config import FusionConfig
 from fp4fuse.passes.async_tp import AsyncTPPass
 from fp4fuse.passes.base import FusionGraphPass, process_group_fingerprint
 from fp4fuse.passes.cleanup import NoOpViewCleanupPass
+from fp4fuse.passes.sequence_parallel import SequenceParallelismPass
 from fp4fuse.patterns.base import Skip
 
 __all__ = ["FusionPass"]
@@ -49,18 +50,6 @@ _PACKAGE = Path(__file__).resolve().parent.parent
 # Everything whose code decides what a rewritten graph looks like or computes.
 _SOURCE_DIRS = ("passes", "patterns", "ops")
 _SOURCE_FILES = ("config.py", "format.py")
-
-
-def _sequence_parallelism_pass(config: FusionConfig) -> FusionGraphPass | None:
-    try:
-        from fp4fuse.passes.sequence_parallel import SequenceParallelismPass
-    except ModuleNotFoundError as err:
-        if err.name != "fp4fuse.passes.sequence_parallel":
-            raise
-        logger.warning("fp4fuse: fp4fuse.passes.sequence_parallel is not available; "
-                       "sequence parallelism is skipped")
-        return None
-    return SequenceParallelismPass(config)
 
 
 class FusionPass(CustomGraphPass):
@@ -81,9 +70,7 @@ class FusionPass(CustomGraphPass):
             logging.getLogger("fp4fuse").setLevel(self.config.log_level_number)
         self.passes: list[FusionGraphPass] = [NoOpViewCleanupPass(self.config)]
         if self.config.enable_sequence_parallelism:
-            sp = _sequence_parallelism_pass(self.config)
-            if sp is not None:
-                self.passes.append(sp)
+            self.passes.append(SequenceParallelismPass(self.config))
         if self.config.enable_async_tp:
             self.passes.append(AsyncTPPass(self.config))
         self.match_counts: collections.Counter[str] = collections.Counter()
