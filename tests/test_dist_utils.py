@@ -19,9 +19,16 @@ def _all_reduce_rank(scale: int) -> tuple[int, torch.Tensor]:
 
 def _misbehave() -> None:
     rank = int(os.environ["RANK"])
+    marker = os.environ["MISBEHAVE_MARKER"]
     if rank == 0:
+        open(marker, "w").close()
         raise ValueError("bad input on rank 0")
     if rank == 1:
+        # Exit only once rank 0 is about to raise: spawning can take seconds on a loaded machine,
+        # longer than the grace period that starts at the first failure.
+        deadline = time.monotonic() + 60
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
         os._exit(3)
     time.sleep(600)
 
@@ -36,11 +43,12 @@ def test_returns_values_in_rank_order():
     assert all(torch.equal(r[1], torch.tensor([3.0])) for r in results)
 
 
-def test_failures_name_the_rank_and_stragglers_are_stopped():
+def test_failures_name_the_rank_and_stragglers_are_stopped(tmp_path):
     start = time.monotonic()
     with pytest.raises(RankError) as info:
-        run_on_ranks(_misbehave, 3, backend=None, timeout=60, grace=1.0)
-    assert time.monotonic() - start < 30
+        run_on_ranks(_misbehave, 3, backend=None, timeout=60, grace=1.0,
+                     env={"MISBEHAVE_MARKER": str(tmp_path / "rank0_raising")})
+    assert time.monotonic() - start < 45
     err = info.value
     assert err.rank == 0 and isinstance(err.__cause__, ValueError)
     assert "rank 0: raised ValueError: bad input on rank 0" in str(err) and "_misbehave" in str(err)
