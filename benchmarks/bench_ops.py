@@ -1,0 +1,316 @@
+"""Benchmark fp4fuse's single-GPU ops against same-process baselines; writes a dated markdown table.
+
+    PYTHONPATH=. python benchmarks/bench_ops.py [--out results.md] [--sweep] [--json raw.json]
+
+Measured (medians of CUDA-event timings via ``triton.testing.do_bench``, which clears the L2 before
+every timed call, so weights are read from HBM as in a real decode step):
+
+1. Ceilings: device-to-device copy bandwidth (bytes read + written) and cuBLAS bf16 8192^3 rate.
+2. ``scaled_fp4_quant`` on 16384x8192 bf16 (bytes: read x + write q + s) as % of the copy
+   bandwidth, for both exact division modes; RMSNorm on the same shape.
+3. ``mm_fp4`` at M in {1, 16, 128, 1024, 8192} x (N, K) in {(8192, 8192), (28672, 8192),
+   (8192, 28672)} against cuBLAS bf16 ``torch.mm`` on the same shapes and against a naive torch
+   dequantize-then-matmul (table lookup + repeat_interleave of the scales + torch.mm), with the
+   floor max(bytes / copy bandwidth, flops / cuBLAS rate). Small M is also timed as CUDA-graph
+   replays over 4 rotating weight copies (no launch gaps, weights cold in L2).
+4. ``--sweep``: the launch-configuration sweep that chose the defaults in triton_mm.py and
+   triton_quant.py (printed and written to the JSON).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import logging
+import sys
+import time
+
+import torch
+import triton
+from triton.testing import do_bench
+
+import fp4fuse  # noqa: F401  (registers torch.ops.fp4fuse)
+from fp4fuse import format as nvfp4
+from fp4fuse.ops import triton_mm, triton_quant
+
+logger = logging.getLogger(__name__)
+
+MM_MS = (1, 16, 128, 1024, 8192)
+MM_SHAPES = ((8192, 8192), (28672, 8192), (8192, 28672))
+GRAPH_MAX_M = 128
+ROTATIONS = 4
+
+
+def bench(fn, warmup: int = 10, rep: int = 40) -> float:
+    """Median milliseconds of ``fn`` (L2 cleared before each call)."""
+    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def bench_graph(fns: list, reps: int = 20) -> float:
+    """Milliseconds per call of ``fns`` (called in rotation) replayed from one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            for fn in fns:
+                fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / (reps * len(fns)))
+    return sorted(times)[len(times) // 2]
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gs = nvfp4.global_scale_from_amax(x.float().abs().amax()).reshape(1)
+    q, s = torch.ops.fp4fuse.scaled_fp4_quant(x, gs)
+    return q, s, gs
+
+
+_LUT = {}
+
+
+def naive_dequant(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The emulation fp4fuse replaces: table lookup of codes, repeat_interleave of the scales."""
+    if q.device not in _LUT:
+        _LUT[q.device] = nvfp4._E2M1_TABLE.to(device=q.device, dtype=torch.bfloat16)
+    codes = torch.stack((q & 0xF, q >> 4), dim=-1).flatten(-2)
+    return _LUT[q.device][codes.long()] * s.to(torch.bfloat16).repeat_interleave(16, dim=1)
+
+
+def naive_mm(a, b, sa, sb, alpha):
+    return (naive_dequant(a, sa) @ naive_dequant(b, sb).t()) * alpha
+
+
+@dataclasses.dataclass
+class Ceilings:
+    copy_gbs: float
+    mm_tflops: float
+
+
+def measure_ceilings() -> Ceilings:
+    n = 1 << 29  # 1 GiB of bf16 per buffer
+    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    ms = bench(functools.partial(torch.empty_like(src).copy_, src))
+    copy_gbs = 2 * src.numel() * 2 / ms / 1e6
+    src = None
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = bench(functools.partial(torch.mm, a, b))
+    return Ceilings(copy_gbs=copy_gbs, mm_tflops=2 * 8192 ** 3 / ms / 1e9)
+
+
+def bench_quant(ceil: Ceilings, rows: list[dict]) -> None:
+    m, k = 16384, 8192
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    gs = nvfp4.global_scale_from_amax(x.float().abs().amax()).reshape(1)
+    nbytes = m * k * 2 + m * k // 2 + m * k // 16
+    floor_ms = nbytes / ceil.copy_gbs / 1e6
+    shape = f"{m}x{k} bf16"
+    for div in triton_quant.QuantDivision:
+        ms = bench(functools.partial(triton_quant.scaled_fp4_quant_triton, x, gs, division=div))
+        rows.append({"op": f"scaled_fp4_quant ({div.name})", "shape": shape, "ms": ms, "floor_ms": floor_ms,
+                     "pct_copy": 100 * floor_ms / ms})
+    w = torch.randn(k, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn_like(x)
+    ms = bench(functools.partial(torch.ops.fp4fuse.rms_norm, x, w, 1e-6))
+    floor_ms = (2 * m * k * 2) / ceil.copy_gbs / 1e6
+    rows.append({"op": "rms_norm", "shape": shape, "ms": ms, "floor_ms": floor_ms, "pct_copy": 100 * floor_ms / ms})
+    ms = bench(functools.partial(torch.ops.fp4fuse.fused_add_rms_norm, x, r, w, 1e-6))
+    floor_ms = (4 * m * k * 2) / ceil.copy_gbs / 1e6
+    rows.append({"op": "fused_add_rms_norm", "shape": shape, "ms": ms, "floor_ms": floor_ms,
+                 "pct_copy": 100 * floor_ms / ms})
+
+
+def _mm_row(ceil: Ceilings, m: int, n: int, k: int, weights: list, w_bf16: list) -> dict:
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    a, sa, ga = quantize(x)
+    b, sb, gb = weights[0]
+    alpha = 1.0 / (ga * gb)
+    fp4_op = torch.ops.fp4fuse.mm_fp4
+    w_t = [w.t() for w in w_bf16]
+    row = {"m": m, "n": n, "k": k}
+    row["fp4_ms"] = bench(functools.partial(fp4_op, a, b, sa, sb, alpha, torch.bfloat16))
+    row["bf16_ms"] = bench(functools.partial(torch.mm, x, w_t[0]))
+    row["naive_ms"] = bench(functools.partial(naive_mm, a, b, sa, sb, alpha), warmup=3, rep=10)
+    row["tiled_ms"] = row["dequant_mm_ms"] = float("nan")
+    if m >= 128:
+        cfg = triton_mm.mm_config_for(m, n, k, a.device)
+        row["tiled_ms"] = bench(functools.partial(triton_mm.mm_fp4_tiled, a, b, sa, sb, alpha, torch.bfloat16, cfg))
+        row["dequant_mm_ms"] = bench(functools.partial(triton_mm.mm_fp4_dequant_mm, a, b, sa, sb, alpha))
+    row["graph_fp4_ms"] = row["graph_bf16_ms"] = float("nan")
+    if m <= GRAPH_MAX_M:
+        row["graph_fp4_ms"] = bench_graph([
+            functools.partial(fp4_op, a, wq, sa, wsq, alpha, torch.bfloat16) for wq, wsq, _ in weights])
+        row["graph_bf16_ms"] = bench_graph([functools.partial(torch.mm, x, wt) for wt in w_t])
+    nbytes = (m + n) * k // 2 + (m + n) * k // 16 + m * n * 2
+    row["floor_ms"] = max(nbytes / ceil.copy_gbs / 1e6, 2 * m * n * k / ceil.mm_tflops / 1e9)
+    row["vs_bf16"] = row["bf16_ms"] / row["fp4_ms"]
+    row["vs_naive"] = row["naive_ms"] / row["fp4_ms"]
+    row["graph_vs_bf16"] = row["graph_bf16_ms"] / row["graph_fp4_ms"]
+    return row
+
+
+def bench_mm(ceil: Ceilings, rows: list[dict]) -> None:
+    for n, k in MM_SHAPES:
+        weights = [quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16)) for _ in range(ROTATIONS)]
+        w_bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+        for m in MM_MS:
+            rows.append(_mm_row(ceil, m, n, k, weights, w_bf16))
+            logger.info("mm %s", rows[-1])
+        weights = w_bf16 = None
+        torch.cuda.empty_cache()
+
+
+def _sweep_case(m: int, n: int, k: int, weight: tuple, configs: list, splits: tuple) -> list[dict]:
+    b, sb, gb = weight
+    a, sa, ga = quantize(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+    alpha = 1.0 / (ga * gb)
+    out = []
+    best = None
+    for base in configs:
+        for split in splits:
+            cfg = dataclasses.replace(base, split_k=split)
+            fn = functools.partial(triton_mm.mm_fp4_tiled, a, b, sa, sb, alpha, torch.bfloat16, cfg)
+            try:
+                ms = bench(fn, warmup=5, rep=20)
+            except (triton.runtime.errors.OutOfResources, triton.compiler.errors.CompilationError) as exc:
+                logger.warning("config %s failed: %s", cfg, exc)
+                continue
+            out.append({"m": m, "n": n, "k": k, "cfg": dataclasses.asdict(cfg), "ms": ms})
+            if best is None or ms < best[1]:
+                best = (cfg, ms)
+    default = triton_mm.mm_config_for(m, n, k, a.device)
+    d_ms = bench(functools.partial(triton_mm.mm_fp4_tiled, a, b, sa, sb, alpha, torch.bfloat16, default),
+                 warmup=5, rep=20)
+    deq = bench(functools.partial(triton_mm.mm_fp4_dequant_mm, a, b, sa, sb, alpha), warmup=5, rep=20)
+    print(f"sweep m={m} n={n} k={k}: best {best[1] * 1e3:.1f} us {best[0]}  default {d_ms * 1e3:.1f} us "
+          f"{default}  dequant+mm {deq * 1e3:.1f} us", flush=True)
+    out.append({"m": m, "n": n, "k": k, "best": dataclasses.asdict(best[0]), "best_ms": best[1],
+                "default_ms": d_ms, "dequant_mm_ms": deq})
+    return out
+
+
+def sweep(raw: dict) -> None:
+    """Launch-configuration sweep (chose the defaults in triton_mm.py / triton_quant.py)."""
+    cfg = triton_mm.MMConfig
+    tiny = [cfg(16, 128, 8, 1, 4, 3), cfg(16, 256, 8, 1, 8, 3), cfg(16, 64, 8, 1, 4, 3), cfg(16, 128, 4, 1, 4, 4),
+            cfg(64, 128, 4, 1, 4, 4), cfg(64, 64, 8, 1, 4, 3)]
+    small = [cfg(64, 128, 4, 1, 4, 4), cfg(64, 64, 8, 1, 4, 3), cfg(64, 128, 8, 1, 4, 4), cfg(32, 128, 8, 1, 4, 3),
+             cfg(64, 256, 4, 1, 4, 3)]
+    large = [cfg(128, 128, 8, 1, 8, 3), cfg(128, 256, 8, 1, 8, 3), cfg(128, 128, 4, 1, 8, 4), cfg(64, 256, 4, 1, 4, 3),
+             cfg(128, 256, 4, 1, 8, 4)]
+    cases = [(1, 8192, 8192), (16, 8192, 8192), (64, 8192, 8192), (16, 28672, 8192), (16, 8192, 28672),
+             (128, 8192, 8192), (256, 8192, 8192), (512, 8192, 8192), (1024, 8192, 8192), (2048, 8192, 8192),
+             (128, 28672, 8192), (1024, 28672, 8192)]
+    out = []
+    weight, weight_shape = None, None
+    for m, n, k in cases:
+        if weight_shape != (n, k):
+            weight = None
+            torch.cuda.empty_cache()
+            weight, weight_shape = quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16)), (n, k)
+        configs = tiny if m <= 16 else small if m <= 64 else large
+        splits = (1, 2, 4, 8) if m < 512 else (1, 2)
+        out += _sweep_case(m, n, k, weight, configs, splits)
+    weight = None
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    x = torch.randn(16384, 8192, device="cuda", dtype=torch.bfloat16)
+    gs = nvfp4.global_scale_from_amax(x.float().abs().amax()).reshape(1)
+    for blocks, warps, per_sm in ((256, 8, 2), (256, 8, 4), (256, 8, 8), (128, 4, 8), (128, 4, 16), (512, 16, 2)):
+        fn = functools.partial(triton_quant.scaled_fp4_quant_triton, x, gs, config=(blocks, warps, per_sm * sms))
+        ms = bench(fn)
+        print(f"sweep quant blocks={blocks} warps={warps} programs/SM={per_sm}: {ms * 1e3:.1f} us", flush=True)
+        out.append({"quant_blocks": blocks, "warps": warps, "programs_per_sm": per_sm, "ms": ms})
+    q, s = quantize(torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16))[:2]
+    for blocks, warps in ((256, 8), (512, 8), (1024, 8), (1024, 16), (2048, 16)):
+        ms = bench(functools.partial(triton_mm.dequantize_fp4_triton, q, s, config=(blocks, warps)))
+        print(f"sweep dequant 8192x8192 blocks={blocks} warps={warps}: {ms * 1e3:.1f} us", flush=True)
+        out.append({"dequant_blocks": blocks, "warps": warps, "ms": ms})
+    raw["sweep"] = out
+
+
+def markdown(dev: str, ceil: Ceilings, op_rows: list[dict], mm_rows: list[dict]) -> str:
+    lines = [
+        f"# fp4fuse single-GPU ops, {datetime.date.today().isoformat()}",
+        "",
+        (f"Device: {dev}; torch {torch.__version__}; Triton {triton.__version__}; "
+         f"medians of CUDA-event timings, L2 cleared before each call."),
+        (f"Ceilings measured in this process: copy {ceil.copy_gbs / 1e3:.2f} TB/s (read + write), "
+         f"cuBLAS bf16 8192^3 {ceil.mm_tflops:.0f} TFLOP/s."),
+        "",
+        "| op | shape | ms | floor ms | % of copy bandwidth |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in op_rows:
+        lines.append(f"| {r['op']} | {r['shape']} | {r['ms']:.4f} | {r['floor_ms']:.4f} | {r['pct_copy']:.0f}% |")
+    lines += [
+        "",
+        ("mm_fp4 (bf16 out) vs cuBLAS bf16 `torch.mm` and naive torch dequantize-then-matmul; "
+         "graph columns: CUDA-graph replay over 4 rotating weight copies."),
+        "",
+        ("| M | N | K | fp4 ms | bf16 ms | fp4/bf16 speedup | naive ms | speedup vs naive | floor ms | "
+         "tiled ms | dequant+mm ms | graph fp4 ms | graph bf16 ms | graph speedup |"),
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in mm_rows:
+        lines.append(
+            f"| {r['m']} | {r['n']} | {r['k']} | {r['fp4_ms']:.4f} | {r['bf16_ms']:.4f} | {r['vs_bf16']:.2f}x | "
+            f"{r['naive_ms']:.3f} | {r['vs_naive']:.1f}x | {r['floor_ms']:.4f} | {r['tiled_ms']:.4f} | "
+            f"{r['dequant_mm_ms']:.4f} | {r['graph_fp4_ms']:.4f} | {r['graph_bf16_ms']:.4f} | "
+            f"{r['graph_vs_bf16']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="markdown file to write (default: print)")
+    parser.add_argument("--json", help="raw results as JSON")
+    parser.add_argument("--sweep", action="store_true", help="also run the launch-configuration sweep")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not torch.cuda.is_available():
+        print("bench_ops.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    dev = torch.cuda.get_device_name()
+    ceil = measure_ceilings()
+    print(f"copy {ceil.copy_gbs:.0f} GB/s, bf16 mm {ceil.mm_tflops:.0f} TFLOP/s", flush=True)
+    op_rows: list[dict] = []
+    bench_quant(ceil, op_rows)
+    for r in op_rows:
+        print(r, flush=True)
+    raw: dict = {"device": dev, "torch": torch.__version__, "triton": triton.__version__,
+                 "ceilings": dataclasses.asdict(ceil), "ops": op_rows}
+    if args.sweep:
+        sweep(raw)
+    mm_rows: list[dict] = []
+    bench_mm(ceil, mm_rows)
+    raw["mm"] = mm_rows
+    text = markdown(dev, ceil, op_rows, mm_rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(raw, f, indent=1, default=str)
+    print(f"total {time.time() - t0:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,410 @@
+"""W4A4 NVFP4 GEMM on GPUs without FP4 tensor cores (Hopper, Ampere), in Triton.
+
+Contract: ``mm_fp4_triton(a, b, a_scale, b_scale, alpha, out_dtype) -> out [M, N]`` with
+a uint8 ``[M, K/2]``, b uint8 ``[N, K/2]`` (weight, row-major), linear e4m3 scales ``[M, K/16]`` /
+``[N, K/16]``, alpha a one-element fp32 device tensor (read in-kernel, never synchronised),
+``out = alpha * (q_a * s_a) @ (q_b * s_b)^T`` in bf16/fp16/fp32. Inputs are validated by the op layer.
+
+Numerics. Codes are decoded with integer ops: ``bits = (c & 7) << 9 | (c & 8) << 12`` is the fp16
+pattern of ``e2m1(c) * 2**-14`` (the e2m1 subnormal 0.5 lands on an fp16 subnormal), and scales are
+decoded from their e4m3 bits. ``(e2m1 * 2**-14) * s`` is an integer multiple of 2**-24 with at most
+6 significant bits, so it is exact in fp16; products of two such values are exact in fp32, the
+tensor cores accumulate in fp32, and the epilogue multiplies by ``2**28`` (exact) and then alpha.
+The result is the float64 reference up to fp32 accumulation and one rounding to ``out_dtype``.
+
+Kernels and dispatch (measured on an H200, benchmarks/results/2026-11-21-ops-h200.md):
+
+* ``_decode_halves_kernel`` decodes the activation once into fp16 even/odd halves ``[M, K/2]``
+  (a few microseconds at decode sizes), so that the GEMM decodes only the weight.
+* ``_mm_fp4_kernel``: tiled ``tl.dot`` kernel; each K step decodes a ``[BLOCK_N, 16*BLOCK_G]``
+  weight tile in registers (inline PTX, 4 code bytes at a time) K-major, so that it goes to
+  shared memory as the MMA's B operand with 16-byte stores, and runs two MMAs (even and odd
+  elements). Small M uses split-K: fp32 partials that ``_splitk_reduce_kernel`` sums in a fixed
+  order (deterministic) and scales by alpha. Tried and dropped: decoding both operands in the
+  GEMM, and the "swapped" orientation with the weight as the register (A) operand: Triton then
+  decodes in the MMA's register layout from 2-byte shared-memory reads (about 2x slower).
+* ``_dequant_kernel`` + cuBLAS: from ``DEQUANT_MIN_M`` on with bf16 output, each weight tile
+  would be decoded once per M tile, so both operands are decoded once to bf16 (exact) and
+  multiplied by ``torch.mm``, then scaled by alpha in place (a second rounding to bf16).
+  fp16/fp32 outputs always use the tiled kernel (a bf16 cuBLAS output would lose precision).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+import triton
+import triton.language as tl
+
+from fp4fuse.format import BLOCK_SIZE
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DEQUANT_MIN_M",
+    "MMConfig",
+    "decode_fp4_halves",
+    "dequantize_fp4_triton",
+    "mm_config_for",
+    "mm_fp4_dequant_mm",
+    "mm_fp4_tiled",
+    "mm_fp4_triton",
+]
+
+# 2**14 per operand from the fp16 decode (see module docstring), undone in the epilogue.
+_DECODE_SCALE_UNDO = tl.constexpr(268435456.0)  # 2**28
+
+# Crossover between the tiled kernel and dequantize + cuBLAS for bf16 output, measured on the H200
+# (bench_ops.py --sweep, N=K=8192): M=128 tiled 84 us vs 114 us, M=256 tiled 143 us vs 126 us;
+# at N=28672, M=128: 257 us vs 349 us. The switch sits between the measured points.
+DEQUANT_MIN_M = 192
+
+# (16-element blocks per program, warps) of _dequant_kernel: the sweep over (256..2048, 8..16)
+# on 8192x8192 put (256, 8) first (55 us, 74% of the copy bandwidth).
+DEQUANT_LAUNCH = (256, 8)
+
+
+@triton.jit
+def _e4m3_to_fp16(bits):
+    """e4m3fn bits (uint8 tensor) -> fp16 value, exact (incl. subnormals; 0x7F/0xFF -> NaN)."""
+    b = bits.to(tl.int16)
+    # e4m3 placed in fp16's exponent/mantissa fields is the value times 2**-8 (subnormals too)
+    v = (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True) * 256.0
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
+
+
+# One PTX block per 4 code bytes (8 codes). For every byte at once: l = fp16 high byte of its
+# low nibble (magnitude bits 2..0 -> bits 3..1, sign bit 3 -> bit 7), h = the same for its high
+# nibble; then prmt places byte i of l/h in the high byte of a 16-bit lane (low byte 0), which is
+# the fp16 pattern of e2m1 * 2**-14. Outputs: $0,$1 = low nibbles of bytes 0..3 as fp16x2,
+# $2,$3 = high nibbles; input $4 = the 4 bytes.
+_DECODE_PTX = tl.constexpr("""
+{
+.reg .b32 a, b, l, h, z;
+mov.b32 z, 0;
+shl.b32 a, $4, 1;
+and.b32 a, a, 0x0E0E0E0E;
+shl.b32 b, $4, 4;
+and.b32 b, b, 0x80808080;
+or.b32 l, a, b;
+shr.b32 a, $4, 3;
+and.b32 a, a, 0x0E0E0E0E;
+and.b32 b, $4, 0x80808080;
+or.b32 h, a, b;
+prmt.b32 $0, z, l, 0x5040;
+prmt.b32 $1, z, l, 0x7060;
+prmt.b32 $2, z, h, 0x5040;
+prmt.b32 $3, z, h, 0x7060;
+}
+""")
+
+
+@triton.jit
+def _decode_codes(codes, FAST_DECODE: tl.constexpr):
+    """Packed code bytes (uint8, any shape) -> (low, high) nibbles as fp16 ``e2m1 * 2**-14``.
+
+    FAST_DECODE (CUDA): inline PTX on 4 bytes at a time. Otherwise (Triton's interpreter) the
+    same bits from per-element integer ops."""
+    if FAST_DECODE:
+        lo, hi = tl.inline_asm_elementwise(
+            _DECODE_PTX, "=r,=r,=r,=r,r", [codes], dtype=(tl.float16, tl.float16),
+            is_pure=True, pack=4)
+    else:
+        c = codes.to(tl.int16)
+        lo = (((c & 0x7) << 9) | ((c & 0x8) << 12)).to(tl.float16, bitcast=True)
+        hi = (((c & 0x70) << 5) | ((c & 0x80) << 8)).to(tl.float16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _decode_scales(scales, FAST_DECODE: tl.constexpr):
+    """e4m3 scales -> fp16 (exact): the hardware convert on CUDA, integer ops otherwise."""
+    if FAST_DECODE:
+        return scales.to(tl.float16)
+    return _e4m3_to_fp16(scales.to(tl.uint8, bitcast=True))
+
+
+@triton.jit
+def _decode_weight_tile(codes, scales, FAST_DECODE: tl.constexpr):
+    """Weight tile, K-major: codes ``uint8 [G, 8, N]`` + scales ``[G, N]`` -> (low, high) nibble
+    values ``fp16 [G*8, N]``, each ``e2m1 * 2**-14 * s`` (exact); row ``8g + j`` of low holds
+    element ``2(8g + j)`` of the group range, row ``8g + j`` of high element ``2(8g + j) + 1``.
+
+    K-major (K along dim 0) lets the decoded tile go to shared memory as the MMA's B operand with
+    16-byte stores; decoding it N-major cost one 2-byte store per element (SASS, Triton 3.6)."""
+    lo, hi = _decode_codes(codes, FAST_DECODE)
+    s = _decode_scales(scales, FAST_DECODE)[:, None, :]
+    g: tl.constexpr = codes.shape[0]
+    n: tl.constexpr = codes.shape[2]
+    return tl.reshape(lo * s, (g * 8, n)), tl.reshape(hi * s, (g * 8, n))
+
+
+@triton.jit
+def _mm_fp4_kernel(
+    xlo_ptr, xhi_ptr, w_ptr, ws_ptr, alpha_ptr, out_ptr, M, N, KG, groups_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, GROUP_M: tl.constexpr,
+    PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, FAST_DECODE: tl.constexpr,
+):
+    """acc[m, n] = sum over this program's K range of A[m, k] * W[n, k].
+
+    A arrives decoded by ``_decode_halves_kernel`` (fp16 halves ``[M, K/2]``: even / odd
+    elements); W (packed NVFP4 ``[N, K/2]`` + e4m3 scales ``[N, K/16]``) is decoded here, each
+    step's ``[BLOCK_G*8, BLOCK_N]`` halves feeding two MMAs (even with even, odd with odd).
+    Program (tile, split) covers groups ``[split * groups_per_split, +groups_per_split)``;
+    EVEN_K says that range never passes KG (no masks along K).
+    not PARTIAL: ``out[m, n] = acc * 2**28 * alpha`` in out's dtype.
+    PARTIAL (split-K): fp32 ``out[split, m, n]`` (``[splits, M, N]``), unscaled."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # grouped order: GROUP_M row tiles share each weight tile while it sits in L2
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_in = tl.where(cols < N, cols, 0)   # out-of-range weight rows read row 0; never stored
+    g = tl.arange(0, BLOCK_G)
+    j = tl.arange(0, 8)
+    kk = tl.arange(0, BLOCK_G * 8)
+    row_ok = (rows < M)[:, None]
+
+    k_begin = split * groups_per_split
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(0, groups_per_split, BLOCK_G):
+        kg0 = k_begin + step
+        grp = kg0 + g
+        x_offs = rows[:, None] * (KG * 8) + (kg0 * 8 + kk)[None, :]
+        w_offs = cols_in[None, None, :] * (KG * 8) + grp[:, None, None] * 8 + j[None, :, None]
+        s_offs = cols_in[None, :] * KG + grp[:, None]
+        if EVEN_K:
+            x_lo = tl.load(xlo_ptr + x_offs, mask=row_ok, other=0.0)
+            x_hi = tl.load(xhi_ptr + x_offs, mask=row_ok, other=0.0)
+            codes = tl.load(w_ptr + w_offs)
+            scales = tl.load(ws_ptr + s_offs)
+        else:
+            x_mask = row_ok & ((kg0 * 8 + kk) < KG * 8)[None, :]
+            x_lo = tl.load(xlo_ptr + x_offs, mask=x_mask, other=0.0)
+            x_hi = tl.load(xhi_ptr + x_offs, mask=x_mask, other=0.0)
+            in_k = grp < KG
+            codes = tl.load(w_ptr + w_offs, mask=in_k[:, None, None], other=0)
+            scales = tl.load(ws_ptr + s_offs, mask=in_k[:, None], other=0.0)
+        w_lo, w_hi = _decode_weight_tile(codes, scales, FAST_DECODE)
+        acc = tl.dot(x_lo, w_lo, acc)
+        acc = tl.dot(x_hi, w_hi, acc)
+
+    mask = row_ok & (cols < N)[None, :]
+    if not PARTIAL:
+        alpha = tl.load(alpha_ptr)
+        res = (acc * _DECODE_SCALE_UNDO) * alpha
+        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+        tl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        offs = (split.to(tl.int64) * M + rows[:, None]) * N + cols[None, :]
+        tl.store(out_ptr + offs, acc, mask=mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(part_ptr, alpha_ptr, out_ptr, n_elements, n_split, BLOCK: tl.constexpr):
+    """out = (sum over splits, in split order) * 2**28 * alpha; partials ``[n_split, M*N]``."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_elements
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for sp in range(1, n_split):
+        acc += tl.load(part_ptr + sp * n_elements + offs, mask=mask, other=0.0)
+    alpha = tl.load(alpha_ptr)
+    res = (acc * _DECODE_SCALE_UNDO) * alpha
+    tl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _decode_halves_kernel(q_ptr, s_ptr, lo_ptr, hi_ptr, n_blocks, BLOCKS: tl.constexpr,
+                          FAST_DECODE: tl.constexpr):
+    """NVFP4 ``[R, K/2]`` -> fp16 halves ``[R, K/2]`` (element 2j -> lo[j], 2j+1 -> hi[j]) in the
+    GEMM's operand encoding ``e2m1 * 2**-14 * s`` (exact), flat over 16-element blocks."""
+    blk = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+    in_range = blk < n_blocks
+    offs = blk[:, None] * 8 + tl.arange(0, 8)[None, :]
+    codes = tl.load(q_ptr + offs, mask=in_range[:, None], other=0)
+    scales = _decode_scales(tl.load(s_ptr + blk, mask=in_range, other=0.0), FAST_DECODE)
+    lo, hi = _decode_codes(codes, FAST_DECODE)
+    tl.store(lo_ptr + offs, lo * scales[:, None], mask=in_range[:, None])
+    tl.store(hi_ptr + offs, hi * scales[:, None], mask=in_range[:, None])
+
+
+@triton.jit
+def _dequant_kernel(q_ptr, s_ptr, out_ptr, n_blocks, BLOCKS: tl.constexpr):
+    """NVFP4 -> bf16 ``q * s`` (exact), flat over 16-element blocks; out written as int32 pairs."""
+    blk = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+    in_range = blk < n_blocks
+    pair = blk[:, None] * 8 + tl.arange(0, 8)[None, :]
+    c = tl.load(q_ptr + pair, mask=in_range[:, None], other=0).to(tl.int32)
+    sb = tl.load(s_ptr + blk, mask=in_range, other=0).to(tl.int32)
+    # e4m3 -> fp32: normal ((e + 120) << 23 | m << 20), subnormal m * 2**-9, 0x7F -> NaN
+    e = (sb >> 3) & 0xF
+    m = sb & 0x7
+    s = tl.where(e == 0, m.to(tl.float32) * 0.001953125,
+                 (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True))
+    s = tl.where((sb & 0x7F) == 0x7F, float("nan"), s)
+    s = tl.where((sb & 0x80) != 0, -s, s)[:, None]
+    lo = _e2m1_to_fp32(c & 0xF) * s
+    hi = _e2m1_to_fp32(c >> 4) * s
+    # bf16 bits are the top halves of the (exactly representable) fp32 products
+    lo_bits = (lo.to(tl.int32, bitcast=True) >> 16) & 0xFFFF
+    hi_bits = hi.to(tl.int32, bitcast=True) & -65536
+    tl.store(out_ptr + pair, lo_bits | hi_bits, mask=in_range[:, None])
+
+
+@triton.jit
+def _e2m1_to_fp32(code):
+    """e2m1 code (int32, 0..15) -> fp32 value with integer ops."""
+    mag = code & 7
+    bits = tl.where(mag > 1, (mag << 22) + 0x3F000000, mag * 0x3F000000)
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class MMConfig:
+    """One launch of ``_mm_fp4_kernel``: ``[block_m, block_n]`` output tiles, ``block_g`` groups
+    of 16 K-elements per step, ``split_k`` K ranges per tile (partials summed by
+    ``_splitk_reduce_kernel``)."""
+
+    block_m: int
+    block_n: int
+    block_g: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+
+
+def mm_config_for(m: int, n: int, k: int, device: torch.device) -> MMConfig:
+    """Launch configuration for an ``[m, k] x [n, k]^T`` product.
+
+    Chosen on an H200 from the sweep in benchmarks/bench_ops.py (``--sweep``: 5-6 tile shapes x
+    split-K in {1, 2, 4, 8} at M in {1, 16, 64, 128, 256, 512, 1024, 2048} with N=K=8192, and
+    M in {16, 128, 1024} on the two 28672 shapes; benchmarks/results/2026-11-21-ops-h200.md):
+    the winners were 16x128 tiles, 128 K-elements a step for M <= 16 (mma.sync; a 64-row wgmma
+    tile wastes its shared memory on zero rows), 64x64 for M <= 64, 128x256 up to M = 256 and
+    128x128 with 64 K-elements a step above. Split-K: the largest power of two keeping
+    ``programs * num_warps <= 8 * multiprocessors`` and at least 4 K steps per program (with
+    these tiles it picks the measured best split in 10 of the 12 swept cases and is within 5%
+    in the other two).
+    No autotuning at run time: a serving engine sees many M."""
+    if m <= 16:
+        cfg = MMConfig(block_m=16, block_n=128, block_g=8, split_k=1, num_warps=4, num_stages=3)
+    elif m <= 64:
+        cfg = MMConfig(block_m=64, block_n=64, block_g=8, split_k=1, num_warps=4, num_stages=3)
+    elif m <= 256:
+        cfg = MMConfig(block_m=128, block_n=256, block_g=8, split_k=1, num_warps=8, num_stages=3)
+    else:
+        cfg = MMConfig(block_m=128, block_n=128, block_g=4, split_k=1, num_warps=8, num_stages=4)
+    kg = k // BLOCK_SIZE
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    budget = 8 * _num_sms(device)
+    split = 1
+    while tiles * split * 2 * cfg.num_warps <= budget and kg // (split * 2) >= 4 * cfg.block_g:
+        split *= 2
+    return dataclasses.replace(cfg, split_k=split)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    """Multiprocessor count of ``device``; off CUDA (Triton's interpreter) an H100/H200's 132."""
+    if device.type != "cuda":
+        return 132
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def mm_fp4_tiled(
+    a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+    alpha: torch.Tensor, out_dtype: torch.dtype, config: MMConfig,
+) -> torch.Tensor:
+    """Decode the activation once (``decode_fp4_halves``), then ``_mm_fp4_kernel`` with an
+    explicit configuration (split-K adds ``_splitk_reduce_kernel``)."""
+    m, n = a.shape[0], b.shape[0]
+    kg = a.shape[1] * 2 // BLOCK_SIZE
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    alpha = alpha.reshape(1).to(torch.float32)
+    x_lo, x_hi = decode_fp4_halves(a, a_scale)
+    split = max(1, min(config.split_k, triton.cdiv(kg, config.block_g)))
+    groups_per_split = triton.cdiv(triton.cdiv(kg, split), config.block_g) * config.block_g
+    split = triton.cdiv(kg, groups_per_split)
+    # every split covers groups_per_split groups (a multiple of block_g); masks only where the
+    # last split runs past K
+    even_k = kg % groups_per_split == 0
+    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), split)
+    target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=a.device)
+    _mm_fp4_kernel[grid](
+        x_lo, x_hi, b, b_scale, alpha, target, m, n, kg, groups_per_split,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_G=config.block_g,
+        GROUP_M=config.group_m, PARTIAL=split > 1, EVEN_K=even_k, FAST_DECODE=a.device.type == "cuda",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if split > 1:
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+            target, alpha, out, m * n, split, BLOCK=block, num_warps=4)
+    return out
+
+
+def decode_fp4_halves(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 ``[R, K/2]`` -> fp16 ``(lo, hi)`` ``[R, K/2]``: elements 2j / 2j+1 as
+    ``e2m1 * 2**-14 * s`` (exact), the operand encoding of ``_mm_fp4_kernel``."""
+    lo = torch.empty(q.shape, dtype=torch.float16, device=q.device)
+    hi = torch.empty_like(lo)
+    n_blocks = q.numel() // 8
+    if n_blocks == 0:
+        return lo, hi
+    blocks = 128
+    _decode_halves_kernel[(triton.cdiv(n_blocks, blocks),)](
+        q, s, lo, hi, n_blocks, BLOCKS=blocks, FAST_DECODE=q.device.type == "cuda", num_warps=4)
+    return lo, hi
+
+
+def dequantize_fp4_triton(q: torch.Tensor, s: torch.Tensor,
+                          config: tuple[int, int] | None = None) -> torch.Tensor:
+    """``q * s`` as bf16 ``[R, K]`` (exact: every e2m1 x e4m3 product fits bf16), one pass.
+    ``config`` = ``(BLOCKS, num_warps)``, for benchmarks; default ``DEQUANT_LAUNCH``."""
+    r, k = q.shape[0], q.shape[1] * 2
+    out = torch.empty((r, k), dtype=torch.bfloat16, device=q.device)
+    n_blocks = r * (k // BLOCK_SIZE)
+    if n_blocks == 0:
+        return out
+    blocks, num_warps = config or DEQUANT_LAUNCH
+    _dequant_kernel[(triton.cdiv(n_blocks, blocks),)](
+        q, s.view(torch.uint8), out.view(torch.int32), n_blocks, BLOCKS=blocks, num_warps=num_warps)
+    return out
+
+
+def mm_fp4_dequant_mm(
+    a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+    alpha: torch.Tensor,
+) -> torch.Tensor:
+    """bf16 output through exact bf16 dequantization, cuBLAS and an in-place alpha multiply
+    (fp32 accumulate, rounded to bf16, times alpha, rounded again)."""
+    out = torch.mm(dequantize_fp4_triton(a, a_scale), dequantize_fp4_triton(b, b_scale).t())
+    return out.mul_(alpha.reshape(()))
+
+
+def mm_fp4_triton(
+    a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+    alpha: torch.Tensor, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``alpha * (q_a * s_a) @ (q_b * s_b)^T`` as ``[M, N]`` ``out_dtype`` (see module docstring)."""
+    m, n, k = a.shape[0], b.shape[0], a.shape[1] * 2
+    if out_dtype == torch.bfloat16 and m >= DEQUANT_MIN_M:
+        return mm_fp4_dequant_mm(a, b, a_scale, b_scale, alpha)
+    return mm_fp4_tiled(a, b, a_scale, b_scale, alpha, out_dtype, mm_config_for(m, n, k, a.device))

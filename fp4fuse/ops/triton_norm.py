@@ -1,0 +1,101 @@
+"""RMSNorm and fused residual-add + RMSNorm in Triton, one program per row.
+
+Contracts (fp4fuse/ops/norm_ops.py holds the references):
+
+* ``rms_norm_triton(x, weight, eps) -> out``: x ``[T, H]`` bf16/fp16/fp32, weight ``[H]``;
+  ``out = x * rsqrt(mean(x^2) + eps) * weight`` computed in fp32, rounded once to x's dtype.
+* ``fused_add_rms_norm_triton(x, residual, weight, eps) -> (out, residual_out)``:
+  ``residual_out = x + residual`` rounded to x's dtype, ``out`` = the norm of that rounded sum.
+
+The row statistic uses IEEE ``div_rn`` / ``sqrt_rn`` (one evaluation per row, so exactness is
+free); the per-element order is the reference's ``(x * inv_rms) * weight``. Rows up to
+``MAX_SINGLE_PASS`` elements stay in registers (one read of x); longer rows take two passes.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import triton
+import triton.language as tl
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MAX_SINGLE_PASS", "fused_add_rms_norm_triton", "rms_norm_triton"]
+
+MAX_SINGLE_PASS = 16384
+_TWO_PASS_BLOCK = 4096
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, N, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64) * N
+    cols = tl.arange(0, BLOCK)
+    if SINGLE_PASS:
+        mask = cols < N
+        x = tl.load(x_ptr + row + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + row + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            tl.store(res_out_ptr + row + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(tl.sum(xf * xf, axis=0), N * 1.0) + eps))
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row + cols, ((xf * inv) * w).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        sq = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, N, BLOCK):
+            mask = start + cols < N
+            x = tl.load(x_ptr + row + start + cols, mask=mask, other=0.0)
+            if HAS_RESIDUAL:
+                r = tl.load(res_ptr + row + start + cols, mask=mask, other=0.0)
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                tl.store(res_out_ptr + row + start + cols, x, mask=mask)
+            xf = x.to(tl.float32)
+            sq += xf * xf
+        inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(tl.sum(sq, axis=0), N * 1.0) + eps))
+        # the second pass re-reads this program's own residual_out writes
+        tl.debug_barrier()
+        src_ptr = res_out_ptr if HAS_RESIDUAL else x_ptr
+        for start in range(0, N, BLOCK):
+            mask = start + cols < N
+            xf = tl.load(src_ptr + row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + row + start + cols, ((xf * inv) * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    t, h = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else None
+    if t == 0 or h == 0:
+        return out, res_out
+    block = triton.next_power_of_2(h)
+    single = block <= MAX_SINGLE_PASS
+    if not single:
+        block = _TWO_PASS_BLOCK
+    num_warps = max(1, min(16, block // 512))
+    _rms_norm_kernel[(t,)](
+        x, residual if residual is not None else x, weight, out,
+        res_out if res_out is not None else out, h, float(eps),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, SINGLE_PASS=single, num_warps=num_warps,
+    )
+    return out, res_out
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row of contiguous ``x [T, H]`` (validated by the op layer)."""
+    out, _ = _launch(x, None, weight, eps)
+    return out
+
+
+def fused_add_rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)``, the sum rounded to x's dtype first."""
+    out, res_out = _launch(x, residual, weight, eps)
+    return out, res_out

@@ -1,0 +1,147 @@
+"""fp4fuse's Triton kernels: under Triton's CPU interpreter, and on CUDA through torch.ops.fp4fuse.
+
+The interpreter checks run tests/triton_interpreter_cases.py in a subprocess (TRITON_INTERPRET
+must be set before triton is imported). The CUDA checks draw fresh random inputs on odd shapes
+and compare with the pure-torch references: quantization bit for bit, GEMMs against float64.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import fp4fuse  # noqa: F401
+from fp4fuse import format as nvfp4
+from fp4fuse.ops.backend import Backend, backend_for
+from fp4fuse.ops.norm_ops import fused_add_rms_norm_reference, rms_norm_reference
+
+ops = torch.ops.fp4fuse
+CASES_SCRIPT = os.path.join(os.path.dirname(__file__), "triton_interpreter_cases.py")
+
+
+@pytest.mark.parametrize("family", ["quant", "mm", "norm"])
+def test_kernels_under_triton_interpreter(family):
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, CASES_SCRIPT, family], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------- CUDA
+
+def _require_triton_backend():
+    if backend_for(torch.empty(0, device="cuda")) is not Backend.TRITON:
+        pytest.skip("the CUDA backend here is not fp4fuse's Triton code")
+
+
+def _blocks(m: int, k: int, gen: torch.Generator, dtype=torch.bfloat16) -> torch.Tensor:
+    spread = torch.rand(m, k // 16, generator=gen, device="cuda").pow(4).repeat_interleave(16, 1)
+    return (torch.randn(m, k, generator=gen, device="cuda") * spread * 3).to(dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m,k", [(1, 16), (3, 48), (130, 1040), (1000, 4096), (4099, 512)])
+def test_cuda_quant_bit_equal(dtype, m, k):
+    _require_triton_backend()
+    from fp4fuse.ops.triton_quant import QuantDivision, scaled_fp4_quant_triton
+    gen = torch.Generator(device="cuda").manual_seed(m * 7 + k)
+    x = _blocks(m, k, gen, dtype)
+    x[0, 0] = float("nan")
+    x[-1, -1] = float("-inf")
+    if m > 2:
+        x[1, :16] = 0
+        x[2, 16:32] *= 1e-6
+    gs = nvfp4.global_scale_from_amax(x.float().nan_to_num(0, 0, 0).abs().amax()).reshape(1)
+    rq, rs = nvfp4.quantize_reference(x.cpu(), gs.cpu())
+    q, s = ops.scaled_fp4_quant(x, gs)
+    assert q.is_cuda and q.shape == (m, k // 2) and s.shape == (m, k // 16)
+    assert torch.equal(s.view(torch.uint8).cpu(), rs.view(torch.uint8))
+    assert torch.equal(q.cpu(), rq)
+    for div in QuantDivision:
+        q2, s2 = scaled_fp4_quant_triton(x, gs, division=div)
+        assert torch.equal(q2, q) and torch.equal(s2.view(torch.uint8), s.view(torch.uint8)), div
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mant", range(8))
+def test_cuda_quant_every_mantissa_near_every_boundary(mant):
+    """Block scale s = (8 + mant) / 8 (amax 6 s, gs 1); the other 15 elements of each block run
+    through every fp32 mantissa of [s/8, 6 s]: codes equal RNE of the IEEE quotient x / s."""
+    _require_triton_backend()
+    s = (8 + mant) / 8
+    bits = torch.arange(1 << 23, dtype=torch.int32, device="cuda")
+    y = torch.cat([(bits | ((127 + e) << 23)).view(torch.float32) for e in range(-3, 3)]) * s
+    y = y.clamp(max=6 * s)
+    y = y[: y.numel() // 15 * 15].reshape(-1, 15)
+    x = torch.cat([torch.full((y.shape[0], 1), 6 * s, device="cuda"), y], dim=1)
+    q, sc = ops.scaled_fp4_quant(x, torch.tensor([1.0], device="cuda"))
+    assert torch.all(sc.float() == s)
+    # tensor / tensor: torch's CUDA division by a Python scalar multiplies by its reciprocal
+    assert torch.equal(nvfp4.unpack_nibbles(q), nvfp4.e2m1_encode(x / torch.full_like(x, s)))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 8192), (3, 423, 208), (16, 8192, 512), (64, 1000, 1024),
+                                   (130, 37, 1024), (257, 300, 48), (1000, 64, 256), (2048, 256, 512)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_mm_fp4_matches_float64(m, n, k, out_dtype):
+    _require_triton_backend()
+    gen = torch.Generator(device="cuda").manual_seed(m + n + k)
+    xa, xb = _blocks(m, k, gen), _blocks(n, k, gen)
+    ga = nvfp4.global_scale_from_amax(xa.float().abs().amax()).reshape(1)
+    gb = nvfp4.global_scale_from_amax(xb.float().abs().amax()).reshape(1)
+    a, sa = ops.scaled_fp4_quant(xa, ga)
+    b, sb = ops.scaled_fp4_quant(xb, gb)
+    alpha = 1.0 / (ga * gb)
+    out = ops.mm_fp4(a, b, sa, sb, alpha, out_dtype)
+    ref = nvfp4.mm_fp4_reference(a.cpu(), b.cpu(), sa.cpu(), sb.cpu(), alpha.cpu(), torch.float64)
+    rel = ((out.double().cpu() - ref).norm() / ref.norm()).item()
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[out_dtype]
+    assert out.dtype == out_dtype and out.shape == (m, n)
+    assert torch.isfinite(out).all()
+    assert rel <= tol, rel
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", [5, 2048])
+def test_cuda_mm_fp4_nan_scale_propagates(m):
+    _require_triton_backend()
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x = _blocks(m, 256, gen)
+    x[1, 40] = float("nan")
+    w = _blocks(48, 256, gen)
+    gs = torch.tensor([7.0], device="cuda")
+    a, sa = ops.scaled_fp4_quant(x, gs)
+    b, sb = ops.scaled_fp4_quant(w, gs)
+    out = ops.mm_fp4(a, b, sa, sb, 1.0 / (gs * gs), torch.bfloat16)
+    assert torch.isnan(out[1]).all()
+    assert torch.isfinite(out[0]).all() and torch.isfinite(out[2:]).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("t,h", [(1, 16), (7, 4096), (33, 5120), (3, 20000)])
+def test_cuda_norms(dtype, t, h):
+    _require_triton_backend()
+    gen = torch.Generator(device="cuda").manual_seed(t * h)
+    x = torch.randn(t, h, generator=gen, device="cuda").to(dtype)
+    r = torch.randn(t, h, generator=gen, device="cuda").to(dtype)
+    w = (torch.rand(h, generator=gen, device="cuda") + 0.5).to(dtype)
+    eps = 1e-6
+    # one unit in the last place of the output dtype; fp32 sums rows in another order than torch
+    ulp = torch.finfo(dtype).eps if dtype != torch.float32 else 1e-5
+
+    def close(out, ref):
+        return bool(((out.float() - ref.float()).abs() <= ulp * ref.float().abs() + 1e-30).all())
+
+    assert close(ops.rms_norm(x, w, eps), rms_norm_reference(x, w, eps))
+    out, res = ops.fused_add_rms_norm(x, r, w, eps)
+    ref_out, ref_res = fused_add_rms_norm_reference(x, r, w, eps)
+    assert torch.equal(res, ref_res)
+    assert close(out, ref_out)

@@ -1,0 +1,174 @@
+"""Checks of fp4fuse's Triton kernels under Triton's CPU interpreter.
+
+Run by tests/test_triton_kernels.py in a subprocess with ``TRITON_INTERPRET=1`` (the variable must
+be set before triton is imported, so these cannot share a process with CUDA tests):
+
+    TRITON_INTERPRET=1 python tests/triton_interpreter_cases.py quant mm norm
+
+Each case raises AssertionError with the failing shape; exit status 0 means all passed.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+
+import numpy as np
+import torch
+from triton.runtime import interpreter
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from fp4fuse import format as nvfp4
+from fp4fuse.ops import triton_mm, triton_norm, triton_quant
+from fp4fuse.ops.norm_ops import fused_add_rms_norm_reference, rms_norm_reference
+
+
+def _fix_interpreter_loop_bounds() -> None:
+    """Triton 3.6's interpreter turns a runtime loop bound into an int with ``int(array of shape
+    (1,))``, which numpy >= 2.4 rejects (triton-lang/triton#9171, fixed upstream by #9172).
+    Re-register its ``tensor.__index__`` the way the fix does; a no-op on fixed versions."""
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+def _rand_blocks(m: int, k: int, gen: torch.Generator, spread: float = 3.0) -> torch.Tensor:
+    """Random data whose 16-element blocks span several orders of magnitude."""
+    block = torch.rand(m, k // 16, generator=gen).pow(4).repeat_interleave(16, 1)
+    return torch.randn(m, k, generator=gen) * block * spread
+
+
+def _boundary_blocks() -> torch.Tensor:
+    """fp32 blocks whose block scale is exactly ``(8 + mm) / 8 * 2**e`` and whose other elements sit
+    on, just above and just below every e2m1 decision point ``t * s`` (gs = 1)."""
+    rows = []
+    thresholds = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+    for e in (-8, -3, 0, 5):
+        for mm in range(8):
+            s = (8 + mm) / 8 * 2.0 ** e
+            vals = []
+            for t in thresholds:
+                c = np.float32(t * s)
+                vals += [c, np.nextafter(c, np.float32(np.inf)), np.nextafter(c, np.float32(0))]
+            vals = np.array(vals, dtype=np.float32)
+            signs = np.where(np.arange(vals.size) % 2 == 0, 1, -1).astype(np.float32)
+            vals = vals * signs
+            for chunk in (vals[:15], vals[15:]):
+                block = np.zeros(16, dtype=np.float32)
+                block[0] = 6 * s                     # amax: block scale = e4m3(6 s / 6) = s
+                block[1:1 + chunk.size] = chunk
+                rows.append(block)
+    return torch.from_numpy(np.concatenate(rows).reshape(-1, 64))
+
+
+def case_quant() -> None:
+    gen = torch.Generator().manual_seed(1)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for m, k in ((3, 48), (130, 64), (1, 16), (7, 1040)):
+            x = _rand_blocks(m, k, gen).to(dtype)
+            x[0, 5] = float("nan")
+            x[-1, -1] = -0.0
+            if m > 2:
+                x[2, 17] = float("inf")
+                x[2, 18] = float("-inf")
+                x[1, :16] = 0
+                x[1, 16:32] *= 1e-4
+            finite = x.float().nan_to_num(0, 0, 0)
+            scales = [nvfp4.global_scale_from_amax(finite.abs().amax()).reshape(1), torch.tensor([1e4])]
+            if dtype == torch.bfloat16:
+                scales.append(torch.tensor([float("nan")]))
+            for gs in scales:
+                rq, rs = nvfp4.quantize_reference(x, gs)
+                for div in triton_quant.QuantDivision:
+                    q, s = triton_quant.scaled_fp4_quant_triton(x, gs, division=div)
+                    where = f"quant {dtype} {m}x{k} gs={gs.item():g} {div.name}"
+                    assert torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), where + ": scales differ"
+                    assert torch.equal(q, rq), where + ": codes differ"
+    x = _boundary_blocks()
+    gs = torch.tensor([1.0])
+    rq, rs = nvfp4.quantize_reference(x, gs)
+    for div in triton_quant.QuantDivision:
+        q, s = triton_quant.scaled_fp4_quant_triton(x, gs, division=div)
+        assert torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), f"boundary scales {div.name}"
+        assert torch.equal(q, rq), f"boundary codes {div.name}"
+    tiny = torch.full((1, 32), 3e-38) * torch.randn(1, 32, generator=gen)
+    gs = torch.tensor([5e30])
+    rq, rs = nvfp4.quantize_reference(tiny, gs)
+    q, s = triton_quant.scaled_fp4_quant_triton(tiny, gs)
+    assert torch.equal(q, rq) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), "tiny values"
+
+
+def _quantized(m: int, k: int, gen: torch.Generator):
+    x = _rand_blocks(m, k, gen)
+    gs = nvfp4.global_scale_from_amax(x.abs().amax()).reshape(1)
+    q, s = nvfp4.quantize_reference(x, gs)
+    return q, s, gs
+
+
+def case_mm() -> None:
+    gen = torch.Generator().manual_seed(2)
+    C = triton_mm.MMConfig
+    configs = (C(16, 16, 2, 1, 4, 2), C(32, 16, 4, 2, 4, 2), C(16, 32, 2, 3, 4, 2), C(64, 16, 4, 1, 4, 2))
+    for m, n, k in ((3, 5, 48), (1, 5, 16), (130, 37, 64), (17, 70, 160)):
+        a, sa, ga = _quantized(m, k, gen)
+        b, sb, gb = _quantized(n, k, gen)
+        alpha = 1.0 / (ga * gb)
+        ref = nvfp4.mm_fp4_reference(a, b, sa, sb, alpha, torch.float64)
+        for i, cfg in enumerate(configs):
+            dtypes = ((torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3))
+            for out_dtype, tol in dtypes if i == 0 else dtypes[:1]:
+                out = triton_mm.mm_fp4_tiled(a, b, sa, sb, alpha, out_dtype, cfg)
+                rel = ((out.double() - ref).norm() / ref.norm()).item()
+                assert out.dtype == out_dtype and out.shape == (m, n)
+                assert rel <= tol, f"mm {m}x{n}x{k} {cfg} {out_dtype}: rel {rel:.2e}"
+        deq = triton_mm.dequantize_fp4_triton(a, sa)
+        assert torch.equal(deq.float(), nvfp4.dequantize_reference(a, sa)), f"dequant {m}x{k}"
+        lo, hi = triton_mm.decode_fp4_halves(a, sa)
+        halves = torch.stack((lo.float(), hi.float()), dim=-1).flatten(-2) * 2.0 ** 14
+        assert torch.equal(halves, nvfp4.dequantize_reference(a, sa)), f"halves {m}x{k}"
+        out = triton_mm.mm_fp4_dequant_mm(a, b, sa, sb, alpha)
+        rel = ((out.double() - ref).norm() / ref.norm()).item()
+        assert rel <= 1e-2, f"dequant+mm {m}x{n}x{k}: rel {rel:.2e}"
+        out = triton_mm.mm_fp4_triton(a, b, sa, sb, alpha, torch.float32)
+        rel = ((out.double() - ref).norm() / ref.norm()).item()
+        assert rel <= 1e-5, f"dispatch {m}x{n}x{k}: rel {rel:.2e}"
+
+
+def _ulps_ok(out: torch.Tensor, ref: torch.Tensor, ulps: int) -> bool:
+    """|out - ref| within ``ulps`` units in the last place of ref's dtype (fp32 for fp32)."""
+    eps = torch.finfo(ref.dtype).eps
+    tol = ulps * eps * ref.float().abs() + torch.finfo(ref.dtype).tiny
+    return bool(((out.float() - ref.float()).abs() <= tol).all())
+
+
+def case_norm() -> None:
+    # The interpreter truncates fp32 -> bf16 where the GPU rounds to nearest: allow 2 ulps here;
+    # the CUDA tests hold the GPU to 1 ulp and an exact residual sum.
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for t, h in ((3, 48), (5, 1000), (2, triton_norm.MAX_SINGLE_PASS + 1000)):
+            x = torch.randn(t, h, generator=gen).to(dtype)
+            r = torch.randn(t, h, generator=gen).to(dtype)
+            w = (torch.rand(h, generator=gen) + 0.5).to(dtype)
+            out = triton_norm.rms_norm_triton(x, w, 1e-6)
+            assert _ulps_ok(out, rms_norm_reference(x, w, 1e-6), 2), f"rms_norm {dtype} {t}x{h}"
+            out, res = triton_norm.fused_add_rms_norm_triton(x, r, w, 1e-6)
+            ref_out, ref_res = fused_add_rms_norm_reference(x, r, w, 1e-6)
+            assert _ulps_ok(res, ref_res, 1), f"fused_add residual {dtype} {t}x{h}"
+            assert _ulps_ok(out, ref_out, 3), f"fused_add out {dtype} {t}x{h}"
+
+
+CASES = {"quant": case_quant, "mm": case_mm, "norm": case_norm}
+
+
+if __name__ == "__main__":
+    _fix_interpreter_loop_bounds()
+    for name in sys.argv[1:] or list(CASES):
+        CASES[name]()
+        print(f"{name}: ok", flush=True)
