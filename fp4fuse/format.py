@@ -72,7 +72,8 @@ def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
         mag += (a > t).to(torch.uint8)
     for t in _RNE_INCLUSIVE:
         mag += (a >= t).to(torch.uint8)
-    sign = torch.signbit(v).to(torch.uint8) << 3
+    # NaN has no e2m1 code: it encodes as +0 whatever its sign bit (x86 produces -NaN for 0*inf).
+    sign = (torch.signbit(v) & ~torch.isnan(v)).to(torch.uint8) << 3
     return mag | sign
 
 

@@ -126,6 +126,11 @@ def test_tiny_values_keep_subnormal_block_scales():
     assert torch.allclose(deq[1], x[1], rtol=0.3, atol=0.3 * float(x[1].abs().max()))
 
 
+def test_nan_encodes_as_plus_zero_whatever_its_sign():
+    codes = nvfp4.e2m1_encode(torch.tensor([float("nan"), -float("nan"), 0.0 * float("inf")]))
+    assert codes.tolist() == [0, 0, 0]
+
+
 def test_nan_poisons_block_scale_and_inf_saturates():
     x = torch.randn(2, 48)
     x[0, 3] = float("nan")
