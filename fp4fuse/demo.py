@@ -50,6 +50,13 @@ def _time_ms(fn, device: torch.device, iters: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _fresh_inductor_cache():
+    from torch._inductor import utils as inductor_utils
+    # Named fresh_inductor_cache before torch 2.9.
+    fresh = getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache
+    return fresh()
+
+
 def _rank_main(args: DemoArgs) -> dict[str, Any]:
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     group = TPGroup.from_process_group()
@@ -58,7 +65,9 @@ def _rank_main(args: DemoArgs) -> dict[str, Any]:
     tokens = args.tokens_per_rank * args.tp
     ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1)).to(device)
 
-    with torch.no_grad():
+    # A graph served from the FX graph cache does not run the passes again, so the demo compiles in a
+    # private cache directory to show what the passes do.
+    with torch.no_grad(), _fresh_inductor_cache():
         eager = model(ids)
         env_cfg = fp4fuse.FusionConfig.from_env()
         if not (env_cfg.enable_sequence_parallelism or env_cfg.enable_async_tp):
@@ -73,6 +82,7 @@ def _rank_main(args: DemoArgs) -> dict[str, Any]:
             "match_counts": dict(fusion.match_counts),
             "max_diff_plain": (out_plain.float() - eager.float()).abs().max().item(),
             "max_diff_fused": (out_fused.float() - eager.float()).abs().max().item(),
+            "rel_err_fused": ((out_fused.float() - eager.float()).norm() / eager.float().norm()).item(),
             "bitwise_equal_fused": torch.equal(out_fused, eager),
             "ms_eager": _time_ms(lambda: model(ids), device, args.iters),
             "ms_compiled": _time_ms(lambda: plain(ids), device, args.iters),
@@ -104,15 +114,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"passes: {r0['config']}")
     for key, count in sorted(r0["match_counts"].items()):
         print(f"  {key:50s} {count}")
-    ok = all(r["bitwise_equal_fused"] for r in results)
-    worst = max(r["max_diff_fused"] for r in results)
-    print(f"max |fused - eager| over ranks: {worst:.3e} (bitwise equal: {ok}); "
+    bitwise = all(r["bitwise_equal_fused"] for r in results)
+    rel_err = max(r["rel_err_fused"] for r in results)
+    print(f"fused vs eager over ranks: max |diff| {max(r['max_diff_fused'] for r in results):.3e}, "
+          f"relative error {rel_err:.2e} (bitwise equal: {bitwise}); "
           f"max |compiled - eager|: {max(r['max_diff_plain'] for r in results):.3e}")
     print(f"time per forward (rank 0, median of {args.iters}): eager {r0['ms_eager']:.2f} ms, "
           f"compiled {r0['ms_compiled']:.2f} ms, compiled+fp4fuse {r0['ms_fused']:.2f} ms")
-    fused_any = sum(r0["match_counts"].values()) > 0
-    print("demo:", "OK" if fused_any and worst < 1e-2 else "FAILED")
-    return 0 if fused_any and worst < 1e-2 else 1
+    # CPU kernels are row-independent, so the fused graph is bitwise equal there; GPU GEMM kernels
+    # pick their tiling by row count, so allow bf16-level differences.
+    ok = sum(r0["match_counts"].values()) > 0 and (bitwise if args.device == "cpu" else rel_err < 1e-2)
+    print("demo:", "OK" if ok else "FAILED")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
