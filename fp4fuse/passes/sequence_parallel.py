@@ -78,6 +78,7 @@ class _GatherThenShard:
         return found
 
     def fold(self) -> None:
+        """``r = ag(r_rank); t = shard_rows(r)`` -> ``t = r_rank``; the gather goes if nobody else reads it."""
         self.shard.replace_all_uses_with(self.source)
         self.shard.graph.erase_node(self.shard)
         erase_if_unused([self.wait, self.gather])

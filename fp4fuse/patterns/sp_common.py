@@ -229,7 +229,20 @@ def guard_token_count(tokens: int | torch.SymInt, group_size: int, min_tokens: i
 
 
 class SPPattern(ReplacementPattern):
-    """``all_reduce -> [add residual ->] norm`` -> its sequence-parallel form (module docstring)."""
+    """``all_reduce -> [add residual ->] norm`` -> its sequence-parallel form.
+
+    Before / after per position (``rs`` reduce_scatter, ``ag`` all_gather, all along dim 0)::
+
+        FIRST   y = all_reduce(x); out = norm(y)            ->  y_r = rs(x); out = ag(norm(y_r)); y = ag(y_r)
+        MIDDLE  out, t = add_norm(all_reduce(x), res)       ->  out_r, t_r = add_norm(rs(x), shard_rows(res))
+                                                                out, t = ag(out_r), ag(t_r)
+        LAST    out, _ = add_norm(all_reduce(x), res)       ->  out_r, _ = add_norm(rs(x), shard_rows(res))
+                                                                out = ag(out_r)
+
+    ``check`` rejects (with the reason) a residual that broadcasts, a norm weight that is not one
+    row of ``hidden`` values, and a token count that is not divisible by the group size or is
+    below ``min_tokens`` (a symbolic count is guarded instead, see :func:`guard_token_count`).
+    """
 
     def __init__(self, family: NormFamily, position: Position, group: SPGroup,
                  dtype: torch.dtype = torch.bfloat16, min_tokens: int = 0) -> None:

@@ -96,8 +96,9 @@ def _rank_main(run: Run) -> list[dict]:
                                      enable_async_tp=run.async_tp))
     compiled = torch.compile(model, dynamic=False if not run.dynamic else None,
                              options={"post_grad_custom_post_pass": fusion})
+    unfused = FusionPass()
     if run.reference == "compiled":
-        reference = torch.compile(model, dynamic=False, options={"post_grad_custom_post_pass": FusionPass()})
+        reference = torch.compile(model, dynamic=False, options={"post_grad_custom_post_pass": unfused})
     else:
         reference = model
     results = []
@@ -105,12 +106,13 @@ def _rank_main(run: Run) -> list[dict]:
         ids = _ids(tokens, cfg.vocab_size, device)
         if run.dynamic and i == 0:
             torch._dynamo.mark_dynamic(ids, 0)
-        calls = fusion.calls
+        calls, reference_calls = fusion.calls, unfused.calls
         with torch.no_grad():
             out = compiled(ids)
             ref = reference(ids)
         results.append({
             "tokens": tokens, "compiled_graphs": fusion.calls - calls,
+            "reference_graphs": unfused.calls - reference_calls,
             "counts": {k: v for k, v in fusion.last_match_counts.items() if k.startswith(FUSION_KEYS)}
             if fusion.calls > calls else None,
             "skips": [(s.key, s.reason) for s in fusion.last_skips] if fusion.calls > calls else [],
@@ -188,5 +190,6 @@ def test_torch_norm_static_scale_matches_unfused_compile(cache_dir):
     the same model compiled without fusion (Inductor's own norm differs from eager's)."""
     run = Run(async_tp=True, norm="torch_functional", act_global_scale=8.0, tokens=(128,), reference="compiled")
     (result,) = run_ranks(run, cache_dir)
+    assert result["compiled_graphs"] == 1 and result["reference_graphs"] == 1  # two graphs, not one reused
     assert result["counts"] == expected_counts(LAYERS, async_tp=True, norm="torch_functional", dynamic_scale=False)
     assert_matches_reference(result)
