@@ -372,6 +372,17 @@ def test_symbolic_tokens_with_an_odd_hint_are_left_alone(sp_pass, caplog):
     assert_skipped(sp_pass, caplog, "(hint 9) is not divisible by the group size 2")
 
 
+def test_symbolic_tokens_and_min_tokens():
+    sp = SequenceParallelismPass(FusionConfig(enable_sequence_parallelism=True, min_tokens=8))
+    shape_env, gm = symbolic_trace(tokens_hint=10)
+    assert run(sp, gm) == 5
+    guards = [str(g.expr) for g in shape_env.guards]
+    assert any(">= 8" in g or "8 <=" in g for g in guards), guards
+    shape_env, gm = symbolic_trace(tokens_hint=6)
+    assert run(sp, gm) == 0
+    assert any("(hint 6) is below min_tokens=8" in s.reason for s in sp.skips)
+
+
 # --------------------------------------------------------------------------- the real post-grad graphs
 
 
