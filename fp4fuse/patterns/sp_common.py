@@ -74,7 +74,7 @@ class SPGroup:
 
 
 class NormFamily(abc.ABC):
-    """One way a model writes RMSNorm (one ``fp4fuse/patterns/sp_*.py`` module per family)."""
+    """One way a model writes RMSNorm (one ``fp4fuse/patterns/sp_*_norm.py`` module per family)."""
 
     name: ClassVar[str]
 
