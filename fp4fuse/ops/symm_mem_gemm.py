@@ -111,6 +111,7 @@ class GemmMode(enum.Enum):
     """How :class:`RowBlockGemm` writes a row block's ``mm_fp4`` into an output view."""
     OUT_ARG = "launcher writes into out="
     DEQUANT_CUBLAS = "exact bf16 dequantize + cuBLAS into out="
+    TILED = "tiled Triton kernel with the whole GEMM's configuration, then copy"
     COPY = "mm_fp4 then copy"
 
 
@@ -149,7 +150,14 @@ class RowBlockGemm:
       functions so it can write into the view: ``torch.mm(dequant(a), dequant(b).T, out=view)`` then
       ``view *= alpha`` -- the same kernels and arithmetic as ``triton_mm.mm_fp4_dequant_mm``, so
       bit-identical, with ``b`` dequantized once per call instead of once per block;
-    * ``COPY``: anything else (reference backend, fp32/fp16 output, small blocks).
+    * ``TILED``: the Triton backend's tiled kernel, launched with the configuration (tile shape,
+      split-K) that ``mm_fp4`` would pick for the whole ``total_rows``-row GEMM, so every output
+      element is accumulated in the same order as in the unfused graph (bitwise equal to it);
+    * ``COPY``: anything else (reference backend, whose kernel is row-independent).
+
+    The path (dequantize + cuBLAS or tiled) is chosen from ``total_rows`` too, as the unfused
+    ``mm_fp4`` over all rows would choose it. cuBLAS picks its own kernels by shape, so on the
+    DEQUANT_CUBLAS path a block may round differently from the whole GEMM in the last bit.
 
     A block runs in two steps: :meth:`prepare` (DEQUANT_CUBLAS: the decode kernels, which are short
     and non-persistent) and :meth:`run` (the GEMM). ``may_hold_all_sms``: the GEMM kernel may be
@@ -162,28 +170,31 @@ class RowBlockGemm:
     """
 
     def __init__(self, b: torch.Tensor, b_scale: torch.Tensor, alpha: torch.Tensor, out_dtype: torch.dtype,
-                 block_rows: int) -> None:
+                 block_rows: int, total_rows: int | None = None) -> None:
+        """``block_rows``: rows of each block; ``total_rows``: rows of the whole GEMM the blocks
+        make up (default ``block_rows``), whose kernel choices the blocks reproduce."""
         self.b, self.b_scale, self.alpha, self.out_dtype = b, b_scale, alpha, out_dtype
+        total_rows = block_rows if total_rows is None else total_rows
         self._launcher = None
         self._b_dequant: torch.Tensor | None = None
         backend = backend_for(b)
         triton_mm = _triton_mm_module() if backend is Backend.TRITON else None
-        tiled_triton = False
         if triton_mm is not None and _accepts_out(triton_mm.mm_fp4_triton):
             self.mode, self._launcher = GemmMode.OUT_ARG, triton_mm.mm_fp4_triton
-        elif (triton_mm is not None and out_dtype == torch.bfloat16
-              and block_rows >= getattr(triton_mm, "DEQUANT_MIN_M", float("inf"))
-              and hasattr(triton_mm, "dequantize_fp4_triton")):
+        elif triton_mm is not None and out_dtype == torch.bfloat16 and total_rows >= triton_mm.DEQUANT_MIN_M:
             self.mode = GemmMode.DEQUANT_CUBLAS
             self._dequantize = triton_mm.dequantize_fp4_triton
+        elif triton_mm is not None:
+            self.mode = GemmMode.TILED
+            self._tiled = triton_mm.mm_fp4_tiled
+            self._config = triton_mm.mm_config_for(total_rows, b.shape[0], b.shape[1] * 2, b.device)
         else:
             self.mode = GemmMode.COPY
-            # mm_fp4_triton below DEQUANT_MIN_M (or with fp16/fp32 output) is the tiled kernel.
-            tiled_triton = triton_mm is not None and (
-                out_dtype != torch.bfloat16 or block_rows < getattr(triton_mm, "DEQUANT_MIN_M", 0))
-        self.may_hold_all_sms = not tiled_triton
+        # fp4fuse's tiled kernel retires its programs tile by tile; anything else may be persistent.
+        self.may_hold_all_sms = self.mode is not GemmMode.TILED
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("fp4fuse: %d-row blocks, N=%d, %s: %s", block_rows, b.shape[0], out_dtype, self.mode.value)
+            logger.debug("fp4fuse: %d-row blocks of %d rows, N=%d, %s: %s", block_rows, total_rows, b.shape[0],
+                         out_dtype, self.mode.value)
 
     def prepare(self, a: torch.Tensor, a_scale: torch.Tensor) -> PreparedBlock:
         """Work before the GEMM proper, on the current stream (short, non-persistent kernels)."""
@@ -201,6 +212,9 @@ class RowBlockGemm:
         elif self.mode is GemmMode.DEQUANT_CUBLAS:
             torch.mm(block.a_dequant, self._b_dequant.t(), out=out)
             out.mul_(self.alpha.reshape(()))
+        elif self.mode is GemmMode.TILED:
+            out.copy_(self._tiled(block.a, self.b, block.a_scale, self.b_scale, self.alpha, self.out_dtype,
+                                  self._config))
         else:
             out.copy_(torch.ops.fp4fuse.mm_fp4(block.a, self.b, block.a_scale, self.b_scale, self.alpha,
                                                self.out_dtype))
@@ -241,7 +255,7 @@ def all_gather_fp4_matmul(
     out = a_shard.new_empty((world * m, b.shape[0]), dtype=out_dtype)
     peers = [(rank + step) % world for step in range(1, world)]
 
-    gemm = RowBlockGemm(b, b_scale, alpha, out_dtype, m)
+    gemm = RowBlockGemm(b, b_scale, alpha, out_dtype, m, total_rows=world * m)
     main, side = torch.cuda.current_stream(), ws.side_stream
     own_out = out[rank * m:(rank + 1) * m]
     # Issue order matters in eager mode (each launch costs the host microseconds): the caller's
@@ -293,7 +307,7 @@ def fp4_matmul_reduce_scatter(
     ws.ensure_capacity(layout.nbytes)
 
     recv = a.new_empty((world, m, n), dtype=out_dtype)
-    gemm = RowBlockGemm(b, b_scale, alpha, out_dtype, m)
+    gemm = RowBlockGemm(b, b_scale, alpha, out_dtype, m, total_rows=a.shape[0])
     main, side = torch.cuda.current_stream(), ws.side_stream
     side.wait_stream(main)
     for step in range(1, world + 1):
