@@ -84,6 +84,7 @@ def _rank_main(args: DemoArgs) -> dict[str, Any]:
             "max_diff_fused": (out_fused.float() - eager.float()).abs().max().item(),
             "rel_err_fused": ((out_fused.float() - eager.float()).norm() / eager.float().norm()).item(),
             "bitwise_equal_fused": torch.equal(out_fused, eager),
+            "bitwise_equal_to_compiled": torch.equal(out_fused, out_plain),
             "ms_eager": _time_ms(lambda: model(ids), device, args.iters),
             "ms_compiled": _time_ms(lambda: plain(ids), device, args.iters),
             "ms_fused": _time_ms(lambda: fused(ids), device, args.iters),
@@ -116,14 +117,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {key:50s} {count}")
     bitwise = all(r["bitwise_equal_fused"] for r in results)
     rel_err = max(r["rel_err_fused"] for r in results)
+    same_as_compiled = all(r["bitwise_equal_to_compiled"] for r in results)
     print(f"fused vs eager over ranks: max |diff| {max(r['max_diff_fused'] for r in results):.3e}, "
           f"relative error {rel_err:.2e} (bitwise equal: {bitwise}); "
           f"max |compiled - eager|: {max(r['max_diff_plain'] for r in results):.3e}")
+    print(f"fused vs compiled without fp4fuse: bitwise equal: {same_as_compiled}")
     print(f"time per forward (rank 0, median of {args.iters}): eager {r0['ms_eager']:.2f} ms, "
           f"compiled {r0['ms_compiled']:.2f} ms, compiled+fp4fuse {r0['ms_fused']:.2f} ms")
-    # CPU kernels are row-independent, so the fused graph is bitwise equal there; GPU GEMM kernels
-    # pick their tiling by row count, so allow bf16-level differences.
-    ok = sum(r0["match_counts"].values()) > 0 and (bitwise if args.device == "cpu" else rel_err < 1e-2)
+    # On CPU every kernel is row-independent and Inductor rounds as eager does: bitwise equal to
+    # eager. On GPUs Inductor rounds some ops differently from eager and NVFP4 requantization
+    # amplifies that, so the fused graph is held to the unfused compiled graph, bit for bit.
+    ok = sum(r0["match_counts"].values()) > 0 and (bitwise if args.device == "cpu" else same_as_compiled)
     print("demo:", "OK" if ok else "FAILED")
     return 0 if ok else 1
 

@@ -17,8 +17,12 @@ whose norm Inductor computes differently from eager, is compared bitwise with it
 compiled self instead.
 
 Devices: gloo on CPU by default (CI). ``FP4FUSE_E2E_DEVICE=cuda`` runs the same tests on two GPUs
-with NCCL; there the outputs are compared within a relative error (GPU GEMM kernels need not be
-bitwise row-independent), the counts exactly as on CPU.
+with NCCL, counts asserted exactly as on CPU. There the reference is the same model compiled by
+Inductor without fp4fuse, compared bitwise: on GPUs Inductor's kernels round some ops differently
+from eager, and NVFP4 requantization turns those last-bit differences into code flips (measured on
+2xH200, torch 2.11: compiled vs eager relative error 6.4e-2 at TP=2 with no fp4fuse pass at all,
+bitwise equal at TP=1 where the shapes differ). The fused collective GEMMs run each row block with
+the kernel configuration of the whole GEMM, so fused and unfused graphs agree bit for bit.
 """
 from __future__ import annotations
 
@@ -36,7 +40,6 @@ WORLD = 2
 LAYERS = 2
 TOKENS = (128, 80)  # 64 and 40 per rank
 TIMEOUT_S = 600.0
-CUDA_REL_TOL = 5e-2
 FUSION_KEYS = ("sequence_parallel.", "async_tp.")
 
 if DEVICE not in ("cpu", "cuda"):
@@ -97,7 +100,7 @@ def _rank_main(run: Run) -> list[dict]:
     compiled = torch.compile(model, dynamic=False if not run.dynamic else None,
                              options={"post_grad_custom_post_pass": fusion})
     unfused = FusionPass()
-    if run.reference == "compiled":
+    if run.reference == "compiled" or DEVICE == "cuda":
         reference = torch.compile(model, dynamic=False, options={"post_grad_custom_post_pass": unfused})
     else:
         reference = model
@@ -136,7 +139,7 @@ def run_ranks(run: Run, cache_dir: str) -> list[dict]:
     One compile thread per rank: two ranks already share the CI machine's cores."""
     per_rank = run_on_ranks(_rank_main, WORLD, run, timeout=TIMEOUT_S, backend=BACKEND,
                             env={"TORCHINDUCTOR_CACHE_DIR": cache_dir, "TORCHINDUCTOR_COMPILE_THREADS": "1"})
-    keys = ("counts", "equal") if DEVICE == "cpu" else ("counts",)
+    keys = ("counts", "equal")
     for other in per_rank[1:]:
         assert [[r[k] for k in keys] for r in other] == [[r[k] for k in keys] for r in per_rank[0]]
     return per_rank[0]
@@ -144,10 +147,7 @@ def run_ranks(run: Run, cache_dir: str) -> list[dict]:
 
 def assert_matches_reference(result: dict) -> None:
     assert result["finite"], result
-    if DEVICE == "cpu":
-        assert result["equal"], f"{result['tokens']} tokens: relative error {result['rel_err']:.3g}, expected bitwise"
-    else:
-        assert result["rel_err"] < CUDA_REL_TOL, result
+    assert result["equal"], f"{result['tokens']} tokens: relative error {result['rel_err']:.3g}, expected bitwise"
 
 
 # --------------------------------------------------------------------------- tests
