@@ -1,5 +1,9 @@
 import pytest
 import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+FAKE_WORLD_SIZE = 2
 
 
 def pytest_collection_modifyitems(config, items):
@@ -12,3 +16,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_cuda)
         if "multigpu" in item.keywords and n_gpus < 2:
             item.add_marker(skip_multi)
+
+
+@pytest.fixture(scope="module")
+def fake_group():
+    """A 2-rank fake process group for tracing and compiling graphs with collectives in this
+    process (no real ranks). Yields the group's name."""
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=FAKE_WORLD_SIZE)
+    assert dist.get_world_size() == FAKE_WORLD_SIZE
+    yield dist.group.WORLD.group_name
+    if owned:
+        dist.destroy_process_group()

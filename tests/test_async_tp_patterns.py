@@ -11,7 +11,6 @@ import torch.distributed as dist
 from torch._inductor.pattern_matcher import fwd_only
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fp4fuse  # noqa: F401  (registers torch.ops.fp4fuse.*)
 from fp4fuse.config import FusionConfig
@@ -27,15 +26,8 @@ fp4 = torch.ops.fp4fuse
 aten = torch.ops.aten
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fake_group():
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=W)
-    assert dist.get_world_size() == W
-    yield dist.group.WORLD.group_name
-    if owned:
-        dist.destroy_process_group()
+# a 2-rank fake process group (tests/conftest.py): graphs with collectives trace without ranks
+pytestmark = pytest.mark.usefixtures("fake_group")
 
 
 def group() -> str:

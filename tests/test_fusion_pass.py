@@ -13,7 +13,6 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import fwd_only
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fp4fuse
 from dist_utils import run_on_ranks
@@ -28,14 +27,8 @@ fp4 = torch.ops.fp4fuse
 PACKAGE = Path(fp4fuse.__file__).resolve().parent
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fake_group():
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=W)
-    yield
-    if owned:
-        dist.destroy_process_group()
+# a 2-rank fake process group (tests/conftest.py): graphs with collectives trace without ranks
+pytestmark = pytest.mark.usefixtures("fake_group")
 
 
 def ag_mm_rs(q, s, b, bs, alpha):

@@ -10,7 +10,6 @@ from torch._inductor import pattern_matcher as pm
 from torch._inductor.pattern_matcher import fwd_only
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fp4fuse.patterns.base import (
     CollectiveKind, MatchRecorder, ReplacementPattern, erase_if_unused, fake_value, find_collectives, insert_call,
@@ -21,14 +20,8 @@ fc = torch.ops._c10d_functional
 aten = torch.ops.aten
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fake_group():
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    yield
-    if owned:
-        dist.destroy_process_group()
+# a 2-rank fake process group (tests/conftest.py): graphs with collectives trace without ranks
+pytestmark = pytest.mark.usefixtures("fake_group")
 
 
 def test_token_count_reason_static():

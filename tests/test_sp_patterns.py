@@ -18,7 +18,6 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fp4fuse  # noqa: F401  (registers torch.ops.fp4fuse.*)
 from fp4fuse.amax import NVFP4Quantizer, register_amax_group
@@ -36,15 +35,8 @@ aten = torch.ops.aten
 SP_LOGGER = "fp4fuse.passes.sequence_parallel"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fake_group():
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=W)
-    assert dist.get_world_size() == W
-    yield dist.group.WORLD.group_name
-    if owned:
-        dist.destroy_process_group()
+# a 2-rank fake process group (tests/conftest.py): graphs with collectives trace without ranks
+pytestmark = pytest.mark.usefixtures("fake_group")
 
 
 @pytest.fixture(scope="module")

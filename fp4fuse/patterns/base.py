@@ -329,7 +329,9 @@ class ReplacementPattern(abc.ABC):
     def check(self, match: pm.Match) -> str | None:
         return None
 
-    def register(self, pm_pass: pm.PatternMatcherPass, recorder: MatchRecorder) -> None:
+    def recording_check(self, recorder: MatchRecorder) -> Callable[[pm.Match], bool]:
+        """The ``extra_check`` for ``register_replacement``: :meth:`check`, with every match and
+        every skip (and its reason) recorded under this pattern's name."""
         def extra_check(match: pm.Match) -> bool:
             reason = self.check(match)
             if reason is not None:
@@ -338,10 +340,12 @@ class ReplacementPattern(abc.ABC):
                 return False
             recorder.matched(self.name)
             return True
+        return extra_check
 
+    def register(self, pm_pass: pm.PatternMatcherPass, recorder: MatchRecorder) -> None:
         with registration_mode():
             pm.register_replacement(
                 _plain_function(self.pattern), _plain_function(self.replacement),
                 self.example_inputs(), pm.fwd_only, pm_pass,
-                extra_check=extra_check, skip_duplicates=True,
+                extra_check=self.recording_check(recorder), skip_duplicates=True,
             )

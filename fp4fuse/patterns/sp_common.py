@@ -303,20 +303,10 @@ class SPPattern(ReplacementPattern):
         """As ReplacementPattern.register, but traced with ``aot_trace`` and with ``eps`` as a
         scalar wildcard, so one pattern serves every epsilon."""
         names = self.arg_names()
-
-        def extra_check(match: pm.Match) -> bool:
-            reason = self.check(match)
-            if reason is not None:
-                anchor = next((n for n in match.output_nodes() if n is not None), None)
-                recorder.skipped(self.name, anchor, reason)
-                return False
-            recorder.matched(self.name)
-            return True
-
         with registration_mode():
             pm.register_replacement(
                 _with_signature(self.pattern, names), _with_signature(self.replacement, names),
-                self.example_inputs(), aot_trace, pm_pass, extra_check=extra_check,
+                self.example_inputs(), aot_trace, pm_pass, extra_check=self.recording_check(recorder),
                 scalar_workaround={"eps": EXAMPLE_EPS}, skip_duplicates=True,
             )
 
