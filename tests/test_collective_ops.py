@@ -7,14 +7,13 @@ the symmetric-memory pipelines (threshold 0).
 from __future__ import annotations
 
 import logging
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import fp4fuse  # noqa: F401  (registers the ops)
-from dist_utils import RankError, run_on_ranks
+from dist_utils import run_on_ranks
 from fp4fuse import format as nvfp4
 from fp4fuse.ops import collective_policy as policy
 from fp4fuse.ops import workspace
