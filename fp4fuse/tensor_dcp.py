@@ -1,0 +1,75 @@
+"""Distributed checkpointing (DCP) of NVFP4Tensor weights: the raw payload, losslessly.
+
+Design: before ``dcp.save`` / ``dcp.load``, :func:`nvfp4_state_dict_for_dcp` replaces each
+NVFP4Tensor entry ``fqn`` (plain, or a DTensor whose local tensor is an NVFP4Tensor, as FSDP2's
+``state_dict()`` gives) by three plain entries that **alias** its inner tensors:
+
+* ``fqn.qdata``  uint8 ``[N, K/2]``;
+* ``fqn.scale``  uint8 ``[N, K/16]`` (the float8_e4m3fn scales viewed as bytes);
+* ``fqn.amax``   fp32 ``[1]``, a plain (replicated) tensor: every shard holds the same amax.
+
+A DTensor entry sharded on dim 0 (``Shard(0)``) or replicated becomes DTensors of the same mesh and
+placements over qdata and scale, so DCP stores row shards with their global offsets and reshards
+on load (save on 2 ranks, load on 1, or the reverse) with its own planner. Nothing is dequantized:
+``dcp.save`` writes the bytes, and ``dcp.load`` writes the bytes back **in place** into the inner
+tensors of the NVFP4Tensors of the state dict it was given (build the target model first, e.g.
+with ``NVFP4Tensor.from_hp`` of any weight of the right shape). ``dcp.async_save`` takes the same
+converted dict. ``orig_dtype`` and ``amax_group`` are not stored: they come from the target.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from fp4fuse.tensor import NVFP4Tensor, _contiguous_strides
+
+__all__ = ["nvfp4_state_dict_for_dcp"]
+
+logger = logging.getLogger(__name__)
+
+_PARTS = ("qdata", "scale", "amax")
+
+
+def _payload(t: NVFP4Tensor) -> dict[str, torch.Tensor]:
+    """Plain views of ``t``'s inner tensors (scale as uint8), keyed by part name."""
+    return {"qdata": t.qdata, "scale": t.scale.view(torch.uint8), "amax": t.amax}
+
+
+def _dtensor_payload(fqn: str, dt: DTensor) -> dict[str, torch.Tensor]:
+    for p in dt.placements:
+        if not (isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0)):
+            raise NotImplementedError(f"nvfp4_state_dict_for_dcp: {fqn} has placement {p}; NVFP4 "
+                                      f"weights checkpoint only when sharded on dim 0 or replicated")
+    local = _payload(dt.to_local())
+    out: dict[str, torch.Tensor] = {"amax": local["amax"]}
+    for part, divisor in (("qdata", 2), ("scale", 16)):
+        shape = (*dt.shape[:-1], dt.shape[-1] // divisor)
+        out[part] = DTensor.from_local(local[part], dt.device_mesh, dt.placements, run_check=False,
+                                       shape=torch.Size(shape), stride=_contiguous_strides(shape))
+    return out
+
+
+def nvfp4_state_dict_for_dcp(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """A shallow copy of ``state_dict`` with each NVFP4Tensor entry ``fqn`` split into
+    ``fqn.qdata`` / ``fqn.scale`` / ``fqn.amax`` aliasing its payload (see the module docstring);
+    other entries are passed through unchanged. Use the result as the state dict of
+    ``dcp.save`` / ``dcp.async_save`` / ``dcp.load``."""
+    out: dict[str, Any] = {}
+    for fqn, value in state_dict.items():
+        if isinstance(value, DTensor) and isinstance(value.to_local(), NVFP4Tensor):
+            parts = _dtensor_payload(fqn, value)
+        elif isinstance(value, NVFP4Tensor):
+            parts = _payload(value)
+        else:
+            out[fqn] = value
+            continue
+        for part in _PARTS:
+            key = f"{fqn}.{part}"
+            if key in state_dict:
+                raise ValueError(f"nvfp4_state_dict_for_dcp: {key} already exists in the state dict")
+            out[key] = parts[part]
+    return out
