@@ -17,8 +17,8 @@ representable: row ranges (``slice``/``split``/``narrow`` on dim 0), ``view``/``
 contiguous shape whose last dim is a multiple of 16 (``view(-1)`` included: the flattened payload
 keeps its order). Views share ``amax`` with their base, so ``base[a:b].copy_(src)`` updates the base.
 
-Matmuls (``t``, ``mm``, ``addmm``, ``linear``, ``matmul``) dequantize the NVFP4 operands to their
-``orig_dtype`` and run the plain op; a module that wants the NVFP4 GEMM calls
+Matmuls (``t``, ``mm``, ``addmm``; ``F.linear`` and ``matmul`` decompose to these before dispatch)
+dequantize the NVFP4 operands to their ``orig_dtype`` and run the plain op; a module that wants the NVFP4 GEMM calls
 ``torch.ops.fp4fuse.mm_fp4`` with ``qdata`` / ``scale`` / :meth:`NVFP4Tensor.global_scale` itself.
 Any other aten op raises ``NotImplementedError`` naming the op and the argument types.
 """
@@ -200,10 +200,17 @@ class NVFP4Tensor(torch.Tensor):
                             module: torch.nn.Module, mp_policy: Any
                             ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[Any, ...]]:
         """All-gather inputs ``(qdata, scale.view(uint8))`` and metadata ``(amax, orig_dtype,
-        amax_group)``; FSDP2's mixed-precision ``param_dtype`` does not apply to NVFP4 payloads."""
+        amax_group)``. Needs a 2-D weight whose rows divide evenly over ``mesh``; FSDP2's
+        mixed-precision ``param_dtype`` does not apply (the unsharded tensor keeps orig_dtype)."""
         if self.dim() != 2 or len(orig_size) != 2:
             raise NotImplementedError(f"NVFP4Tensor under FSDP2 supports 2-D weights, got shard "
                                       f"{tuple(self.shape)} of {tuple(orig_size)}")
+        if orig_size[0] % mesh.size() != 0:
+            # Raised on every rank (not only the padded ones), so no rank waits in the all-gather.
+            raise NotImplementedError(
+                f"NVFP4Tensor under FSDP2 needs even row sharding: {orig_size[0]} rows over "
+                f"{mesh.size()} ranks (FSDP2 would pad the logical shard, which the packed payload "
+                f"cannot express)")
         metadata = (self.amax.clone(), self.orig_dtype, self.amax_group)
         return (self.qdata.contiguous(), self.scale.contiguous().view(torch.uint8)), metadata
 
@@ -219,7 +226,8 @@ class NVFP4Tensor(torch.Tensor):
         if out is not None:
             out.amax.copy_(amax)
             return None
-        full = NVFP4Tensor(qdata, scale_u8.view(torch.float8_e4m3fn), amax, orig_dtype, amax_group)
+        full = NVFP4Tensor(qdata, scale_u8.view(torch.float8_e4m3fn), amax.clone(), orig_dtype,
+                            amax_group)
         return full, (qdata, scale_u8)
 
     # -- dispatch ------------------------------------------------------------------------------

@@ -82,7 +82,7 @@ def _clone(func, args, kwargs):
     return args[0]._map_data(lambda x: x.clone())
 
 
-@implements(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+@implements(aten.view.default)
 def _view(func, args, kwargs):
     return _reshape(args[0], args[1])
 
@@ -231,5 +231,4 @@ def _dequantize_args(func, args, kwargs):
     return func(*tree_map(_plain, args), **tree_map(_plain, kwargs))
 
 
-implements(aten.t.default, aten.mm.default, aten.addmm.default, aten.linear.default,
-           aten.matmul.default, aten.bmm.default)(_dequantize_args)
+implements(aten.t.default, aten.mm.default, aten.addmm.default)(_dequantize_args)

@@ -165,6 +165,11 @@ def test_matmuls_dequantize():
     ref = x @ t.dequantize().t()
     assert torch.equal(F.linear(x, t), ref)
     assert torch.equal(torch.mm(x, t.t()), ref)
+    y = _weight(2, 5, N)
+    assert torch.equal(torch.mm(y, t), y @ t.dequantize())
+    bias = _weight(3, 1, K)[0]
+    assert torch.equal(torch.addmm(bias, y, t), torch.addmm(bias, y, t.dequantize()))
+    assert t.is_same_size(t.clone()) and _same(torch.ops.aten.alias(t), t)
 
 
 def test_unsupported_op_names_op_and_types():
@@ -174,6 +179,35 @@ def test_unsupported_op_names_op_and_types():
 
 
 # -- distributed (gloo) ---------------------------------------------------------------------------
+
+class _Mesh:
+    """The one DeviceMesh method the hooks read."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def size(self) -> int:
+        return self.n
+
+
+def test_fsdp_hooks_roundtrip_by_hand():
+    t = NVFP4Tensor.from_hp(_weight())
+    shards = torch.chunk(t, 2)
+    gathered = []
+    for shard in shards:
+        inputs, meta = shard.fsdp_pre_all_gather(_Mesh(2), t.shape, t.stride(), None, None)
+        assert [x.dtype for x in inputs] == [torch.uint8, torch.uint8]
+        gathered.append(inputs)
+    outputs = tuple(torch.cat(parts) for parts in zip(*gathered))  # what FSDP2's all-gather makes
+    full, inner = shards[0].fsdp_post_all_gather(outputs, meta, torch.bfloat16)
+    assert type(full) is NVFP4Tensor and _same(full, t) and inner == outputs
+    assert full.qdata.data_ptr() == outputs[0].data_ptr()
+    full.amax.zero_()
+    assert shards[0].fsdp_post_all_gather(outputs, meta, torch.bfloat16, out=full) is None
+    assert torch.equal(full.amax, t.amax)
+    with pytest.raises(NotImplementedError, match="even row sharding"):
+        t[:33].fsdp_pre_all_gather(_Mesh(2), (65, K), (K, 1), None, None)
+
 
 def _amax_on_rank() -> dict:
     rank = dist.get_rank()
