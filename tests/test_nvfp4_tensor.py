@@ -13,7 +13,7 @@ from dist_utils import run_on_ranks
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import fp4fuse
-from fp4fuse.amax import register_amax_group
+from fp4fuse.amax import NVFP4Quantizer, register_amax_group
 from fp4fuse.format import global_scale_from_amax, quantize_reference
 from fp4fuse.tensor import NVFP4Tensor
 from fp4fuse.tensor_dcp import nvfp4_state_dict_for_dcp
@@ -241,10 +241,24 @@ class _Proj(torch.nn.Module):
         return F.linear(x, self.weight)
 
 
+class _ProjFP4(_Proj):
+    """``y = x @ W^T`` through ``fp4fuse::mm_fp4``: x quantized per call, W's payload as is."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        q, s, gs = NVFP4Quantizer().quantize(x)
+        alpha = torch.reciprocal(gs * w.global_scale())
+        return torch.ops.fp4fuse.mm_fp4(q, w.qdata, s, w.scale, alpha, torch.bfloat16)
+
+
+def _layers(weight: NVFP4Tensor) -> torch.nn.Sequential:
+    return torch.nn.Sequential(_Proj(weight), _ProjFP4(weight.clone()))
+
+
 def _fsdp_model(weight: NVFP4Tensor) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    model = torch.nn.Sequential(_Proj(weight), _Proj(weight.clone()))
+    model = _layers(weight)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model:
         fully_shard(layer, mesh=mesh)
@@ -255,7 +269,7 @@ def _fsdp_model(weight: NVFP4Tensor) -> torch.nn.Module:
 def _fsdp_on_rank() -> dict:
     w = NVFP4Tensor.from_hp(_weight(0, K, K))
     x = _weight(1, 6, K)
-    reference = torch.nn.Sequential(_Proj(w.clone()), _Proj(w.clone()))(x)
+    reference = _layers(w.clone())(x)
     model = _fsdp_model(w.clone())
     local = model[0].weight.to_local()
     outs = [model(x), model(x)]  # the second forward re-gathers into the same buffers (out=)
@@ -281,18 +295,23 @@ def _dcp_save_on_rank(sync_dir: str, async_dir: str) -> NVFP4Tensor:
     assert set(state) == {f"{i}.weight.{p}" for i in (0, 1) for p in ("qdata", "scale", "amax")}
     dcp.save(state, checkpoint_id=sync_dir)
     dcp.async_save(state, checkpoint_id=async_dir).result()
+    resharded = _fsdp_model(NVFP4Tensor.from_hp(torch.zeros(K, K, dtype=torch.bfloat16)))
+    dcp.load(nvfp4_state_dict_for_dcp(resharded.state_dict()), checkpoint_id=sync_dir)
+    local = resharded[1].weight.to_local()
+    rows = slice(dist.get_rank() * K // 2, (dist.get_rank() + 1) * K // 2)
+    assert type(local) is NVFP4Tensor and _same(local, w[rows])
     return w
 
 
 def _dcp_load_on_rank(path: str) -> NVFP4Tensor:
     import torch.distributed.checkpoint as dcp
     blank = NVFP4Tensor.from_hp(torch.zeros(K, K, dtype=torch.bfloat16))
-    model = torch.nn.Sequential(_Proj(blank.clone()), _Proj(blank.clone()))
+    model = _layers(blank.clone())
     dcp.load(nvfp4_state_dict_for_dcp(model.state_dict()), checkpoint_id=path)
-    return model[0].weight.detach()
+    return model[1].weight.detach()
 
 
-def test_dcp_save_two_ranks_load_one_rank_lossless(tmp_path):
+def test_dcp_save_two_ranks_load_one_and_two_ranks_lossless(tmp_path):
     sync_dir, async_dir = str(tmp_path / "sync"), str(tmp_path / "async")
     saved = run_on_ranks(_dcp_save_on_rank, 2, sync_dir, async_dir, timeout=TIMEOUT_S)[0]
     for path in (sync_dir, async_dir):
