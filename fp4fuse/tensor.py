@@ -17,9 +17,9 @@ representable: row ranges (``slice``/``split``/``narrow`` on dim 0), ``view``/``
 contiguous shape whose last dim is a multiple of 16 (``view(-1)`` included: the flattened payload
 keeps its order). Views share ``amax`` with their base, so ``base[a:b].copy_(src)`` updates the base.
 
-Matmuls (``t``, ``mm``, ``addmm``; ``F.linear`` and ``matmul`` decompose to these before dispatch)
-dequantize the NVFP4 operands to their ``orig_dtype`` and run the plain op; a module that wants the NVFP4 GEMM calls
-``torch.ops.fp4fuse.mm_fp4`` with ``qdata`` / ``scale`` / :meth:`NVFP4Tensor.global_scale` itself.
+Matmuls (``t``, ``mm``, ``addmm``; ``F.linear`` and ``matmul`` decompose to these before
+dispatch) dequantize the NVFP4 operands to their ``orig_dtype`` and run the plain op; a module
+that wants the NVFP4 GEMM calls ``torch.ops.fp4fuse.mm_fp4`` with ``qdata`` / ``scale`` / :meth:`NVFP4Tensor.global_scale` itself.
 Any other aten op raises ``NotImplementedError`` naming the op and the argument types.
 """
 from __future__ import annotations
