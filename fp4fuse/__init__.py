@@ -33,6 +33,8 @@ _LAZY = {
     "FusionConfig": "fp4fuse.config",
     "FusionPass": "fp4fuse.passes.manager",
     "reserve_workspace": "fp4fuse.ops.workspace",
+    "NVFP4Tensor": "fp4fuse.tensor",
+    "nvfp4_state_dict_for_dcp": "fp4fuse.tensor_dcp",
 }
 
 __all__ = [
@@ -40,11 +42,13 @@ __all__ = [
     "FusionConfig",
     "FusionPass",
     "NVFP4Quantizer",
+    "NVFP4Tensor",
     "UnknownAmaxGroupError",
     "amax_group",
     "amax_group_id",
     "dequantize_reference",
     "global_scale_from_amax",
+    "nvfp4_state_dict_for_dcp",
     "quantize_reference",
     "register_amax_group",
     "reserve_workspace",
