@@ -43,16 +43,23 @@ _AG_GATHERED_OP = "fused_all_gather_fp4_matmul_gathered"
 _RS_OP = "fused_fp4_matmul_reduce_scatter"
 
 
+def resolve_group(group_name: str) -> dist.ProcessGroup:
+    """The process group registered under ``group_name`` (the name functional collectives take).
+
+    fp4fuse's one use of torch's private ``_resolve_process_group``; raises if the name is unknown
+    in this process."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    return _resolve_process_group(group_name)
+
+
 def group_size_of(group_name: str) -> int:
     """World size of the process group registered under ``group_name``."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-    return dist.get_world_size(_resolve_process_group(group_name))
+    return dist.get_world_size(resolve_group(group_name))
 
 
 def group_rank_of(group_name: str) -> int:
     """This process's rank in the process group registered under ``group_name``."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-    return dist.get_rank(_resolve_process_group(group_name))
+    return dist.get_rank(resolve_group(group_name))
 
 
 def all_gather_rows(t: torch.Tensor, group_name: str) -> torch.Tensor:

@@ -34,6 +34,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from fp4fuse.ops.collective_ops import resolve_group
+
 logger = logging.getLogger(__name__)
 
 ENV_TIMEOUT_MS = "FP4FUSE_SYMM_MEM_TIMEOUT_MS"
@@ -214,8 +216,7 @@ _REGISTRY: dict[tuple[str, int], SymmWorkspace | _Unavailable] = {}
 def _agree_on_capability(group_name: str, device: torch.device) -> str | None:
     """Collective: every rank reports whether it can use symmetric memory and its host; returns
     why the group cannot (``None`` if it can). The same answer on every rank."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-    group = _resolve_process_group(group_name)
+    group = resolve_group(group_name)
     local = local_unavailability(device)
     mine = torch.tensor([0 if local is None else 1, _host_id()], dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
@@ -249,8 +250,7 @@ def get_workspace(group_name: str, device: torch.device) -> SymmWorkspace:
         if reason is not None:
             entry = _Unavailable(reason)
         else:
-            from torch.distributed.distributed_c10d import _resolve_process_group
-            group = _resolve_process_group(group_name)
+            group = resolve_group(group_name)
             entry = SymmWorkspace(group_name, device, dist.get_rank(group), dist.get_world_size(group))
         _REGISTRY[key] = entry
     if isinstance(entry, _Unavailable):

@@ -39,6 +39,7 @@ from torch._inductor import pattern_matcher as pm
 from fp4fuse.amax import UnknownAmaxGroupError, amax_group, amax_group_id
 from fp4fuse.config import FusionConfig
 from fp4fuse.ops import sp_ops
+from fp4fuse.ops.collective_ops import resolve_group
 from fp4fuse.passes.base import FusionGraphPass
 from fp4fuse.patterns import sp_common, sp_fp4fuse_norm, sp_quant, sp_torch_norm
 from fp4fuse.patterns.base import CollectiveKind, erase_if_unused, fake_value, find_collectives, get_arg, is_call
@@ -136,13 +137,11 @@ class SequenceParallelismPass(FusionGraphPass):
 
     def _resolve(self, group_name: str) -> SPGroup | None:
         """The group's size, read from the process group registered under ``group_name``."""
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
         if not (dist.is_available() and dist.is_initialized()):
             self.recorder.skipped("group", None, f"group {group_name!r}: torch.distributed is not initialized")
             return None
         try:
-            pg = _resolve_process_group(group_name)
+            pg = resolve_group(group_name)
         except (ValueError, RuntimeError, KeyError) as exc:
             self.recorder.skipped("group", None, f"group {group_name!r} does not resolve in this process: {exc}")
             return None
