@@ -36,6 +36,7 @@ __all__ = [
     "NVFP4Quantizer",
     "amax_group",
     "amax_group_id",
+    "group_amax",
     "register_amax_group",
 ]
 
@@ -134,6 +135,25 @@ def amax_group(group_id: int) -> AmaxGroup:
     return record
 
 
+def group_amax(x: torch.Tensor, group_id: int | None) -> torch.Tensor:
+    """``max |x|`` as fp32 ``[1]`` on x's device, agreed over the registered group ``group_id``
+    (an all-reduce MAX through ``_c10d_functional``, so compiled graphs contain it) when not None.
+
+    An empty ``x`` counts as 0 (a rank without tokens still joins the all-reduce); NaN counts as
+    +inf, which survives any backend's MAX and which ``global_scale_from_amax`` maps to NaN.
+    Collective when ``group_id`` is set: every rank of the group must call it."""
+    if x.numel() == 0:
+        amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+    else:
+        amax = x.abs().amax().float().reshape(1)
+    amax = torch.where(torch.isnan(amax), torch.full_like(amax, math.inf), amax)
+    if group_id is not None:
+        group_name = amax_group(group_id).group_name
+        amax = torch.ops._c10d_functional.all_reduce(amax, "max", group_name)
+        amax = torch.ops._c10d_functional.wait_tensor(amax)
+    return amax
+
+
 @dataclasses.dataclass(frozen=True)
 class NVFP4Quantizer:
     """How to quantize an activation or weight to NVFP4: a plain, picklable value object.
@@ -185,14 +205,4 @@ class NVFP4Quantizer:
         """The global scale :meth:`quantize` uses for ``x``: fp32 ``[1]`` on x's device."""
         if self.global_scale is not None:
             return torch.full((1,), self.global_scale, dtype=torch.float32, device=x.device)
-        if x.numel() == 0:  # a rank without tokens still joins the group's all-reduce
-            amax = torch.zeros(1, dtype=torch.float32, device=x.device)
-        else:
-            amax = x.abs().amax().float().reshape(1)
-        # NaN -> +inf: inf survives any backend's MAX, and global_scale_from_amax maps it to NaN.
-        amax = torch.where(torch.isnan(amax), torch.full_like(amax, math.inf), amax)
-        if self.amax_group is not None:
-            group_name = amax_group(self.amax_group).group_name
-            amax = torch.ops._c10d_functional.all_reduce(amax, "max", group_name)
-            amax = torch.ops._c10d_functional.wait_tensor(amax)
-        return nvfp4.global_scale_from_amax(amax)
+        return nvfp4.global_scale_from_amax(group_amax(x, self.amax_group))

@@ -25,14 +25,13 @@ Any other aten op raises ``NotImplementedError`` naming the op and the argument 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from fp4fuse import format as nvfp4
-from fp4fuse.amax import amax_group as resolve_amax_group
+from fp4fuse.amax import group_amax
 
 __all__ = ["NVFP4Tensor"]
 
@@ -159,12 +158,7 @@ class NVFP4Tensor(torch.Tensor):
         if w.dim() < 1 or w.shape[-1] % nvfp4.BLOCK_SIZE != 0:
             raise ValueError(f"NVFP4Tensor.from_hp: the last dim must be a multiple of "
                              f"{nvfp4.BLOCK_SIZE}, got shape {tuple(w.shape)}")
-        amax = w.abs().amax().float().reshape(1) if w.numel() else w.new_zeros(1, dtype=torch.float32)
-        amax = torch.where(torch.isnan(amax), torch.full_like(amax, math.inf), amax)
-        if amax_group is not None:
-            group_name = resolve_amax_group(amax_group).group_name
-            amax = torch.ops._c10d_functional.all_reduce(amax, "max", group_name)
-            amax = torch.ops._c10d_functional.wait_tensor(amax)
+        amax = group_amax(w, amax_group)
         gs = nvfp4.global_scale_from_amax(amax)
         k = w.shape[-1]
         q, s = torch.ops.fp4fuse.scaled_fp4_quant(w.reshape(-1, k).contiguous(), gs)
