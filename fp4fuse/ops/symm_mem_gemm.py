@@ -56,8 +56,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
-import inspect
 import logging
 
 import torch
@@ -109,18 +107,9 @@ def reduce_scatter_layout(world_size: int, chunk_rows: int, n: int, out_dtype: t
 # ----------------------------------------------------------------------------------------------
 class GemmMode(enum.Enum):
     """How :class:`RowBlockGemm` writes a row block's ``mm_fp4`` into an output view."""
-    OUT_ARG = "launcher writes into out="
     DEQUANT_CUBLAS = "exact bf16 dequantize + cuBLAS into out="
     TILED = "tiled Triton kernel with the whole GEMM's configuration, then copy"
     COPY = "mm_fp4 then copy"
-
-
-@functools.cache
-def _accepts_out(fn) -> bool:
-    try:
-        return "out" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def _triton_mm_module():
@@ -145,7 +134,6 @@ class RowBlockGemm:
     ``fp4fuse::mm_fp4`` returns a fresh tensor; copying each block's output into place would cost
     a full extra pass over ``[M, N]`` (7% of a large GEMM), so this picks, once per op call:
 
-    * ``OUT_ARG``: the backend launcher takes ``out=`` (preferred whenever it does);
     * ``DEQUANT_CUBLAS``: the Triton backend's own large-M bf16 path, reproduced through its public
       functions so it can write into the view: ``torch.mm(dequant(a), dequant(b).T, out=view)`` then
       ``view *= alpha`` -- the same kernels and arithmetic as ``triton_mm.mm_fp4_dequant_mm``, so
@@ -175,13 +163,10 @@ class RowBlockGemm:
         make up (default ``block_rows``), whose kernel choices the blocks reproduce."""
         self.b, self.b_scale, self.alpha, self.out_dtype = b, b_scale, alpha, out_dtype
         total_rows = block_rows if total_rows is None else total_rows
-        self._launcher = None
         self._b_dequant: torch.Tensor | None = None
         backend = backend_for(b)
         triton_mm = _triton_mm_module() if backend is Backend.TRITON else None
-        if triton_mm is not None and _accepts_out(triton_mm.mm_fp4_triton):
-            self.mode, self._launcher = GemmMode.OUT_ARG, triton_mm.mm_fp4_triton
-        elif triton_mm is not None and out_dtype == torch.bfloat16 and total_rows >= triton_mm.DEQUANT_MIN_M:
+        if triton_mm is not None and out_dtype == torch.bfloat16 and total_rows >= triton_mm.DEQUANT_MIN_M:
             self.mode = GemmMode.DEQUANT_CUBLAS
             self._dequantize = triton_mm.dequantize_fp4_triton
         elif triton_mm is not None:
@@ -207,9 +192,7 @@ class RowBlockGemm:
     def run(self, out: torch.Tensor, block: PreparedBlock) -> None:
         """``out[:] = mm_fp4(block.a, b, block.a_scale, b_scale, alpha, out_dtype)`` on the current
         stream; ``out`` a contiguous ``[rows, N]`` view."""
-        if self.mode is GemmMode.OUT_ARG:
-            self._launcher(block.a, self.b, block.a_scale, self.b_scale, self.alpha, self.out_dtype, out=out)
-        elif self.mode is GemmMode.DEQUANT_CUBLAS:
+        if self.mode is GemmMode.DEQUANT_CUBLAS:
             torch.mm(block.a_dequant, self._b_dequant.t(), out=out)
             out.mul_(self.alpha.reshape(()))
         elif self.mode is GemmMode.TILED:
