@@ -31,14 +31,20 @@ PACKAGE = Path(fp4fuse.__file__).resolve().parent
 pytestmark = pytest.mark.usefixtures("fake_group")
 
 
-def ag_mm_rs(q, s, b, bs, alpha):
-    """A gathered GEMM and a reduce-scattered GEMM: one rewrite of each AsyncTP family."""
+def ag_mm_rs_of(q, s, b, bs, alpha, q_rs, s_rs):
+    """A gathered GEMM of the shard ``(q, s)`` and a reduce-scattered GEMM of ``(q_rs, s_rs)``:
+    one rewrite of each AsyncTP family."""
     group = dist.group.WORLD.group_name
     qa = fc.wait_tensor(fc.all_gather_into_tensor(q, W, group))
     sa = fc.wait_tensor(fc.all_gather_into_tensor(s.view(U8), W, group)).view(F8)
     gathered = fp4.mm_fp4(qa, b, sa, bs, alpha, BF16)
-    partial = fp4.mm_fp4(q, b, s, bs, alpha, BF16)
+    partial = fp4.mm_fp4(q_rs, b, s_rs, bs, alpha, BF16)
     return gathered, fc.wait_tensor(fc.reduce_scatter_tensor(partial, "sum", W, group))
+
+
+def ag_mm_rs(q, s, b, bs, alpha):
+    """:func:`ag_mm_rs_of` with the shard itself reduce-scattered."""
+    return ag_mm_rs_of(q, s, b, bs, alpha, q, s)
 
 
 def real_inputs(rows: int = M) -> list[torch.Tensor]:
@@ -206,19 +212,11 @@ def _fused_equals_eager_on_rank() -> dict:
     (q, s), (b, bs), (qf, sf) = _nvfp4(x, gs), _nvfp4(w, gs), _nvfp4(x_full, gs)
     alpha = 1.0 / (gs * gs)
 
-    def fn(q, s, qf, sf, b, bs, alpha):
-        group = dist.group.WORLD.group_name
-        qa = fc.wait_tensor(fc.all_gather_into_tensor(q, W, group))
-        sa = fc.wait_tensor(fc.all_gather_into_tensor(s.view(U8), W, group)).view(F8)
-        gathered = fp4.mm_fp4(qa, b, sa, bs, alpha, BF16)
-        partial = fp4.mm_fp4(qf, b, sf, bs, alpha, BF16)
-        return gathered, fc.wait_tensor(fc.reduce_scatter_tensor(partial, "sum", W, group))
-
-    args = (q, s, qf, sf, b, bs, alpha)
-    eager = fn(*args)
+    args = (q, s, b, bs, alpha, qf, sf)
+    eager = ag_mm_rs_of(*args)
     fusion = FusionPass(FusionConfig(enable_async_tp=True))
     torch._inductor.config.force_disable_caches = True  # a fresh process per rank: the passes must run
-    compiled = torch.compile(fn, fullgraph=True, options={"post_grad_custom_post_pass": fusion})
+    compiled = torch.compile(ag_mm_rs_of, fullgraph=True, options={"post_grad_custom_post_pass": fusion})
     fused = compiled(*args)
     return {"equal": [torch.equal(e, f) for e, f in zip(eager, fused, strict=True)],
             "shapes": [tuple(f.shape) for f in fused], "counts": dict(fusion.match_counts),
