@@ -1,14 +1,16 @@
-"""Collective NVFP4 GEMMs on 2 GPUs: fp4fuse's overlapped ops vs NCCL + mm_fp4, and PyTorch's bf16 ones.
+"""Collective NVFP4 GEMMs on W GPUs: fp4fuse's overlapped ops vs NCCL + mm_fp4, and PyTorch's bf16 ones.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-        PYTHONPATH=. python benchmarks/bench_collective_gemm.py --out results.md
+        PYTHONPATH=. python benchmarks/bench_collective_gemm.py --world 2 --out results.md
 
-Spawns 2 NCCL ranks. For total M in {512, 2048, 8192, 32768} x (N, K) in {(4096, 4096),
+Spawns ``--world`` NCCL ranks (default 2). For total M in {512, 2048, 8192, 32768} x (N, K) in {(4096, 4096),
 (14336, 4096), (4096, 14336)} it times, per side:
 
 * all-gather side: NCCL all-gather of the NVFP4 payload (data + scales) alone, ``mm_fp4`` of the
   gathered ``[M, K]`` alone, both in sequence (unfused: fp4fuse's functional fallback), and
-  ``fused_all_gather_fp4_matmul`` with the overlapped path forced on (threshold 0); PyTorch's bf16
+  ``fused_all_gather_fp4_matmul`` with the overlapped path forced on (threshold 0), under each
+  all-gather schedule (``FP4FUSE_AG_SCHEDULE``: decode-gather, per-shard) and reported under the
+  one the cost model picks (``auto``); PyTorch's bf16
   ``symm_mem.fused_all_gather_matmul`` and its unfused baseline (NCCL all-gather of bf16 + mm).
 * reduce-scatter side (``a`` is ``[M, K]`` on every rank, K being the rank's K shard): ``mm_fp4``
   alone, the fp32 reduce-scatter of the partial alone (cast, NCCL, cast back, as the fallback does),
@@ -19,8 +21,9 @@ Timing: per iteration the ranks synchronize the device and meet at a barrier, th
 bracket one call; median over the iterations, then the slower rank's median. Each shape is timed
 twice: device-bound (a ~1 ms GPU sleep queued first, so the host has issued the call before the
 GPU starts it) and eager (host launch latency included). Overlap efficiency
-``(t_comm + t_mm - t_fused) / min(t_comm, t_mm)`` is shown where ``min >= 50 us``. A full run
-(21 shapes x 2 modes) takes about 3-4 minutes on 2xH200; ``--budget-s`` stops starting new shapes.
+``(t_comm + t_mm - t_fused) / min(t_comm, t_mm)`` is shown where ``min >= 50 us``.
+``--budget-s`` stops starting new shapes; the markdown is rewritten after every shape, so a run
+cut short still leaves its table.
 """
 from __future__ import annotations
 
@@ -44,7 +47,6 @@ TOTAL_M = (512, 2048, 8192, 32768)
 #: Extra grid points that place the overlap threshold (not part of the headline grid).
 EXTRA_M = (1024, 4096, 16384)
 MIN_HIDEABLE_MS = 0.05
-WORLD = 2
 DEVICE_BOUND = "device-bound"
 EAGER = "eager"
 
@@ -61,6 +63,8 @@ class Row:
     mm: float | None = None
     unfused: float | None = None
     fused: float | None = None
+    fused_by_schedule: dict[str, float | None] = dataclasses.field(default_factory=dict)
+    schedule: str = ""
     bf16_comm: float | None = None
     bf16_mm: float | None = None
     bf16_unfused: float | None = None
@@ -140,7 +144,8 @@ def _bench_shape(m_total: int, n: int, k: int, group: str, mode: str) -> list[Ro
     timed = functools.partial(_time_ms, host_ahead=mode == DEVICE_BOUND)
     rank = dist.get_rank()
     ops = torch.ops.fp4fuse
-    rows_shard = m_total // WORLD
+    world = dist.get_world_size()
+    rows_shard = m_total // world
     out_dtype = torch.bfloat16
     b, sb, gs_b = _quantized(n, k, 1)
     alpha = 1.0 / (gs_b * gs_b)
@@ -154,8 +159,16 @@ def _bench_shape(m_total: int, n: int, k: int, group: str, mode: str) -> list[Ro
     ag.comm = timed(lambda: (co.all_gather_rows(a_shard, group), co.all_gather_rows(s_shard, group)))
     ag.mm = timed(lambda: ops.mm_fp4(a_full, b, s_full, sb, alpha, out_dtype))
     ag.unfused = timed(lambda: co.all_gather_fp4_matmul_fallback(a_shard, s_shard, b, sb, alpha, out_dtype, group))
-    ag.fused = _try(lambda: timed(
-        lambda: ops.fused_all_gather_fp4_matmul(a_shard, s_shard, b, sb, alpha, out_dtype, group)), notes, "fused")
+    from fp4fuse.ops import collective_policy as policy
+    from fp4fuse.ops.symm_mem_gemm import AllGatherSchedule
+    ag.schedule = policy.all_gather_schedule(world, rows_shard, n, k).value
+    for schedule in AllGatherSchedule:
+        os.environ[policy.ENV_AG_SCHEDULE] = schedule.value
+        ag.fused_by_schedule[schedule.value] = _try(lambda: timed(
+            lambda: ops.fused_all_gather_fp4_matmul(a_shard, s_shard, b, sb, alpha, out_dtype, group)),
+            notes, f"fused {schedule.value}")
+    os.environ.pop(policy.ENV_AG_SCHEDULE)
+    ag.fused = ag.fused_by_schedule[ag.schedule]
     a16_shard = torch.randn(rows_shard, k, device="cuda", dtype=torch.bfloat16)
     w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
     a16_full = co.all_gather_rows(a16_shard, group)
@@ -180,7 +193,7 @@ def _bench_shape(m_total: int, n: int, k: int, group: str, mode: str) -> list[Ro
     a16 = torch.randn(m_total, k, device="cuda", dtype=torch.bfloat16)
     p16 = torch.mm(a16, w16.t())
     funcol = torch.ops._c10d_functional
-    rs_bf16 = lambda t: funcol.wait_tensor(funcol.reduce_scatter_tensor(t, "sum", WORLD, group))  # noqa: E731
+    rs_bf16 = lambda t: funcol.wait_tensor(funcol.reduce_scatter_tensor(t, "sum", world, group))  # noqa: E731
     rs.bf16_mm = timed(lambda: torch.mm(a16, w16.t()))
     rs.bf16_comm = timed(lambda: rs_bf16(p16))
     rs.bf16_unfused = timed(lambda: rs_bf16(torch.mm(a16, w16.t())))
@@ -198,7 +211,7 @@ def _profile(m_total: int, n: int, k: int, group: str) -> None:
     rank = dist.get_rank()
     b, sb, gs_b = _quantized(n, k, 1)
     alpha = 1.0 / (gs_b * gs_b)
-    a_shard, s_shard, _ = _quantized(m_total // WORLD, k, 10 + rank)
+    a_shard, s_shard, _ = _quantized(m_total // dist.get_world_size(), k, 10 + rank)
     a, s, _ = _quantized(m_total, k, 20 + rank)
     calls = {
         "all-gather": lambda: ops.fused_all_gather_fp4_matmul(a_shard, s_shard, b, sb, alpha, torch.bfloat16, group),
@@ -235,18 +248,23 @@ def _fmt(v: float | None, digits: int = 3) -> str:
 def _table(rows: list[Row], side: str, mode: str) -> list[str]:
     comm = "AG fp4 payload" if side == "all-gather" else "RS fp32 partial"
     bcomm = "AG bf16" if side == "all-gather" else "RS bf16"
+    sched = side == "all-gather"
+    extra_head = " schedule (auto) | fused decode-gather ms | fused per-shard ms |" if sched else ""
     lines = [
-        f"| M total | N | K | {comm} ms | mm_fp4 ms | unfused ms | fused ms | speedup | overlap eff. | "
+        f"| M total | N | K | {comm} ms | mm_fp4 ms | unfused ms |{extra_head} fused ms | speedup | overlap eff. | "
         f"{bcomm} ms | bf16 mm ms | bf16 unfused ms | torch bf16 fused ms | torch speedup |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |" + (" --- | ---: | ---: |" if sched else "")
+        + " ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         if r.side != side or r.mode != mode:
             continue
         eff = r.efficiency()
         eff_s = _fmt(eff, 2) if eff is not None else ("n/a (<50 µs)" if r.fused is not None else "—")
+        extra = (f" {r.schedule} | {_fmt(r.fused_by_schedule.get('decode-gather'))} | "
+                 f"{_fmt(r.fused_by_schedule.get('per-shard'))} |") if sched else ""
         lines.append(
-            f"| {r.m} | {r.n} | {r.k} | {_fmt(r.comm)} | {_fmt(r.mm)} | {_fmt(r.unfused)} | {_fmt(r.fused)} | "
+            f"| {r.m} | {r.n} | {r.k} | {_fmt(r.comm)} | {_fmt(r.mm)} | {_fmt(r.unfused)} |{extra} {_fmt(r.fused)} | "
             f"{_fmt(r.speedup(), 2)} | {eff_s} | {_fmt(r.bf16_comm)} | {_fmt(r.bf16_mm)} | "
             f"{_fmt(r.bf16_unfused)} | {_fmt(r.bf16_fused)} | {_fmt(r.bf16_speedup(), 2)} |")
     return lines
@@ -268,9 +286,9 @@ def _report(rows: list[Row], meta: dict[str, str], elapsed: float) -> str:
     from fp4fuse.ops import collective_policy as policy
     sides = ("all-gather", "reduce-scatter")
     lines = [
-        f"# Collective NVFP4 GEMMs, 2 GPUs — {meta['date']}",
+        f"# Collective NVFP4 GEMMs, {meta['world']} GPUs — {meta['date']}",
         "",
-        f"- Device: 2 x {meta['device']} ({meta['host']}); torch {meta['torch']}, Triton {meta['triton']}, "
+        f"- Device: {meta['world']} x {meta['device']} ({meta['host']}); torch {meta['torch']}, Triton {meta['triton']}, "
         f"NCCL {meta['nccl']}; mm_fp4 backend: {meta['backend']}; fused GEMM mode: {meta['gemm_mode']}.",
         "- NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (P2P only). out_dtype bf16.",
         "- Times: median of CUDA-event timings of one call, ranks synchronized and barriered before "
@@ -286,7 +304,7 @@ def _report(rows: list[Row], meta: dict[str, str], elapsed: float) -> str:
         "min ≥ 50 µs. Reduce-scatter side: `a` is `[M, K]` per rank (K = the rank's K shard); its "
         "unfused comm is the fallback's fp32 reduce-scatter of the bf16 partial (cast, NCCL, cast).",
     ]
-    for mode in (DEVICE_BOUND, EAGER):
+    for mode in sorted({r.mode for r in rows}, key=(DEVICE_BOUND, EAGER).index):
         for side, title in zip(sides, ("All-gather + GEMM", "GEMM + reduce-scatter")):
             lines += ["", f"## {title} — {mode}", "", *_table(rows, side, mode)]
         cross = {side: _crossover(rows, side, mode) for side in sides}
@@ -317,6 +335,7 @@ def _meta(group: str) -> dict[str, str]:
     b, sb, gs = _quantized(64, 64, 3)
     return {
         "date": datetime.date.today().isoformat(),
+        "world": str(dist.get_world_size()),
         "device": torch.cuda.get_device_name(),
         "host": socket.gethostname(),
         "torch": torch.__version__,
@@ -331,28 +350,37 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), FP4FUSE_OVERLAP_MIN_ROWS="0")
     os.environ.setdefault("FP4FUSE_SYMM_MEM_TIMEOUT_MS", "60000")  # a broken pipeline traps, never hangs
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=WORLD, device_id=torch.device("cuda", rank))
+    dist.init_process_group("nccl", rank=rank, world_size=args.world, device_id=torch.device("cuda", rank))
     import fp4fuse  # noqa: F401  (registers the ops)
     group = dist.group.WORLD.group_name
     started = time.perf_counter()
     rows: list[Row] = []
-    shapes = [(m, n, k) for n, k in SHAPES_NK for m in sorted(args.m)]
+    meta = _meta(group)
+    nk = [tuple(v) for v in args.nk] if args.nk else list(SHAPES_NK)
+    shapes = [(m, n, k) for n, k in nk for m in sorted(args.m)]
     for m, n, k in shapes:
         if time.perf_counter() - started > args.budget_s:
             if rank == 0:
                 print(f"budget of {args.budget_s} s spent: skipping M={m} N={n} K={k}", flush=True)
             continue
-        for mode in (DEVICE_BOUND, EAGER):
-            rows += _bench_shape(m, n, k, group, mode)
+        shape_started = time.perf_counter()
+        new_rows = []
+        for mode in args.modes:
+            new_rows += _bench_shape(m, n, k, group, mode)
+        rows += new_rows
         if rank == 0:
-            for r in rows[-4:]:
+            for r in new_rows:
                 print(f"{r.mode:>12} {r.side:>14} M={r.m:>6} N={r.n:>6} K={r.k:>6}: comm {_fmt(r.comm)} mm {_fmt(r.mm)} "
-                      f"unfused {_fmt(r.unfused)} fused {_fmt(r.fused)} eff {_fmt(r.efficiency(), 2)} | "
-                      f"bf16 unfused {_fmt(r.bf16_unfused)} torch fused {_fmt(r.bf16_fused)} {r.notes}", flush=True)
+                      f"unfused {_fmt(r.unfused)} fused {_fmt(r.fused)} {r.schedule} {r.fused_by_schedule} "
+                      f"eff {_fmt(r.efficiency(), 2)} | bf16 unfused {_fmt(r.bf16_unfused)} "
+                      f"torch fused {_fmt(r.bf16_fused)} {r.notes}", flush=True)
+            print(f"  ({time.perf_counter() - shape_started:.1f} s)", flush=True)
+            if args.out:
+                with open(args.out, "w") as f:
+                    f.write(_report(rows, meta, time.perf_counter() - started))
         torch.cuda.empty_cache()
     for m, n, k in args.profile:
         _profile(m, n, k, group)
-    meta = _meta(group)
     if rank == 0:
         text = _report(rows, meta, time.perf_counter() - started)
         print(text)
@@ -369,16 +397,20 @@ def main() -> None:
     parser.add_argument("--m", type=int, nargs="+", default=list(TOTAL_M + EXTRA_M), help="total M values")
     parser.add_argument("--profile", type=int, nargs=3, action="append", default=[], metavar=("M", "N", "K"),
                         help="print rank 0's GPU timeline of one fused call of each side at this shape")
+    parser.add_argument("--nk", type=int, nargs=2, action="append", default=[], metavar=("N", "K"),
+                        help="(N, K) pairs (default: the three of the grid)")
+    parser.add_argument("--modes", nargs="+", default=[DEVICE_BOUND, EAGER], choices=[DEVICE_BOUND, EAGER])
+    parser.add_argument("--world", type=int, default=2, help="GPUs (NCCL ranks) to spawn")
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting new shapes after this")
     args = parser.parse_args()
-    if torch.cuda.device_count() < WORLD:
-        sys.exit(f"needs {WORLD} GPUs, found {torch.cuda.device_count()}")
+    if torch.cuda.device_count() < args.world:
+        sys.exit(f"needs {args.world} GPUs, found {torch.cuda.device_count()}")
     # Never NVLink multicast (it can take a shared host down); P2P only.
     os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_rank_main, args=(args, port), nprocs=WORLD, join=True)
+    mp.spawn(_rank_main, args=(args, port), nprocs=args.world, join=True)
 
 
 if __name__ == "__main__":

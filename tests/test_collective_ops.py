@@ -7,6 +7,7 @@ the symmetric-memory pipelines (threshold 0).
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -297,6 +298,21 @@ def test_overlap_threshold_env(monkeypatch):
         policy.signature_check_mode()
 
 
+def test_all_gather_schedule_env_and_model(monkeypatch):
+    from fp4fuse.ops.symm_mem_gemm import AllGatherSchedule
+    monkeypatch.delenv(policy.ENV_AG_SCHEDULE, raising=False)
+    # a gather far smaller than the decode prologue (wide weight): decode-gather
+    assert policy.all_gather_schedule(2, 1024, 14336, 4096) is AllGatherSchedule.DECODE_GATHER
+    # a gather far longer than the prologue (many peers, many rows, small weight): per-shard
+    assert policy.all_gather_schedule(8, 65536, 1024, 8192) is AllGatherSchedule.PER_SHARD
+    for value in AllGatherSchedule:
+        monkeypatch.setenv(policy.ENV_AG_SCHEDULE, value.value)
+        assert policy.all_gather_schedule(2, 1024, 14336, 4096) is value
+    monkeypatch.setenv(policy.ENV_AG_SCHEDULE, "sideways")
+    with pytest.raises(ValueError, match="FP4FUSE_AG_SCHEDULE"):
+        policy.all_gather_schedule(2, 1024, 14336, 4096)
+
+
 def test_signature_describes_every_argument():
     a = torch.empty(40, 104, dtype=torch.uint8)
     s = torch.empty(40, 13, dtype=torch.float8_e4m3fn)
@@ -356,6 +372,20 @@ def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
+def _all_gather_reference(a: torch.Tensor, sa: torch.Tensor, t: dict[str, torch.Tensor], out_dtype: torch.dtype,
+                          shard_rows: int) -> torch.Tensor:
+    """What ``fused_all_gather_fp4_matmul`` must equal bit for bit under the schedule it picks:
+    one full ``mm_fp4`` for DECODE_GATHER (and on the tiled path, where every block runs the whole
+    GEMM's configuration), the per-block GEMMs for PER_SHARD on the cuBLAS path."""
+    from fp4fuse.ops.symm_mem_gemm import AllGatherSchedule
+    world = dist.get_world_size()
+    decoded = out_dtype == torch.bfloat16 and world * shard_rows >= _dequant_min_m()
+    schedule = policy.all_gather_schedule(world, shard_rows, t["b"].shape[0], t["b"].shape[1] * 2)
+    if not decoded or schedule is AllGatherSchedule.DECODE_GATHER:
+        return ops.mm_fp4(a, t["b"], sa, t["sb"], t["alpha"], out_dtype)
+    return _per_shard_mm(a, t["b"], sa, t["sb"], t["alpha"], out_dtype, shard_rows)
+
+
 def _gpu_suite() -> dict[str, object]:
     rank, world, group = dist.get_rank(), dist.get_world_size(), _group_name()
     device = torch.device("cuda", rank)
@@ -365,21 +395,21 @@ def _gpu_suite() -> dict[str, object]:
             t = _case_inputs(m, case, device)
             a = _gather_ref(t["a_shard"], group)
             sa = _gather_ref(t["s_shard"], group)
-            out = ops.fused_all_gather_fp4_matmul(t["a_shard"], t["s_shard"], t["b"], t["sb"], t["alpha"],
-                                                  out_dtype, group)
-            out2, a2, sa2 = ops.fused_all_gather_fp4_matmul_gathered(
-                t["a_shard"], t["s_shard"], t["b"], t["sb"], t["alpha"], out_dtype, group)
-            same_config = _per_shard_mm(a, t["b"], sa, t["sb"], t["alpha"], out_dtype, m)
-            assert torch.equal(out, same_config), f"AG m={m} {out_dtype}"
-            assert torch.equal(out2, same_config) and torch.equal(a2, a)
-            assert torch.equal(sa2.view(torch.uint8), sa.view(torch.uint8))
             full = ops.mm_fp4(a, t["b"], sa, t["sb"], t["alpha"], out_dtype)
-            tiled = out_dtype != torch.bfloat16 or world * m < _dequant_min_m()
-            if tiled:  # the whole GEMM's configuration per block: bitwise equal to the unfused graph
-                assert torch.equal(out, full), f"AG m={m} {out_dtype}: differs from the unfused GEMM"
-            elif not torch.equal(out, full):  # cuBLAS picks kernels by shape: last-bit differences
-                report["full_gemm_mismatches"].append(("ag", m, str(out_dtype), int((out != full).sum())))
-                assert _rel_err(out, full) < 1e-2
+            for schedule in ("decode-gather", "per-shard"):
+                os.environ[policy.ENV_AG_SCHEDULE] = schedule
+                expected = _all_gather_reference(a, sa, t, out_dtype, m)
+                out = ops.fused_all_gather_fp4_matmul(t["a_shard"], t["s_shard"], t["b"], t["sb"], t["alpha"],
+                                                      out_dtype, group)
+                out2, a2, sa2 = ops.fused_all_gather_fp4_matmul_gathered(
+                    t["a_shard"], t["s_shard"], t["b"], t["sb"], t["alpha"], out_dtype, group)
+                assert torch.equal(out, expected), f"AG {schedule} m={m} {out_dtype}"
+                assert torch.equal(out2, expected) and torch.equal(a2, a), f"AG gathered {schedule} m={m}"
+                assert torch.equal(sa2.view(torch.uint8), sa.view(torch.uint8))
+                if not torch.equal(out, full):  # per-shard cuBLAS GEMMs: kernels picked by shape
+                    report["full_gemm_mismatches"].append(("ag", schedule, m, str(out_dtype), int((out != full).sum())))
+                    assert _rel_err(out, full) < 1e-2
+            os.environ.pop(policy.ENV_AG_SCHEDULE)
 
             partial_same = _per_shard_mm(t["a_rs"], t["b_rs"], t["s_rs"], t["sb_rs"], t["alpha"], out_dtype, m)
             out_rs = ops.fused_fp4_matmul_reduce_scatter(t["a_rs"], t["b_rs"], t["s_rs"], t["sb_rs"], t["alpha"],
@@ -431,7 +461,7 @@ def _gpu_graph_capture(device: torch.device, group: str) -> bool:
         graph.replay()
         a = _gather_ref(fresh["a_shard"], group)
         sa = _gather_ref(fresh["s_shard"], group)
-        assert torch.equal(ag_out, _per_shard_mm(a, fresh["b"], sa, fresh["sb"], fresh["alpha"], out_dtype, m))
+        assert torch.equal(ag_out, _all_gather_reference(a, sa, fresh, out_dtype, m))
         partial = _per_shard_mm(fresh["a_rs"], fresh["b_rs"], fresh["s_rs"], fresh["sb_rs"], fresh["alpha"],
                                 out_dtype, m)
         assert torch.equal(rs_out, _reduce_scatter_ref(partial, group))
@@ -439,8 +469,11 @@ def _gpu_graph_capture(device: torch.device, group: str) -> bool:
 
 
 @pytest.mark.multigpu
-def test_symmetric_memory_pipelines_on_two_gpus():
-    results = run_on_ranks(_gpu_suite, 2, backend="nccl", timeout=300, env=_GPU_ENV)
+@pytest.mark.parametrize("world", [2, 4])
+def test_symmetric_memory_pipelines_on_gpus(world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
+    results = run_on_ranks(_gpu_suite, world, backend="nccl", timeout=300, env=_GPU_ENV)
     for r in results:
         assert r["graph"] is True and r["capacity"] > 0
         assert r["modes"] == {80: "TILED", 2080: "DEQUANT_CUBLAS"}, r["modes"]

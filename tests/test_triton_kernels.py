@@ -109,6 +109,23 @@ def test_cuda_mm_fp4_matches_float64(m, n, k, out_dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 5), (130, 4099), (1000, 2047)])
+def test_cuda_scale_by_alpha_equals_torch_mul(dtype, shape):
+    """The alpha epilogue of the dequantize + cuBLAS path is bit-equal to ``x.mul_(alpha)``."""
+    _require_triton_backend()
+    from fp4fuse.ops import triton_mm
+    gen = torch.Generator(device="cuda").manual_seed(shape[1])
+    x = (torch.randn(shape, generator=gen, device="cuda") * 300).to(dtype)
+    x[0, 0] = float("inf")
+    alpha = torch.rand(1, generator=gen, device="cuda") * 1e-3 + 1e-4
+    got = triton_mm.scale_by_alpha_(x.clone(), alpha)
+    assert torch.equal(got, x.clone().mul_(alpha.reshape(())))
+    with pytest.raises(ValueError, match="contiguous"):
+        triton_mm.scale_by_alpha_(x.t(), alpha)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("m", [5, 2048])
 def test_cuda_mm_fp4_nan_scale_propagates(m):
     _require_triton_backend()

@@ -132,9 +132,18 @@ def case_mm() -> None:
         lo, hi = triton_mm.decode_fp4_halves(a, sa)
         halves = torch.stack((lo.float(), hi.float()), dim=-1).flatten(-2) * 2.0 ** 14
         assert torch.equal(halves, nvfp4.dequantize_reference(a, sa)), f"halves {m}x{k}"
+        into = torch.full((m + 2, k), 7.0, dtype=torch.bfloat16)
+        triton_mm.dequantize_fp4_triton(a, sa, out=into[1:m + 1])
+        assert torch.equal(into[1:m + 1], deq), f"dequant out= {m}x{k}"
+        assert (into[0] == 7).all() and (into[m + 1] == 7).all(), f"dequant out= {m}x{k} wrote outside"
         out = triton_mm.mm_fp4_dequant_mm(a, b, sa, sb, alpha)
         rel = ((out.double() - ref).norm() / ref.norm()).item()
         assert rel <= 1e-2, f"dequant+mm {m}x{n}x{k}: rel {rel:.2e}"
+        # torch's x.mul_(alpha) numerics (the interpreter truncates fp32 -> bf16: 1 ulp here,
+        # bitwise on CUDA in test_triton_kernels.py)
+        x = (torch.randn(m, n, generator=gen) * 100).to(torch.bfloat16)
+        got = triton_mm.scale_by_alpha_(x.clone(), alpha.reshape(1).float())
+        assert _ulps_ok(got, x.clone().mul_(alpha.reshape(())), 1), f"scale_by_alpha_ {m}x{n}"
         out = triton_mm.mm_fp4_triton(a, b, sa, sb, alpha, torch.float32)
         rel = ((out.double() - ref).norm() / ref.norm()).item()
         assert rel <= 1e-5, f"dispatch {m}x{n}x{k}: rel {rel:.2e}"

@@ -14,6 +14,10 @@
   ``FP4FUSE_OVERLAP_MIN_ROWS=4096`` to overlap the all-gather side from there (1.02-1.13x).
   ``FP4FUSE_OVERLAP_MIN_ROWS`` sets both sides; ``FP4FUSE_DISABLE_OVERLAP=1`` turns the overlapped
   path off. Both must be the same on every rank (the decision must be the same everywhere).
+* All-gather schedule (:func:`all_gather_schedule`): ``decode-gather`` (the gather hidden under
+  the GEMM's bf16 decode prologue, then one GEMM over all rows, bitwise equal to unfused) while the
+  modelled gather fits under that prologue, else ``per-shard`` (one GEMM per shard, later shards
+  pulled during earlier GEMMs). ``FP4FUSE_AG_SCHEDULE=decode-gather|per-shard|auto`` overrides it.
 * Agreement: the group all-gathers the call signature (op, every tensor's shape / dtype /
   contiguity, ``out_dtype``) and every rank raises the same clear ``ValueError`` if they differ,
   instead of hanging in (or corrupting) a collective. Mode ``FP4FUSE_COLLECTIVE_CHECK``:
@@ -39,6 +43,7 @@ logger = logging.getLogger(__name__)
 ENV_MIN_ROWS = "FP4FUSE_OVERLAP_MIN_ROWS"
 ENV_DISABLE = "FP4FUSE_DISABLE_OVERLAP"
 ENV_CHECK = "FP4FUSE_COLLECTIVE_CHECK"
+ENV_AG_SCHEDULE = "FP4FUSE_AG_SCHEDULE"
 
 #: Total rows below which the functional-collective path runs instead of the overlapped one, per
 #: op family. Measured crossover on 2xH200 (NV18), torch 2.11, Triton 3.6: see the module doc.
@@ -89,6 +94,40 @@ def overlap_min_rows(kind: CollectiveKind) -> int:
     if rows < 0:
         raise ValueError(f"{ENV_MIN_ROWS}={value!r}: must be a non-negative integer")
     return rows
+
+
+# Cost model of the all-gather schedules, fitted on 2xH200 (NV18), torch 2.11 (see the results
+# file named in the module doc). Rates: bytes or elements per microsecond.
+_PEER_DECODE_BYTES_PER_US = 330e3   # decode of a peer's shard read over NVLink (SM loads)
+_LOCAL_DECODE_ELEMS_PER_US = 1.05e6  # bf16 decode from local HBM
+_HANDOFF_US = 12.0                   # own shard into the buffer + READY barrier
+_GEMM_FLOPS_PER_US = 7.0e8           # cuBLAS bf16 at these sizes
+_PER_SHARD_PENALTY = 0.03            # splitting the GEMM per shard, fraction of the GEMM time
+
+
+def _all_gather_exposed_us(world: int, shard_rows: int, n: int, k: int) -> tuple[float, float]:
+    """(modelled gather time the decode-gather schedule leaves exposed, modelled per-shard cost), µs."""
+    peer_bytes = (world - 1) * shard_rows * k * 9 / 16  # packed codes + e4m3 scales
+    side = _HANDOFF_US + peer_bytes / _PEER_DECODE_BYTES_PER_US
+    prologue = (n * k + shard_rows * k) / _LOCAL_DECODE_ELEMS_PER_US
+    gemm = 2.0 * world * shard_rows * n * k / _GEMM_FLOPS_PER_US
+    return max(0.0, side - prologue), _PER_SHARD_PENALTY * gemm
+
+
+def all_gather_schedule(world: int, shard_rows: int, n: int, k: int):
+    """The :class:`~fp4fuse.ops.symm_mem_gemm.AllGatherSchedule` for an all-gather GEMM of ``world``
+    shards of ``shard_rows`` rows against an ``[n, k]`` weight (``FP4FUSE_AG_SCHEDULE``, else the
+    cheaper one in the cost model above). A pure function of agreed shapes and the environment."""
+    from fp4fuse.ops.symm_mem_gemm import AllGatherSchedule
+    value = os.environ.get(ENV_AG_SCHEDULE, "auto").lower()
+    if value != "auto":
+        try:
+            return AllGatherSchedule(value)
+        except ValueError:
+            choices = ["auto"] + [s.value for s in AllGatherSchedule]
+            raise ValueError(f"{ENV_AG_SCHEDULE}={value!r}: must be one of {choices}") from None
+    exposed, per_shard = _all_gather_exposed_us(world, shard_rows, n, k)
+    return AllGatherSchedule.DECODE_GATHER if exposed <= per_shard else AllGatherSchedule.PER_SHARD
 
 
 def overlap_disabled() -> bool:

@@ -1,6 +1,26 @@
 """Overlapped NVFP4 collective GEMMs on CUDA symmetric memory (P2P only, never multicast).
 
-All-gather + GEMM (``W`` ranks, this rank ``r``, ``m`` rows per shard)::
+All-gather + GEMM (``W`` ranks, this rank ``r``, ``m`` rows per shard) has two schedules
+(:class:`AllGatherSchedule`, chosen by :func:`fp4fuse.ops.collective_policy.all_gather_schedule`).
+
+``DECODE_GATHER`` (the decode + cuBLAS GEMM path, i.e. bf16 output from ``DEQUANT_MIN_M`` rows): the
+GEMM proper multiplies bf16 decodes of both operands, and decoding them is a prologue of
+``(N + m) * K`` elements that needs no peer data. The gather hides under it: each peer's packed
+shard is decoded straight out of the peer's buffer (SM loads over NVLink) into its rows of the
+bf16 operand, and then one GEMM runs over all rows -- the kernels and shapes of the unfused
+``mm_fp4``, so the result is bit-identical to it::
+
+    side stream (high priority)                     caller's stream
+    ---------------------------                     ---------------
+    wait caller's stream                            decode(b)
+    own shard (data, scales) -> my buffer           decode(own shard)   -> a_bf16[r]
+    barrier(READY)
+    for p != r: decode(p's buffer) -> a_bf16[p]
+    record event                                    wait event
+    [gathered variant: pull packed shards]          mm(a_bf16, b_bf16^T) -> out; out *= alpha
+    barrier(DONE)                                   wait side stream
+
+``PER_SHARD`` (anything else, and where the gather outlasts the prologue)::
 
     side stream (high priority)                     caller's stream
     ---------------------------                     ---------------
@@ -45,7 +65,8 @@ DONE barrier has the whole next GEMM, or the gaps between kernels, to find a mul
 Each row block's GEMM writes straight into its rows of the output (or workspace slot) through
 :class:`RowBlockGemm`; only where the backend cannot write into a view does it copy.
 
-Numerics: every row block's GEMM equals ``mm_fp4`` on that row block, bit for bit. Against one
+Numerics: ``DECODE_GATHER`` equals the unfused ``mm_fp4`` over all rows bit for bit. Elsewhere
+every row block's GEMM equals ``mm_fp4`` on that row block, bit for bit. Against one
 ``mm_fp4`` over all rows (the unfused graph) a row can differ in the last bits only where the
 backend picks another configuration for another row count (the Triton kernel's split-K, its
 dequantize + cuBLAS path from ``DEQUANT_MIN_M`` rows, cuBLAS's own heuristics); the tests count
@@ -136,7 +157,7 @@ class RowBlockGemm:
 
     * ``DEQUANT_CUBLAS``: the Triton backend's own large-M bf16 path, reproduced through its public
       functions so it can write into the view: ``torch.mm(dequant(a), dequant(b).T, out=view)`` then
-      ``view *= alpha`` -- the same kernels and arithmetic as ``triton_mm.mm_fp4_dequant_mm``, so
+      the in-place alpha scale -- the same kernels and arithmetic as ``triton_mm.mm_fp4_dequant_mm``, so
       bit-identical, with ``b`` dequantized once per call instead of once per block;
     * ``TILED``: the Triton backend's tiled kernel, launched with the configuration (tile shape,
       split-K) that ``mm_fp4`` would pick for the whole ``total_rows``-row GEMM, so every output
@@ -169,6 +190,7 @@ class RowBlockGemm:
         if triton_mm is not None and out_dtype == torch.bfloat16 and total_rows >= triton_mm.DEQUANT_MIN_M:
             self.mode = GemmMode.DEQUANT_CUBLAS
             self._dequantize = triton_mm.dequantize_fp4_triton
+            self._scale_by_alpha = triton_mm.scale_by_alpha_
         elif triton_mm is not None:
             self.mode = GemmMode.TILED
             self._tiled = triton_mm.mm_fp4_tiled
@@ -181,20 +203,40 @@ class RowBlockGemm:
             logger.debug("fp4fuse: %d-row blocks of %d rows, N=%d, %s: %s", block_rows, total_rows, b.shape[0],
                          out_dtype, self.mode.value)
 
-    def prepare(self, a: torch.Tensor, a_scale: torch.Tensor) -> PreparedBlock:
-        """Work before the GEMM proper, on the current stream (short, non-persistent kernels)."""
-        if self.mode is not GemmMode.DEQUANT_CUBLAS:
-            return PreparedBlock(a, a_scale)
+    @property
+    def decodes_operands(self) -> bool:
+        """True on the DEQUANT_CUBLAS path: the GEMM proper multiplies bf16 decodes of both operands."""
+        return self.mode is GemmMode.DEQUANT_CUBLAS
+
+    def decoded_weight(self) -> torch.Tensor:
+        """bf16 decode of ``b`` (DEQUANT_CUBLAS only), made once per call on the current stream."""
         if self._b_dequant is None:
             self._b_dequant = self._dequantize(self.b, self.b_scale)
-        return PreparedBlock(a, a_scale, self._dequantize(a, a_scale))
+        return self._b_dequant
+
+    def decode_rows(self, a: torch.Tensor, a_scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """bf16 decode of a row block (DEQUANT_CUBLAS only) on the current stream, into ``out`` if
+        given (a contiguous row range of a larger buffer). ``a`` may be a peer's mapped memory."""
+        return self._dequantize(a, a_scale, out=out)
+
+    def prepare(self, a: torch.Tensor, a_scale: torch.Tensor) -> PreparedBlock:
+        """Work before the GEMM proper, on the current stream (short, non-persistent kernels)."""
+        if not self.decodes_operands:
+            return PreparedBlock(a, a_scale)
+        self.decoded_weight()
+        return PreparedBlock(a, a_scale, self.decode_rows(a, a_scale))
+
+    def run_decoded(self, out: torch.Tensor, a_dequant: torch.Tensor) -> None:
+        """DEQUANT_CUBLAS: ``out[:] = alpha * (a_dequant @ decode(b)^T)`` as ``triton_mm.mm_fp4_dequant_mm``
+        computes it (cuBLAS into ``out``, then the in-place alpha scale)."""
+        torch.mm(a_dequant, self.decoded_weight().t(), out=out)
+        self._scale_by_alpha(out, self.alpha)
 
     def run(self, out: torch.Tensor, block: PreparedBlock) -> None:
         """``out[:] = mm_fp4(block.a, b, block.a_scale, b_scale, alpha, out_dtype)`` on the current
         stream; ``out`` a contiguous ``[rows, N]`` view."""
         if self.mode is GemmMode.DEQUANT_CUBLAS:
-            torch.mm(block.a_dequant, self._b_dequant.t(), out=out)
-            out.mul_(self.alpha.reshape(()))
+            self.run_decoded(out, block.a_dequant)
         elif self.mode is GemmMode.TILED:
             out.copy_(self._tiled(block.a, self.b, block.a_scale, self.b_scale, self.alpha, self.out_dtype,
                                   self._config))
@@ -217,28 +259,106 @@ class GatheredMatmul:
     a_scale: torch.Tensor
 
 
+class AllGatherSchedule(enum.Enum):
+    """How the all-gather pipeline overlaps the gather with the GEMM (module doc)."""
+    DECODE_GATHER = "decode-gather"
+    PER_SHARD = "per-shard"
+
+
 def all_gather_fp4_matmul(
     ws: SymmWorkspace, a_shard: torch.Tensor, a_scale_shard: torch.Tensor, b: torch.Tensor,
     b_scale: torch.Tensor, alpha: torch.Tensor, out_dtype: torch.dtype, *, need_gathered: bool,
+    schedule: AllGatherSchedule | None = None,
 ) -> GatheredMatmul:
     """``mm_fp4(all_gather(a_shard), b, all_gather(a_scale_shard), ...)`` overlapped (module doc).
 
     Collective over ``ws``'s group; inputs validated and agreed across ranks by the caller.
     ``need_gathered``: also fill this rank's rows of the returned ``a`` / ``a_scale`` (else those
-    rows are left unwritten and the caller must not use them)."""
+    rows are left unwritten and the caller must not use them). ``schedule``: default
+    :func:`~fp4fuse.ops.collective_policy.all_gather_schedule`; ``DECODE_GATHER`` needs the
+    decode + cuBLAS GEMM path and falls back to ``PER_SHARD`` elsewhere."""
+    from fp4fuse.ops import collective_policy as policy
+    world = ws.world_size
+    m, k_half = a_shard.shape
+    layout = all_gather_layout(m, k_half, a_scale_shard.shape[1])
+    ws.ensure_capacity(layout.nbytes)
+    gemm = RowBlockGemm(b, b_scale, alpha, out_dtype, m, total_rows=world * m)
+    if schedule is None:
+        schedule = policy.all_gather_schedule(world, m, b.shape[0], k_half * 2)
+    if schedule is AllGatherSchedule.DECODE_GATHER and gemm.decodes_operands:
+        return _all_gather_decode_gather(ws, layout, gemm, a_shard, a_scale_shard, need_gathered)
+    return _all_gather_per_shard(ws, layout, gemm, a_shard, a_scale_shard, need_gathered)
+
+
+def _gathered_buffers(world: int, a_shard: torch.Tensor, a_scale_shard: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Uninitialised gathered ``a`` ``[W*m, K/2]`` and ``a_scale`` ``[W*m, K/16]`` (plus its uint8 view)."""
+    m = a_shard.shape[0]
+    a = a_shard.new_empty((world * m, a_shard.shape[1]))
+    a_scale = a_scale_shard.new_empty((world * m, a_scale_shard.shape[1]))
+    return a, a_scale, a_scale.view(torch.uint8)
+
+
+def _publish_own_shard(ws: SymmWorkspace, layout: AllGatherLayout, a_shard: torch.Tensor,
+                       a_scale_shard: torch.Tensor) -> None:
+    """On the current (side) stream: this rank's shard into its buffer, then the READY barrier."""
+    ws.view(ws.rank, layout.data).copy_(a_shard)
+    ws.view(ws.rank, layout.scales).copy_(a_scale_shard.view(torch.uint8))
+    ws.barrier(Channel.READY)
+
+
+def _all_gather_decode_gather(
+    ws: SymmWorkspace, layout: AllGatherLayout, gemm: RowBlockGemm, a_shard: torch.Tensor,
+    a_scale_shard: torch.Tensor, need_gathered: bool,
+) -> GatheredMatmul:
+    """DECODE_GATHER: the gather is hidden under the GEMM's decode prologue, and one GEMM runs over
+    all rows -- the unfused ``mm_fp4``'s own kernels on the same shapes, so bit-identical to it."""
     world, rank = ws.world_size, ws.rank
     m, k_half = a_shard.shape
-    k_blocks = a_scale_shard.shape[1]
-    layout = all_gather_layout(m, k_half, k_blocks)
-    ws.ensure_capacity(layout.nbytes)
+    a, a_scale, a_scale_bytes = _gathered_buffers(world, a_shard, a_scale_shard)
+    a_dequant = torch.empty((world * m, k_half * 2), dtype=torch.bfloat16, device=a_shard.device)
+    out = a_shard.new_empty((world * m, gemm.b.shape[0]), dtype=gemm.out_dtype)
+    main, side = torch.cuda.current_stream(), ws.side_stream
 
-    a = a_shard.new_empty((world * m, k_half))
-    a_scale = a_scale_shard.new_empty((world * m, k_blocks))
-    a_scale_bytes = a_scale.view(torch.uint8)
-    out = a_shard.new_empty((world * m, b.shape[0]), dtype=out_dtype)
+    ws.start_event.record(main)
+    gemm.decoded_weight()
+    gemm.decode_rows(a_shard, a_scale_shard, out=a_dequant[rank * m:(rank + 1) * m])
+    with torch.cuda.stream(side):
+        side.wait_event(ws.start_event)
+        _publish_own_shard(ws, layout, a_shard, a_scale_shard)
+        for step in range(1, world):
+            peer = (rank + step) % world
+            rows = slice(peer * m, (peer + 1) * m)
+            # SM loads of the peer's mapped buffer over NVLink, decoded on the way in.
+            gemm.decode_rows(ws.view(peer, layout.data), ws.view(peer, layout.scales),
+                             out=a_dequant[rows])
+        ws.ready_events[0].record(side)
+        if need_gathered:
+            for step in range(1, world):
+                peer = (rank + step) % world
+                rows = slice(peer * m, (peer + 1) * m)
+                a[rows].copy_(ws.view(peer, layout.data))
+                a_scale_bytes[rows].copy_(ws.view(peer, layout.scales))
+            own = slice(rank * m, (rank + 1) * m)
+            a[own].copy_(a_shard)
+            a_scale[own].copy_(a_scale_shard)
+        ws.barrier(Channel.DONE)
+    main.wait_event(ws.ready_events[0])
+    gemm.run_decoded(out, a_dequant)
+    main.wait_stream(side)
+    return GatheredMatmul(out, a, a_scale)
+
+
+def _all_gather_per_shard(
+    ws: SymmWorkspace, layout: AllGatherLayout, gemm: RowBlockGemm, a_shard: torch.Tensor,
+    a_scale_shard: torch.Tensor, need_gathered: bool,
+) -> GatheredMatmul:
+    """PER_SHARD: one GEMM per shard, each peer's shard pulled by the copy engine during the GEMMs
+    before it."""
+    world, rank = ws.world_size, ws.rank
+    m = a_shard.shape[0]
+    a, a_scale, a_scale_bytes = _gathered_buffers(world, a_shard, a_scale_shard)
+    out = a_shard.new_empty((world * m, gemm.b.shape[0]), dtype=gemm.out_dtype)
     peers = [(rank + step) % world for step in range(1, world)]
-
-    gemm = RowBlockGemm(b, b_scale, alpha, out_dtype, m, total_rows=world * m)
     main, side = torch.cuda.current_stream(), ws.side_stream
     own_out = out[rank * m:(rank + 1) * m]
     # Issue order matters in eager mode (each launch costs the host microseconds): the caller's
@@ -249,9 +369,7 @@ def all_gather_fp4_matmul(
         gemm.run(own_out, local)
     with torch.cuda.stream(side):
         side.wait_event(ws.start_event)
-        ws.view(rank, layout.data).copy_(a_shard)
-        ws.view(rank, layout.scales).copy_(a_scale_shard.view(torch.uint8))
-        ws.barrier(Channel.READY)
+        _publish_own_shard(ws, layout, a_shard, a_scale_shard)
         ws.ready_events[0].record(side)
         for step, peer in enumerate(peers, start=1):
             rows = slice(peer * m, (peer + 1) * m)

@@ -25,7 +25,9 @@ Kernels and dispatch (measured on an H200, benchmarks/results/2026-11-21-ops-h20
   decodes in the MMA's register layout from 2-byte shared-memory reads (about 2x slower).
 * ``_dequant_kernel`` + cuBLAS: from ``DEQUANT_MIN_M`` on with bf16 output, each weight tile
   would be decoded once per M tile, so both operands are decoded once to bf16 (exact) and
-  multiplied by ``torch.mm``, then scaled by alpha in place (a second rounding to bf16).
+  multiplied by ``torch.mm``, then scaled by alpha in place by ``_scale_kernel`` (a second rounding
+  to bf16: ``bf16(fp32(bf16(acc)) * alpha)``, the arithmetic of ``out.mul_(alpha)``, which in
+  PyTorch takes a non-vectorized mixed-dtype loop at about a quarter of the copy bandwidth).
   fp16/fp32 outputs always use the tiled kernel (a bf16 cuBLAS output would lose precision).
 """
 from __future__ import annotations
@@ -50,6 +52,7 @@ __all__ = [
     "mm_fp4_dequant_mm",
     "mm_fp4_tiled",
     "mm_fp4_triton",
+    "scale_by_alpha_",
 ]
 
 # 2**14 per operand from the fp16 decode (see module docstring), undone in the epilogue.
@@ -261,6 +264,16 @@ def _dequant_kernel(q_ptr, s_ptr, out_ptr, n_blocks, BLOCKS: tl.constexpr):
 
 
 @triton.jit
+def _scale_kernel(x_ptr, alpha_ptr, n_elements, BLOCK: tl.constexpr):
+    """In place: ``x = x_dtype(fp32(x) * alpha)`` (round to nearest even), flat."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_elements
+    x = tl.load(x_ptr + offs, mask=mask)
+    alpha = tl.load(alpha_ptr)
+    tl.store(x_ptr + offs, (x.to(tl.float32) * alpha).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _e2m1_to_fp32(code):
     """e2m1 code (int32, 0..15) -> fp32 value with integer ops."""
     mag = code & 7
@@ -374,12 +387,19 @@ def decode_fp4_halves(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, t
     return lo, hi
 
 
-def dequantize_fp4_triton(q: torch.Tensor, s: torch.Tensor,
-                          config: tuple[int, int] | None = None) -> torch.Tensor:
+def dequantize_fp4_triton(q: torch.Tensor, s: torch.Tensor, config: tuple[int, int] | None = None,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
     """``q * s`` as bf16 ``[R, K]`` (exact: every e2m1 x e4m3 product fits bf16), one pass.
+
+    ``q``/``s`` contiguous; they may live in a peer GPU's mapped memory (the loads then go over
+    NVLink). ``out``: a contiguous bf16 ``[R, K]`` to write into (default: a new tensor).
     ``config`` = ``(BLOCKS, num_warps)``, for benchmarks; default ``DEQUANT_LAUNCH``."""
     r, k = q.shape[0], q.shape[1] * 2
-    out = torch.empty((r, k), dtype=torch.bfloat16, device=q.device)
+    if out is None:
+        out = torch.empty((r, k), dtype=torch.bfloat16, device=q.device)
+    elif out.shape != (r, k) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"dequantize_fp4_triton: out must be a contiguous bf16 [{r}, {k}] tensor; "
+                         f"got {out.dtype} {list(out.shape)} (contiguous={out.is_contiguous()})")
     n_blocks = r * (k // BLOCK_SIZE)
     if n_blocks == 0:
         return out
@@ -396,7 +416,26 @@ def mm_fp4_dequant_mm(
     """bf16 output through exact bf16 dequantization, cuBLAS and an in-place alpha multiply
     (fp32 accumulate, rounded to bf16, times alpha, rounded again)."""
     out = torch.mm(dequantize_fp4_triton(a, a_scale), dequantize_fp4_triton(b, b_scale).t())
-    return out.mul_(alpha.reshape(()))
+    return scale_by_alpha_(out, alpha)
+
+
+#: Elements per program of ``_scale_kernel`` (16 per thread at 4 warps: 32-byte bf16 accesses).
+SCALE_BLOCK = 2048
+
+
+def scale_by_alpha_(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """In place ``x = x.dtype(fp32(x) * alpha)`` and return ``x``: the numerics of PyTorch's
+    ``x.mul_(alpha)`` for a bf16/fp16 ``x`` and a one-element fp32 device ``alpha`` (not synchronised),
+    at the copy bandwidth. ``x`` contiguous."""
+    if not x.is_contiguous():
+        raise ValueError(f"scale_by_alpha_: x must be contiguous; got strides {x.stride()}")
+    if alpha.numel() != 1 or alpha.dtype != torch.float32:
+        raise ValueError(f"scale_by_alpha_: alpha must be a one-element float32 tensor; got {alpha.dtype} "
+                         f"{list(alpha.shape)}")
+    n = x.numel()
+    if n:
+        _scale_kernel[(triton.cdiv(n, SCALE_BLOCK),)](x, alpha, n, BLOCK=SCALE_BLOCK, num_warps=4)
+    return x
 
 
 def mm_fp4_triton(
