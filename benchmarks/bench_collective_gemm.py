@@ -17,10 +17,12 @@ Spawns ``--world`` NCCL ranks (default 2). For total M in {512, 2048, 8192, 3276
   both (unfused) and ``fused_fp4_matmul_reduce_scatter`` forced on; PyTorch's bf16
   ``symm_mem.fused_matmul_reduce_scatter`` and mm + NCCL bf16 reduce-scatter.
 
-Timing: per iteration the ranks synchronize the device and meet at a barrier, then CUDA events
-bracket one call; median over the iterations, then the slower rank's median. Each shape is timed
-twice: device-bound (a ~1 ms GPU sleep queued first, so the host has issued the call before the
-GPU starts it) and eager (host launch latency included). Overlap efficiency
+Timing: the calls of one shape are timed round-robin (one of each per iteration, so drift favours
+none); before each call the ranks synchronize the device and meet at a barrier, then CUDA events
+bracket one call; median over the iterations, then the slower rank's median. Two modes:
+device-bound (the ranks aligned on the device by a tiny all-reduce, then a ~1 ms GPU sleep, so
+the host has issued the call before the GPU starts it) and eager (host launch latency included).
+The host issue time of each call (Python + launches, no sync) is reported too. Overlap efficiency
 ``(t_comm + t_mm - t_fused) / min(t_comm, t_mm)`` is shown where ``min >= 50 us``.
 ``--budget-s`` stops starting new shapes; the markdown is rewritten after every shape, so a run
 cut short still leaves its table.
@@ -65,6 +67,8 @@ class Row:
     fused: float | None = None
     fused_by_schedule: dict[str, float | None] = dataclasses.field(default_factory=dict)
     schedule: str = ""
+    host_unfused: float | None = None
+    host_fused: float | None = None
     bf16_comm: float | None = None
     bf16_mm: float | None = None
     bf16_unfused: float | None = None
@@ -89,45 +93,84 @@ class Row:
 #: GPU sleep (cycles, ~1 ms at 1.98 GHz) queued before the start event in device-bound timing, so
 #: the host has enqueued the whole call before the GPU reaches it.
 HOST_AHEAD_SLEEP_CYCLES = 2_000_000
+HOST_AHEAD_MS = 1.0
 
 
-def _time_ms(fn: Callable[[], object], host_ahead: bool, budget_s: float = 0.15, min_iters: int = 5,
-             max_iters: int = 20) -> float:
-    """Median CUDA-event time of one call, ranks aligned by a barrier before each call; the slower
-    rank's median is returned on every rank. ``host_ahead``: a GPU sleep precedes the start event,
-    so launch latency is hidden (device-bound time, as under CUDA graphs or a busy pipeline);
-    otherwise the GPU is idle when the host starts issuing the call (eager latency included)."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    approx = time.perf_counter() - t0 + 3e-4
-    iters = max(min_iters, min(max_iters, int(budget_s / (approx + (1e-3 if host_ahead else 0.0)))))
+def _align_devices() -> None:
+    """Queue a tiny NCCL all-reduce on the current stream without waiting for it on the host: it
+    ends at about the same moment on every GPU, so work queued after it starts aligned across ranks
+    (no host skew between the ranks' timed regions)."""
+    dist.all_reduce(torch.zeros(1, device="cuda"))
+
+
+@dataclasses.dataclass
+class Timing:
+    """Medians over the iterations (slower rank's): GPU time of one call and host issue time, ms."""
+    gpu: float
+    host: float
+
+
+def _time_interleaved(fns: dict[str, Callable[[], object]], host_ahead: bool, notes: list[str],
+                      budget_s: float = 0.8, min_iters: int = 5, max_iters: int = 20) -> dict[str, Timing | None]:
+    """Time every call in ``fns`` round-robin (one call of each per iteration, so clock or thermal
+    drift cannot favour whichever is timed last). Each call: devices synchronized, ranks at a
+    barrier; ``host_ahead``: ranks aligned on the device and a ~1 ms GPU sleep queued before the
+    start event, so the host has issued the call before the GPU reaches it (device-bound time, as
+    under CUDA graphs); otherwise the GPU idles while the host issues it (eager). A call that raises
+    during warm-up is reported in ``notes`` and maps to None (the same on every rank)."""
+    live: dict[str, Callable[[], object]] = {}
+    approx = 0.0
+    for label, fn in fns.items():
+        try:
+            for _ in range(2):
+                fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - a baseline that fails is reported, not fatal
+            notes.append(f"{label}: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}")
+            continue
+        approx += time.perf_counter() - t0 + 3e-4 + (1e-3 if host_ahead else 0.0)
+        live[label] = fn
+    iters = max(min_iters, min(max_iters, int(budget_s / max(approx, 1e-6))))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
+    gpu: dict[str, list[float]] = {label: [] for label in live}
+    host: dict[str, list[float]] = {label: [] for label in live}
     for _ in range(iters):
-        torch.cuda.synchronize()
-        dist.barrier()
-        if host_ahead:
-            torch.cuda._sleep(HOST_AHEAD_SLEEP_CYCLES)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    med = torch.tensor([statistics.median(samples)], device="cuda")
+        for label, fn in live.items():
+            torch.cuda.synchronize()
+            dist.barrier()
+            if host_ahead:
+                _align_devices()
+                torch.cuda._sleep(HOST_AHEAD_SLEEP_CYCLES)
+            start.record()
+            h0 = time.perf_counter()
+            fn()
+            host[label].append((time.perf_counter() - h0) * 1e3)
+            end.record()
+            end.synchronize()
+            gpu[label].append(start.elapsed_time(end))
+    med = torch.tensor([[statistics.median(gpu[label]), statistics.median(host[label])] for label in live],
+                       device="cuda", dtype=torch.float64).reshape(-1, 2)
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    return med.item()
+    out: dict[str, Timing | None] = {label: None for label in fns}
+    for i, label in enumerate(live):
+        out[label] = Timing(*med[i].tolist())
+    if host_ahead:
+        late = [f"{label} {t.host:.2f} ms" for label, t in out.items() if t and t.host > HOST_AHEAD_MS]
+        if late:
+            notes.append(f"host issue longer than the {HOST_AHEAD_MS} ms GPU sleep (GPU time includes "
+                         f"host latency): {', '.join(late)}")
+    return out
 
 
-def _try(fn: Callable[[], float], notes: list[str], label: str) -> float | None:
-    try:
-        return fn()
-    except Exception as exc:  # noqa: BLE001 - a baseline that fails is reported, not fatal
-        notes.append(f"{label}: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}")
-        return None
+def _gpu(t: Timing | None) -> float | None:
+    return None if t is None else t.gpu
+
+
+def _host(t: Timing | None) -> float | None:
+    return None if t is None else t.host
 
 
 def _quantized(rows: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -141,14 +184,25 @@ def _quantized(rows: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor
 
 def _bench_shape(m_total: int, n: int, k: int, group: str, mode: str) -> list[Row]:
     from fp4fuse.ops import collective_ops as co
-    timed = functools.partial(_time_ms, host_ahead=mode == DEVICE_BOUND)
-    rank = dist.get_rank()
+    from fp4fuse.ops import collective_policy as policy
+    from fp4fuse.ops.symm_mem_gemm import AllGatherSchedule
+    host_ahead = mode == DEVICE_BOUND
+    rank, world = dist.get_rank(), dist.get_world_size()
     ops = torch.ops.fp4fuse
-    world = dist.get_world_size()
     rows_shard = m_total // world
     out_dtype = torch.bfloat16
     b, sb, gs_b = _quantized(n, k, 1)
     alpha = 1.0 / (gs_b * gs_b)
+    w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+
+    def with_schedule(schedule: AllGatherSchedule, fn: Callable[[], object]) -> Callable[[], object]:
+        def call():
+            os.environ[policy.ENV_AG_SCHEDULE] = schedule.value
+            try:
+                return fn()
+            finally:
+                os.environ.pop(policy.ENV_AG_SCHEDULE)
+        return call
 
     # --- all-gather side -------------------------------------------------------------------
     ag = Row("all-gather", mode, m_total, n, k)
@@ -156,27 +210,28 @@ def _bench_shape(m_total: int, n: int, k: int, group: str, mode: str) -> list[Ro
     a_shard, s_shard, _ = _quantized(rows_shard, k, 10 + rank)
     a_full = co.all_gather_rows(a_shard, group)
     s_full = co.all_gather_rows(s_shard, group)
-    ag.comm = timed(lambda: (co.all_gather_rows(a_shard, group), co.all_gather_rows(s_shard, group)))
-    ag.mm = timed(lambda: ops.mm_fp4(a_full, b, s_full, sb, alpha, out_dtype))
-    ag.unfused = timed(lambda: co.all_gather_fp4_matmul_fallback(a_shard, s_shard, b, sb, alpha, out_dtype, group))
-    from fp4fuse.ops import collective_policy as policy
-    from fp4fuse.ops.symm_mem_gemm import AllGatherSchedule
-    ag.schedule = policy.all_gather_schedule(world, rows_shard, n, k).value
-    for schedule in AllGatherSchedule:
-        os.environ[policy.ENV_AG_SCHEDULE] = schedule.value
-        ag.fused_by_schedule[schedule.value] = _try(lambda: timed(
-            lambda: ops.fused_all_gather_fp4_matmul(a_shard, s_shard, b, sb, alpha, out_dtype, group)),
-            notes, f"fused {schedule.value}")
-    os.environ.pop(policy.ENV_AG_SCHEDULE)
-    ag.fused = ag.fused_by_schedule[ag.schedule]
     a16_shard = torch.randn(rows_shard, k, device="cuda", dtype=torch.bfloat16)
-    w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
     a16_full = co.all_gather_rows(a16_shard, group)
-    ag.bf16_comm = timed(lambda: co.all_gather_rows(a16_shard, group))
-    ag.bf16_mm = timed(lambda: torch.mm(a16_full, w16.t()))
-    ag.bf16_unfused = timed(lambda: torch.mm(co.all_gather_rows(a16_shard, group), w16.t()))
-    ag.bf16_fused = _try(lambda: timed(lambda: torch.ops.symm_mem.fused_all_gather_matmul(
-        a16_shard, [w16.t()], 0, group, return_A=True)), notes, "torch bf16 fused")
+    fused = lambda: ops.fused_all_gather_fp4_matmul(a_shard, s_shard, b, sb, alpha, out_dtype, group)  # noqa: E731
+    calls = {
+        "comm": lambda: (co.all_gather_rows(a_shard, group), co.all_gather_rows(s_shard, group)),
+        "mm": lambda: ops.mm_fp4(a_full, b, s_full, sb, alpha, out_dtype),
+        "unfused": lambda: co.all_gather_fp4_matmul_fallback(a_shard, s_shard, b, sb, alpha, out_dtype, group),
+        **{f"fused {sched.value}": with_schedule(sched, fused) for sched in AllGatherSchedule},
+        "bf16 comm": lambda: co.all_gather_rows(a16_shard, group),
+        "bf16 mm": lambda: torch.mm(a16_full, w16.t()),
+        "bf16 unfused": lambda: torch.mm(co.all_gather_rows(a16_shard, group), w16.t()),
+        "bf16 fused": lambda: torch.ops.symm_mem.fused_all_gather_matmul(a16_shard, [w16.t()], 0, group,
+                                                                        return_A=True),
+    }
+    t = _time_interleaved(calls, host_ahead, notes)
+    ag.schedule = policy.all_gather_schedule(world, rows_shard, n, k).value
+    ag.fused_by_schedule = {sched.value: _gpu(t[f"fused {sched.value}"]) for sched in AllGatherSchedule}
+    ag.comm, ag.mm, ag.unfused = _gpu(t["comm"]), _gpu(t["mm"]), _gpu(t["unfused"])
+    ag.fused = ag.fused_by_schedule[ag.schedule]
+    ag.host_unfused, ag.host_fused = _host(t["unfused"]), _host(t[f"fused {ag.schedule}"])
+    ag.bf16_comm, ag.bf16_mm = _gpu(t["bf16 comm"]), _gpu(t["bf16 mm"])
+    ag.bf16_unfused, ag.bf16_fused = _gpu(t["bf16 unfused"]), _gpu(t["bf16 fused"])
     ag.notes = "; ".join(notes)
     del a_full, s_full, a16_full
 
@@ -185,60 +240,114 @@ def _bench_shape(m_total: int, n: int, k: int, group: str, mode: str) -> list[Ro
     notes = []
     a, s, _ = _quantized(m_total, k, 20 + rank)
     partial = ops.mm_fp4(a, b, s, sb, alpha, out_dtype)
-    rs.mm = timed(lambda: ops.mm_fp4(a, b, s, sb, alpha, out_dtype))
-    rs.comm = timed(lambda: co.reduce_scatter_rows_fp32(partial, group))
-    rs.unfused = timed(lambda: co.fp4_matmul_reduce_scatter_fallback(a, b, s, sb, alpha, out_dtype, group))
-    rs.fused = _try(lambda: timed(
-        lambda: ops.fused_fp4_matmul_reduce_scatter(a, b, s, sb, alpha, out_dtype, group)), notes, "fused")
     a16 = torch.randn(m_total, k, device="cuda", dtype=torch.bfloat16)
     p16 = torch.mm(a16, w16.t())
     funcol = torch.ops._c10d_functional
     rs_bf16 = lambda t: funcol.wait_tensor(funcol.reduce_scatter_tensor(t, "sum", world, group))  # noqa: E731
-    rs.bf16_mm = timed(lambda: torch.mm(a16, w16.t()))
-    rs.bf16_comm = timed(lambda: rs_bf16(p16))
-    rs.bf16_unfused = timed(lambda: rs_bf16(torch.mm(a16, w16.t())))
-    rs.bf16_fused = _try(lambda: timed(lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(
-        a16, w16.t(), "sum", 0, group)), notes, "torch bf16 fused")
+    calls = {
+        "mm": lambda: ops.mm_fp4(a, b, s, sb, alpha, out_dtype),
+        "comm": lambda: co.reduce_scatter_rows_fp32(partial, group),
+        "unfused": lambda: co.fp4_matmul_reduce_scatter_fallback(a, b, s, sb, alpha, out_dtype, group),
+        "fused": lambda: ops.fused_fp4_matmul_reduce_scatter(a, b, s, sb, alpha, out_dtype, group),
+        "bf16 mm": lambda: torch.mm(a16, w16.t()),
+        "bf16 comm": lambda: rs_bf16(p16),
+        "bf16 unfused": lambda: rs_bf16(torch.mm(a16, w16.t())),
+        "bf16 fused": lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a16, w16.t(), "sum", 0, group),
+    }
+    t = _time_interleaved(calls, host_ahead, notes)
+    rs.mm, rs.comm, rs.unfused, rs.fused = (_gpu(t[key]) for key in ("mm", "comm", "unfused", "fused"))
+    rs.host_unfused, rs.host_fused = _host(t["unfused"]), _host(t["fused"])
+    rs.bf16_mm, rs.bf16_comm = _gpu(t["bf16 mm"]), _gpu(t["bf16 comm"])
+    rs.bf16_unfused, rs.bf16_fused = _gpu(t["bf16 unfused"]), _gpu(t["bf16 fused"])
     rs.notes = "; ".join(notes)
     return [ag, rs]
 
 
 def _profile(m_total: int, n: int, k: int, group: str) -> None:
-    """Rank 0 prints the GPU timeline (per stream, µs from the first event) of one fused call per side."""
+    """Rank 0 prints the GPU timeline (per stream, µs from the call's first kernel) of one
+    device-bound fused call per side (and per all-gather schedule), ranks aligned as in timing."""
     import json
     import tempfile
+    from fp4fuse.ops import collective_policy as policy
+    from fp4fuse.ops.symm_mem_gemm import AllGatherSchedule
     ops = torch.ops.fp4fuse
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     b, sb, gs_b = _quantized(n, k, 1)
     alpha = 1.0 / (gs_b * gs_b)
-    a_shard, s_shard, _ = _quantized(m_total // dist.get_world_size(), k, 10 + rank)
+    a_shard, s_shard, _ = _quantized(m_total // world, k, 10 + rank)
     a, s, _ = _quantized(m_total, k, 20 + rank)
-    calls = {
-        "all-gather": lambda: ops.fused_all_gather_fp4_matmul(a_shard, s_shard, b, sb, alpha, torch.bfloat16, group),
-        "reduce-scatter": lambda: ops.fused_fp4_matmul_reduce_scatter(a, b, s, sb, alpha, torch.bfloat16, group),
-    }
-    for side, fn in calls.items():
+    calls = {f"all-gather {sched.value}": (sched.value, lambda: ops.fused_all_gather_fp4_matmul(
+        a_shard, s_shard, b, sb, alpha, torch.bfloat16, group)) for sched in AllGatherSchedule}
+    calls["unfused all-gather + mm_fp4"] = ("auto", lambda: ops.mm_fp4(
+        torch.cat([a_shard] * world), b, torch.cat([s_shard] * world), sb, alpha, torch.bfloat16))
+    calls["reduce-scatter"] = ("auto", lambda: ops.fused_fp4_matmul_reduce_scatter(
+        a, b, s, sb, alpha, torch.bfloat16, group))
+    for label, (schedule, fn) in calls.items():
+        os.environ[policy.ENV_AG_SCHEDULE] = schedule
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
         dist.barrier()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            fn()
+            for _ in range(3):
+                _align_devices()
+                torch.cuda._sleep(HOST_AHEAD_SLEEP_CYCLES)
+                fn()
             torch.cuda.synchronize()
+        os.environ.pop(policy.ENV_AG_SCHEDULE)
         if rank != 0:
             continue
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             prof.export_chrome_trace(f.name)
             trace = json.load(open(f.name))
-        events = [e for e in trace.get("traceEvents", [])
-                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "ts" in e]
+        events = sorted((e for e in trace.get("traceEvents", [])
+                         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "ts" in e),
+                        key=lambda e: e["ts"])
+        sleeps = [i for i, e in enumerate(events) if "spin_kernel" in e["name"] or "sleep" in e["name"].lower()]
+        events = events[sleeps[-1] + 1:] if sleeps else events
         if not events:
             continue
-        t0 = min(e["ts"] for e in events)
-        print(f"--- profile {side} M={m_total} N={n} K={k} (rank 0; start / duration µs, stream) ---")
-        for e in sorted(events, key=lambda e: e["ts"]):
+        t0 = events[0]["ts"]
+        print(f"--- profile {label} M={m_total} N={n} K={k} (rank 0, last of 3 aligned device-bound calls; "
+              "start / duration µs, stream) ---")
+        for e in events:
             stream = e.get("args", {}).get("stream", e.get("tid"))
             print(f"{e['ts'] - t0:9.1f} {e.get('dur', 0):8.1f}  s{stream:<4} {e['name'][:70]}")
+
+
+def _sweep_peer_decode(rows: int, k: int, group: str) -> None:
+    """Rank 0 prints the bandwidth of decoding rank 1's packed ``[rows, k]`` shard to bf16 straight
+    out of rank 1's symmetric buffer (SM loads over NVLink), per ``(BLOCKS, num_warps)`` of the
+    decode kernel, next to the copy engine's pull of the same bytes and the local decode."""
+    import triton.testing
+    from fp4fuse.ops import triton_mm, workspace
+    from fp4fuse.ops.symm_mem_gemm import all_gather_layout
+    rank = dist.get_rank()
+    ws = workspace.get_workspace(group, torch.device("cuda", torch.cuda.current_device()))
+    layout = all_gather_layout(rows, k // 2, k // 16)
+    ws.ensure_capacity(layout.nbytes)
+    q, s, _ = _quantized(rows, k, 5 + rank)
+    ws.view(rank, layout.data).copy_(q)
+    ws.view(rank, layout.scales).copy_(s.view(torch.uint8))
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 0:
+        pq, ps = ws.view(1, layout.data), ws.view(1, layout.scales)
+        out = torch.empty((rows, k), dtype=torch.bfloat16, device="cuda")
+        gb = (pq.numel() + ps.numel()) / 1e9
+        local_q = torch.empty_like(pq)
+        local_s = torch.empty_like(ps)
+        ms = triton.testing.do_bench(lambda: (local_q.copy_(pq), local_s.copy_(ps)), warmup=5, rep=30)
+        print(f"--- peer decode {rows}x{k} ({gb * 1e3:.1f} MB packed) ---", flush=True)
+        print(f"copy-engine pull: {ms * 1e3:.1f} us, {gb / ms * 1e3:.0f} GB/s", flush=True)
+        ms = triton.testing.do_bench(lambda: triton_mm.dequantize_fp4_triton(q, s, out=out), warmup=5, rep=30)
+        print(f"local decode (default launch): {ms * 1e3:.1f} us", flush=True)
+        for cfg in ((64, 4), (128, 4), (256, 4), (256, 8), (512, 8), (1024, 8), (1024, 16), (2048, 16)):
+            ms = triton.testing.do_bench(
+                lambda: triton_mm.dequantize_fp4_triton(pq, ps, config=cfg, out=out), warmup=5, rep=30)
+            print(f"peer decode BLOCKS={cfg[0]} warps={cfg[1]}: {ms * 1e3:.1f} us, {gb / ms * 1e3:.0f} GB/s",
+                  flush=True)
+    dist.barrier()
 
 
 def _fmt(v: float | None, digits: int = 3) -> str:
@@ -252,9 +361,10 @@ def _table(rows: list[Row], side: str, mode: str) -> list[str]:
     extra_head = " schedule (auto) | fused decode-gather ms | fused per-shard ms |" if sched else ""
     lines = [
         f"| M total | N | K | {comm} ms | mm_fp4 ms | unfused ms |{extra_head} fused ms | speedup | overlap eff. | "
+        "host issue ms unfused / fused | "
         f"{bcomm} ms | bf16 mm ms | bf16 unfused ms | torch bf16 fused ms | torch speedup |",
         "| ---: | ---: | ---: | ---: | ---: | ---: |" + (" --- | ---: | ---: |" if sched else "")
-        + " ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        + " ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         if r.side != side or r.mode != mode:
@@ -265,7 +375,8 @@ def _table(rows: list[Row], side: str, mode: str) -> list[str]:
                  f"{_fmt(r.fused_by_schedule.get('per-shard'))} |") if sched else ""
         lines.append(
             f"| {r.m} | {r.n} | {r.k} | {_fmt(r.comm)} | {_fmt(r.mm)} | {_fmt(r.unfused)} |{extra} {_fmt(r.fused)} | "
-            f"{_fmt(r.speedup(), 2)} | {eff_s} | {_fmt(r.bf16_comm)} | {_fmt(r.bf16_mm)} | "
+            f"{_fmt(r.speedup(), 2)} | {eff_s} | {_fmt(r.host_unfused, 2)} / {_fmt(r.host_fused, 2)} | "
+            f"{_fmt(r.bf16_comm)} | {_fmt(r.bf16_mm)} | "
             f"{_fmt(r.bf16_unfused)} | {_fmt(r.bf16_fused)} | {_fmt(r.bf16_speedup(), 2)} |")
     return lines
 
@@ -381,6 +492,8 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
         torch.cuda.empty_cache()
     for m, n, k in args.profile:
         _profile(m, n, k, group)
+    for rows, k in args.sweep_peer_decode:
+        _sweep_peer_decode(rows, k, group)
     if rank == 0:
         text = _report(rows, meta, time.perf_counter() - started)
         print(text)
@@ -397,6 +510,8 @@ def main() -> None:
     parser.add_argument("--m", type=int, nargs="+", default=list(TOTAL_M + EXTRA_M), help="total M values")
     parser.add_argument("--profile", type=int, nargs=3, action="append", default=[], metavar=("M", "N", "K"),
                         help="print rank 0's GPU timeline of one fused call of each side at this shape")
+    parser.add_argument("--sweep-peer-decode", type=int, nargs=2, action="append", default=[],
+                        metavar=("ROWS", "K"), help="rank 0: decode-from-peer bandwidth per launch config")
     parser.add_argument("--nk", type=int, nargs=2, action="append", default=[], metavar=("N", "K"),
                         help="(N, K) pairs (default: the three of the grid)")
     parser.add_argument("--modes", nargs="+", default=[DEVICE_BOUND, EAGER], choices=[DEVICE_BOUND, EAGER])
