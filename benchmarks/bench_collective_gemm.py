@@ -20,7 +20,7 @@ Spawns ``--world`` NCCL ranks (default 2). For total M in {512, 2048, 8192, 3276
 Timing: the calls of one shape are timed round-robin (one of each per iteration, so drift favours
 none); before each call the ranks synchronize the device and meet at a barrier, then CUDA events
 bracket one call; median over the iterations, then the slower rank's median. Two modes:
-device-bound (the ranks aligned on the device by a tiny all-reduce, then a ~1 ms GPU sleep, so
+device-bound (the ranks aligned on the device by a tiny all-reduce, then a ~2 ms GPU sleep, so
 the host has issued the call before the GPU starts it) and eager (host launch latency included).
 The host issue time of each call (Python + launches, no sync) is reported too. Overlap efficiency
 ``(t_comm + t_mm - t_fused) / min(t_comm, t_mm)`` is shown where ``min >= 50 us``.
@@ -90,10 +90,10 @@ class Row:
         return self.bf16_unfused / self.bf16_fused if self.bf16_unfused and self.bf16_fused else None
 
 
-#: GPU sleep (cycles, ~1 ms at 1.98 GHz) queued before the start event in device-bound timing, so
+#: GPU sleep (cycles, ~2 ms at 1.98 GHz) queued before the start event in device-bound timing, so
 #: the host has enqueued the whole call before the GPU reaches it.
-HOST_AHEAD_SLEEP_CYCLES = 2_000_000
-HOST_AHEAD_MS = 1.0
+HOST_AHEAD_SLEEP_CYCLES = 4_000_000
+HOST_AHEAD_MS = 2.0
 
 
 def _align_devices() -> None:
@@ -114,7 +114,7 @@ def _time_interleaved(fns: dict[str, Callable[[], object]], host_ahead: bool, no
                       budget_s: float = 0.8, min_iters: int = 5, max_iters: int = 20) -> dict[str, Timing | None]:
     """Time every call in ``fns`` round-robin (one call of each per iteration, so clock or thermal
     drift cannot favour whichever is timed last). Each call: devices synchronized, ranks at a
-    barrier; ``host_ahead``: ranks aligned on the device and a ~1 ms GPU sleep queued before the
+    barrier; ``host_ahead``: ranks aligned on the device and a ~2 ms GPU sleep queued before the
     start event, so the host has issued the call before the GPU reaches it (device-bound time, as
     under CUDA graphs); otherwise the GPU idles while the host issues it (eager). A call that raises
     during warm-up is reported in ``notes`` and maps to None (the same on every rank)."""
@@ -404,7 +404,7 @@ def _report(rows: list[Row], meta: dict[str, str], elapsed: float) -> str:
         "- NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (P2P only). out_dtype bf16.",
         "- Times: median of CUDA-event timings of one call, ranks synchronized and barriered before "
         "each call, after warm-up; the slower rank's median. Two timing modes: **device-bound** "
-        "(a ~1 ms GPU sleep is queued before the start event, so the host has issued the whole call "
+        "(a ~2 ms GPU sleep is queued before the start event, so the host has issued the whole call "
         "before the GPU starts it: what CUDA graphs or a model whose GPU runs behind the host see) "
         "and **eager** (the GPU idles while the host issues the call: host launch latency included).",
         "- `fused` runs fp4fuse's overlapped path at every size (threshold forced to 0); the op as "
@@ -492,8 +492,8 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
         torch.cuda.empty_cache()
     for m, n, k in args.profile:
         _profile(m, n, k, group)
-    for rows, k in args.sweep_peer_decode:
-        _sweep_peer_decode(rows, k, group)
+    for shard_rows, k in args.sweep_peer_decode:
+        _sweep_peer_decode(shard_rows, k, group)
     if rank == 0:
         text = _report(rows, meta, time.perf_counter() - started)
         print(text)

@@ -301,10 +301,10 @@ def test_overlap_threshold_env(monkeypatch):
 def test_all_gather_schedule_env_and_model(monkeypatch):
     from fp4fuse.ops.symm_mem_gemm import AllGatherSchedule
     monkeypatch.delenv(policy.ENV_AG_SCHEDULE, raising=False)
-    # a gather far smaller than the decode prologue (wide weight): decode-gather
-    assert policy.all_gather_schedule(2, 1024, 14336, 4096) is AllGatherSchedule.DECODE_GATHER
-    # a gather far longer than the prologue (many peers, many rows, small weight): per-shard
-    assert policy.all_gather_schedule(8, 65536, 1024, 8192) is AllGatherSchedule.PER_SHARD
+    limit = policy.DECODE_GATHER_MAX_PEER_ELEMENTS
+    assert policy.all_gather_schedule(2, limit // 4096, 14336, 4096) is AllGatherSchedule.DECODE_GATHER
+    assert policy.all_gather_schedule(2, limit // 4096 + 1, 14336, 4096) is AllGatherSchedule.PER_SHARD
+    assert policy.all_gather_schedule(4, limit // 4096, 14336, 4096) is AllGatherSchedule.PER_SHARD
     for value in AllGatherSchedule:
         monkeypatch.setenv(policy.ENV_AG_SCHEDULE, value.value)
         assert policy.all_gather_schedule(2, 1024, 14336, 4096) is value

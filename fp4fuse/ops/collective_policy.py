@@ -15,8 +15,8 @@
   ``FP4FUSE_OVERLAP_MIN_ROWS`` sets both sides; ``FP4FUSE_DISABLE_OVERLAP=1`` turns the overlapped
   path off. Both must be the same on every rank (the decision must be the same everywhere).
 * All-gather schedule (:func:`all_gather_schedule`): ``decode-gather`` (the gather hidden under
-  the GEMM's bf16 decode prologue, then one GEMM over all rows, bitwise equal to unfused) while the
-  modelled gather fits under that prologue, else ``per-shard`` (one GEMM per shard, later shards
+  the GEMM's bf16 decode prologue, then one GEMM over all rows, bitwise equal to unfused) up to
+  ``DECODE_GATHER_MAX_PEER_ELEMENTS`` gathered elements, else ``per-shard`` (one GEMM per shard, later shards
   pulled during earlier GEMMs). ``FP4FUSE_AG_SCHEDULE=decode-gather|per-shard|auto`` overrides it.
 * Agreement: the group all-gathers the call signature (op, every tensor's shape / dtype /
   contiguity, ``out_dtype``) and every rank raises the same clear ``ValueError`` if they differ,
@@ -96,28 +96,20 @@ def overlap_min_rows(kind: CollectiveKind) -> int:
     return rows
 
 
-# Cost model of the all-gather schedules, fitted on 2xH200 (NV18), torch 2.11 (see the results
-# file named in the module doc). Rates: bytes or elements per microsecond.
-_PEER_DECODE_BYTES_PER_US = 330e3   # decode of a peer's shard read over NVLink (SM loads)
-_LOCAL_DECODE_ELEMS_PER_US = 1.05e6  # bf16 decode from local HBM
-_HANDOFF_US = 12.0                   # own shard into the buffer + READY barrier
-_GEMM_FLOPS_PER_US = 7.0e8           # cuBLAS bf16 at these sizes
-_PER_SHARD_PENALTY = 0.03            # splitting the GEMM per shard, fraction of the GEMM time
-
-
-def _all_gather_exposed_us(world: int, shard_rows: int, n: int, k: int) -> tuple[float, float]:
-    """(modelled gather time the decode-gather schedule leaves exposed, modelled per-shard cost), µs."""
-    peer_bytes = (world - 1) * shard_rows * k * 9 / 16  # packed codes + e4m3 scales
-    side = _HANDOFF_US + peer_bytes / _PEER_DECODE_BYTES_PER_US
-    prologue = (n * k + shard_rows * k) / _LOCAL_DECODE_ELEMS_PER_US
-    gemm = 2.0 * world * shard_rows * n * k / _GEMM_FLOPS_PER_US
-    return max(0.0, side - prologue), _PER_SHARD_PENALTY * gemm
+#: Largest gather (peer elements, ``(W - 1) * shard_rows * K``) the decode-gather schedule takes;
+#: above it per-shard. Measured on 2xH200 (NV18), torch 2.11 (round-robin device-bound timing,
+#: benchmarks/results/2026-11-21-collective-gemm-2xh200.md): at 2**24 peer elements (two ranks,
+#: M=8192 with K=4096) the two tie within 1%; above it
+#: the peers' decode (~340 GB/s over NVLink) outlasts the decode prologue and per-shard is 1-5%
+#: faster; below it decode-gather is up to 13% faster (no split GEMM, one handoff).
+DECODE_GATHER_MAX_PEER_ELEMENTS = 1 << 24
 
 
 def all_gather_schedule(world: int, shard_rows: int, n: int, k: int):
     """The :class:`~fp4fuse.ops.symm_mem_gemm.AllGatherSchedule` for an all-gather GEMM of ``world``
-    shards of ``shard_rows`` rows against an ``[n, k]`` weight (``FP4FUSE_AG_SCHEDULE``, else the
-    cheaper one in the cost model above). A pure function of agreed shapes and the environment."""
+    shards of ``shard_rows`` rows against an ``[n, k]`` weight: ``FP4FUSE_AG_SCHEDULE`` if set, else
+    decode-gather up to ``DECODE_GATHER_MAX_PEER_ELEMENTS`` gathered peer elements. A pure function
+    of agreed shapes and the environment, so every rank picks the same."""
     from fp4fuse.ops.symm_mem_gemm import AllGatherSchedule
     value = os.environ.get(ENV_AG_SCHEDULE, "auto").lower()
     if value != "auto":
@@ -126,8 +118,10 @@ def all_gather_schedule(world: int, shard_rows: int, n: int, k: int):
         except ValueError:
             choices = ["auto"] + [s.value for s in AllGatherSchedule]
             raise ValueError(f"{ENV_AG_SCHEDULE}={value!r}: must be one of {choices}") from None
-    exposed, per_shard = _all_gather_exposed_us(world, shard_rows, n, k)
-    return AllGatherSchedule.DECODE_GATHER if exposed <= per_shard else AllGatherSchedule.PER_SHARD
+    del n  # the measured rule does not depend on N (N only lengthens the prologue, in decode-gather's favour)
+    if (world - 1) * shard_rows * k <= DECODE_GATHER_MAX_PEER_ELEMENTS:
+        return AllGatherSchedule.DECODE_GATHER
+    return AllGatherSchedule.PER_SHARD
 
 
 def overlap_disabled() -> bool:
