@@ -121,6 +121,8 @@ def _time_interleaved(fns: dict[str, Callable[[], object]], host_ahead: bool, no
     live: dict[str, Callable[[], object]] = {}
     approx = 0.0
     for label, fn in fns.items():
+        if os.environ.get("FP4FUSE_BENCH_VERBOSE"):
+            print(f"[rank {dist.get_rank()}] warm-up: {label}", flush=True)
         try:
             for _ in range(2):
                 fn()
@@ -458,6 +460,8 @@ def _meta(group: str) -> dict[str, str]:
 
 
 def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
+    import faulthandler
+    faulthandler.dump_traceback_later(args.watchdog_s, exit=True)  # a hang prints every rank's stack
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), FP4FUSE_OVERLAP_MIN_ROWS="0")
     os.environ.setdefault("FP4FUSE_SYMM_MEM_TIMEOUT_MS", "60000")  # a broken pipeline traps, never hangs
     torch.cuda.set_device(rank)
@@ -515,6 +519,8 @@ def main() -> None:
     parser.add_argument("--nk", type=int, nargs=2, action="append", default=[], metavar=("N", "K"),
                         help="(N, K) pairs (default: the three of the grid)")
     parser.add_argument("--modes", nargs="+", default=[DEVICE_BOUND, EAGER], choices=[DEVICE_BOUND, EAGER])
+    parser.add_argument("--watchdog-s", type=float, default=500.0,
+                        help="dump every rank's Python stack and exit if still running after this")
     parser.add_argument("--world", type=int, default=2, help="GPUs (NCCL ranks) to spawn")
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting new shapes after this")
     args = parser.parse_args()

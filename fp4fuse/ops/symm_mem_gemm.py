@@ -70,8 +70,9 @@ every row block's GEMM equals ``mm_fp4`` on that row block, bit for bit. Against
 ``mm_fp4`` over all rows (the unfused graph) a row can differ in the last bits only where the
 backend picks another configuration for another row count (the Triton kernel's split-K, its
 dequantize + cuBLAS path from ``DEQUANT_MIN_M`` rows, cuBLAS's own heuristics); the tests count
-it. The reduce-scatter sums the ``out_dtype`` partials in fp32 in rank order and rounds once, as
-the functional fallback does (bit-equal for two ranks; for more, NCCL may sum in another order).
+it. The reduce-scatter sums the ``out_dtype`` partials in fp32 in rank order and rounds once
+(:func:`sum_in_rank_order`), as the functional fallback does -- bit-equal to it for two ranks; for
+more, NCCL's fp32 reduce-scatter sums in its own (ring) order and may differ in the last bit.
 """
 from __future__ import annotations
 
@@ -438,6 +439,16 @@ def fp4_matmul_reduce_scatter(
     with torch.cuda.stream(side):
         ws.barrier(Channel.DONE)
     main.wait_stream(side)
-    if world == 2:  # one elementwise kernel: bf16/fp16 add in fp32 and round once, like the sum below
-        return torch.add(recv[0], recv[1])
-    return torch.sum(recv, dim=0)
+    return sum_in_rank_order(recv)
+
+
+def sum_in_rank_order(partials: torch.Tensor) -> torch.Tensor:
+    """``partials[0] + partials[1] + ...`` (``[W, m, N]``) accumulated in fp32 in that order and
+    rounded once to the partials' dtype: the same bits on every run and for every reduction kernel
+    choice (``torch.sum`` over dim 0 does not promise an order)."""
+    if partials.shape[0] == 2:  # one elementwise kernel: bf16/fp16 operands are added in fp32, rounded once
+        return torch.add(partials[0], partials[1])
+    acc = partials[0].to(torch.float32, copy=True)
+    for p in partials[1:]:
+        acc += p
+    return acc.to(partials.dtype)
