@@ -136,6 +136,10 @@ def _time_interleaved(fns: dict[str, Callable[[], object]], host_ahead: bool, no
         approx += time.perf_counter() - t0 + 3e-4 + (1e-3 if host_ahead else 0.0)
         live[label] = fn
     iters = max(min_iters, min(max_iters, int(budget_s / max(approx, 1e-6))))
+    # Every rank must run the same number of iterations (each holds collectives): agree on the most.
+    agreed = torch.tensor([iters], device="cuda")
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    iters = int(agreed.item())
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     gpu: dict[str, list[float]] = {label: [] for label in live}
     host: dict[str, list[float]] = {label: [] for label in live}
