@@ -127,6 +127,20 @@ def test_cuda_scale_by_alpha_is_the_rounded_fp32_product(dtype, shape):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("world", [3, 4, 8])
+def test_cuda_sum_partials_in_order_is_bitwise_the_ordered_fp32_sum(dtype, world):
+    _require_triton_backend()
+    from fp4fuse.ops import triton_reduce
+    gen = torch.Generator(device="cuda").manual_seed(world)
+    parts = (torch.randn(world, 130, 4099, generator=gen, device="cuda") * 1e3).to(dtype)
+    expected = parts[0].float()
+    for p in parts[1:]:
+        expected = expected + p.float()
+    assert torch.equal(triton_reduce.sum_partials_in_order(parts), expected.to(dtype))
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("m", [5, 2048])
 def test_cuda_mm_fp4_nan_scale_propagates(m):
     _require_triton_backend()

@@ -139,6 +139,14 @@ def case_mm() -> None:
         out = triton_mm.mm_fp4_dequant_mm(a, b, sa, sb, alpha)
         rel = ((out.double() - ref).norm() / ref.norm()).item()
         assert rel <= 1e-2, f"dequant+mm {m}x{n}x{k}: rel {rel:.2e}"
+        # ordered fp32 sum of partials (fp32 out: bitwise; bf16: the interpreter truncates, 1 ulp)
+        from fp4fuse.ops import triton_reduce
+        for dtype in (torch.float32, torch.bfloat16):
+            parts = (torch.randn(3, m, n, generator=gen) * 1e3).to(dtype)
+            ordered = ((parts[0].float() + parts[1].float()) + parts[2].float()).to(dtype)
+            got = triton_reduce.sum_partials_in_order(parts)
+            ok = torch.equal(got, ordered) if dtype == torch.float32 else _ulps_ok(got, ordered, 1)
+            assert ok, f"sum_partials_in_order {dtype} {m}x{n}"
         # the rounded fp32 product (the interpreter truncates fp32 -> bf16: 1 ulp here, bitwise on
         # CUDA in test_triton_kernels.py)
         x = (torch.randn(m, n, generator=gen) * 100).to(torch.bfloat16)

@@ -448,6 +448,9 @@ def sum_in_rank_order(partials: torch.Tensor) -> torch.Tensor:
     choice (``torch.sum`` over dim 0 does not promise an order)."""
     if partials.shape[0] == 2:  # one elementwise kernel: bf16/fp16 operands are added in fp32, rounded once
         return torch.add(partials[0], partials[1])
+    if partials.is_cuda and backend_for(partials) is Backend.TRITON:
+        from fp4fuse.ops.triton_reduce import sum_partials_in_order
+        return sum_partials_in_order(partials)  # one pass; the loop below makes W + 1 over fp32
     acc = partials[0].to(torch.float32, copy=True)
     for p in partials[1:]:
         acc += p
