@@ -415,8 +415,8 @@ def _report(rows: list[Row], meta: dict[str, str], elapsed: float) -> str:
         "and **eager** (the GPU idles while the host issues the call: host launch latency included).",
         "- `fused` runs fp4fuse's overlapped path at every size (threshold forced to 0); the op as "
         f"shipped runs `unfused` below `{policy.ENV_MIN_ROWS}` (defaults: all-gather "
-        f"{policy.DEFAULT_ALL_GATHER_MIN_ROWS}, reduce-scatter {policy.DEFAULT_REDUCE_SCATTER_MIN_ROWS} "
-        "total rows).",
+        f"{policy.DEFAULT_ALL_GATHER_MIN_ROWS} total rows, reduce-scatter "
+        f"{policy.DEFAULT_REDUCE_SCATTER_MIN_ROWS_PER_RANK} rows per rank).",
         "- Overlap efficiency = (t_comm + t_mm − t_fused) / min(t_comm, t_mm), shown where "
         "min ≥ 50 µs. Reduce-scatter side: `a` is `[M, K]` per rank (K = the rank's K shard); its "
         "unfused comm is the fallback's fp32 reduce-scatter of the bf16 partial (cast, NCCL, cast).",

@@ -298,13 +298,14 @@ def test_grown_capacity_is_deterministic_and_amortized():
 def test_overlap_threshold_env(monkeypatch):
     ag, rs = policy.CollectiveKind.ALL_GATHER_MATMUL, policy.CollectiveKind.MATMUL_REDUCE_SCATTER
     monkeypatch.delenv(policy.ENV_MIN_ROWS, raising=False)
-    assert policy.overlap_min_rows(ag) == policy.DEFAULT_ALL_GATHER_MIN_ROWS
-    assert policy.overlap_min_rows(rs) == policy.DEFAULT_REDUCE_SCATTER_MIN_ROWS
+    assert policy.overlap_min_rows(ag, 2) == policy.overlap_min_rows(ag, 4) == policy.DEFAULT_ALL_GATHER_MIN_ROWS
+    assert policy.overlap_min_rows(rs, 2) == 2 * policy.DEFAULT_REDUCE_SCATTER_MIN_ROWS_PER_RANK
+    assert policy.overlap_min_rows(rs, 4) == 4 * policy.DEFAULT_REDUCE_SCATTER_MIN_ROWS_PER_RANK
     monkeypatch.setenv(policy.ENV_MIN_ROWS, "0")
-    assert policy.overlap_min_rows(ag) == policy.overlap_min_rows(rs) == 0
+    assert policy.overlap_min_rows(ag, 2) == policy.overlap_min_rows(rs, 4) == 0
     monkeypatch.setenv(policy.ENV_MIN_ROWS, "-3")
     with pytest.raises(ValueError, match="non-negative"):
-        policy.overlap_min_rows(ag)
+        policy.overlap_min_rows(ag, 2)
     monkeypatch.setenv(policy.ENV_CHECK, "sometimes")
     with pytest.raises(ValueError, match="FP4FUSE_COLLECTIVE_CHECK"):
         policy.signature_check_mode()

@@ -145,9 +145,9 @@ def _overlap_workspace(op: str, kind: CollectiveKind, group_name: str, total_row
         reason, detail = NoOverlapReason.DISABLED, ""
     elif total_rows == 0:
         reason, detail = NoOverlapReason.EMPTY, ""
-    elif total_rows < policy.overlap_min_rows(kind):
+    elif total_rows < policy.overlap_min_rows(kind, world):
         reason = NoOverlapReason.BELOW_THRESHOLD
-        detail = f"{total_rows} rows < {policy.overlap_min_rows(kind)} ({policy.ENV_MIN_ROWS})"
+        detail = f"{total_rows} rows < {policy.overlap_min_rows(kind, world)} ({policy.ENV_MIN_ROWS})"
     else:
         try:
             return workspace.get_workspace(group_name, device)

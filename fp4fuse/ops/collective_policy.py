@@ -2,16 +2,18 @@
 
 * Size threshold: below :func:`overlap_min_rows` total rows (gathered rows of the all-gather GEMM,
   input rows of the GEMM + reduce-scatter) the ops run the functional-collective path, where the
-  overlapped pipeline's fixed cost (more launches, two barriers, split GEMMs) does not pay. The
-  defaults come from ``benchmarks/bench_collective_gemm.py`` on 2xH200, torch 2.11, Triton 3.6
-  (``benchmarks/results/2026-11-21-collective-gemm-2xh200.md``). With the host ahead of the GPU
-  (CUDA graphs, or a model whose GPU runs behind its host) both fused ops are at least as fast as
-  unfused from 2048 rows (1024-row calls are slower: 512-row shards fall on the slower tiled GEMM).
-  With an idle GPU waiting on eager host launches -- what a ``torch.compile`` graph without CUDA
-  graphs does -- the all-gather side only breaks even from 32768 rows, the reduce-scatter side
-  from 4096. The defaults are the eager-safe ones (all-gather 32768, reduce-scatter 4096), so the
-  fused ops are never measurably slower than unfused in either mode; under CUDA graphs set
-  ``FP4FUSE_OVERLAP_MIN_ROWS=4096`` to overlap the all-gather side from there (1.02-1.13x).
+  overlapped pipeline's fixed cost (more launches, handoffs, host issue time) does not pay. The
+  defaults come from ``benchmarks/bench_collective_gemm.py`` on 2x and 4x H200 (NV18), torch 2.11,
+  Triton 3.6 (``benchmarks/results/2026-11-21-collective-gemm-{2,4}xh200-final.md``). With the host
+  ahead of the GPU (CUDA graphs, or a model whose GPU runs behind its host) the all-gather side is
+  at least as fast as unfused from 512 rows and the reduce-scatter side from 512 (2 ranks) / 2048
+  (4 ranks). With an idle GPU waiting on eager host launches -- what a ``torch.compile`` graph
+  without CUDA graphs does; the fused ops issue ~0.1-0.5 ms more host work -- the all-gather side
+  breaks even only from 32768 rows and the reduce-scatter side from 2048 rows per rank (4096 at 2
+  ranks, 8192 at 4). The defaults are these eager-safe crossovers (all-gather 32768 total rows,
+  reduce-scatter 2048 rows per rank), so the fused ops are not measurably slower than unfused in
+  either mode; under CUDA graphs ``FP4FUSE_OVERLAP_MIN_ROWS=2048`` overlaps both sides from 2048
+  total rows (all-gather 1.03-1.33x, reduce-scatter 1.1-1.9x on the measured grid).
   ``FP4FUSE_OVERLAP_MIN_ROWS`` sets both sides; ``FP4FUSE_DISABLE_OVERLAP=1`` turns the overlapped
   path off. Both must be the same on every rank (the decision must be the same everywhere).
 * All-gather schedule (:func:`all_gather_schedule`): ``decode-gather`` (the gather hidden under
@@ -45,10 +47,11 @@ ENV_DISABLE = "FP4FUSE_DISABLE_OVERLAP"
 ENV_CHECK = "FP4FUSE_COLLECTIVE_CHECK"
 ENV_AG_SCHEDULE = "FP4FUSE_AG_SCHEDULE"
 
-#: Total rows below which the functional-collective path runs instead of the overlapped one, per
-#: op family. Measured crossover on 2xH200 (NV18), torch 2.11, Triton 3.6: see the module doc.
+#: Defaults below which the functional-collective path runs instead of the overlapped one: total
+#: gathered rows (all-gather side), rows per rank's output chunk (reduce-scatter side). Measured
+#: eager crossovers on 2x / 4x H200 (NV18), torch 2.11, Triton 3.6: see the module doc.
 DEFAULT_ALL_GATHER_MIN_ROWS = 32768
-DEFAULT_REDUCE_SCATTER_MIN_ROWS = 4096
+DEFAULT_REDUCE_SCATTER_MIN_ROWS_PER_RANK = 2048
 
 _funcol = torch.ops._c10d_functional
 
@@ -75,18 +78,19 @@ class NoOverlapReason(enum.Enum):
     SYMM_MEM_UNAVAILABLE = "symmetric memory cannot serve the group"
 
 
-def default_min_rows(kind: CollectiveKind) -> int:
+def default_min_rows(kind: CollectiveKind, world: int) -> int:
+    """Default total-row threshold of ``kind`` for a group of ``world`` ranks."""
     if kind is CollectiveKind.MATMUL_REDUCE_SCATTER:
-        return DEFAULT_REDUCE_SCATTER_MIN_ROWS
+        return DEFAULT_REDUCE_SCATTER_MIN_ROWS_PER_RANK * world
     return DEFAULT_ALL_GATHER_MIN_ROWS
 
 
-def overlap_min_rows(kind: CollectiveKind) -> int:
-    """Total-row threshold for the overlapped path of ``kind`` (``FP4FUSE_OVERLAP_MIN_ROWS``, which
-    sets every kind, or the kind's default)."""
+def overlap_min_rows(kind: CollectiveKind, world: int) -> int:
+    """Total-row threshold for the overlapped path of ``kind`` in a group of ``world`` ranks
+    (``FP4FUSE_OVERLAP_MIN_ROWS``, which sets every kind, or the kind's default)."""
     value = os.environ.get(ENV_MIN_ROWS)
     if value is None or value == "":
-        return default_min_rows(kind)
+        return default_min_rows(kind, world)
     try:
         rows = int(value)
     except ValueError:
@@ -98,10 +102,10 @@ def overlap_min_rows(kind: CollectiveKind) -> int:
 
 #: Largest gather (peer elements, ``(W - 1) * shard_rows * K``) the decode-gather schedule takes;
 #: above it per-shard. Measured on 2xH200 (NV18), torch 2.11 (round-robin device-bound timing,
-#: benchmarks/results/2026-11-21-collective-gemm-2xh200.md): at 2**24 peer elements (two ranks,
+#: benchmarks/results/2026-11-21-collective-gemm-2xh200-final.md): at 2**24 peer elements (two ranks,
 #: M=8192 with K=4096) the two tie within 1%; above it
-#: the peers' decode (~340 GB/s over NVLink) outlasts the decode prologue and per-shard is 1-5%
-#: faster; below it decode-gather is up to 13% faster (no split GEMM, one handoff).
+#: the peers' decode (~340 GB/s over NVLink) outlasts the decode prologue and per-shard is 0-6%
+#: faster; below it decode-gather is up to 16% faster at 2 ranks, 38% at 4 (one GEMM, one handoff).
 DECODE_GATHER_MAX_PEER_ELEMENTS = 1 << 24
 
 
