@@ -179,7 +179,7 @@ def _host(t: Timing | None) -> float | None:
 
 
 def _quantized(rows: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from fp4fuse import format as nvfp4
+    from fp4fuse.nvfp4 import format as nvfp4
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(rows, k, device="cuda", generator=g, dtype=torch.bfloat16)
     gs = nvfp4.global_scale_from_amax(torch.tensor([4.5], device="cuda"))
@@ -188,9 +188,10 @@ def _quantized(rows: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _bench_shape(m_total: int, n: int, k: int, group: str, mode: str) -> list[Row]:
+    from fp4fuse.distributed import groups
     from fp4fuse.ops import collective_ops as co
-    from fp4fuse.ops import collective_policy as policy
-    from fp4fuse.ops.symm_mem_gemm import AllGatherSchedule
+    from fp4fuse.distributed.symm_mem import policy
+    from fp4fuse.distributed.symm_mem.policy import AllGatherSchedule
     host_ahead = mode == DEVICE_BOUND
     rank, world = dist.get_rank(), dist.get_world_size()
     ops = torch.ops.fp4fuse
@@ -213,19 +214,19 @@ def _bench_shape(m_total: int, n: int, k: int, group: str, mode: str) -> list[Ro
     ag = Row("all-gather", mode, m_total, n, k)
     notes: list[str] = []
     a_shard, s_shard, _ = _quantized(rows_shard, k, 10 + rank)
-    a_full = co.all_gather_rows(a_shard, group)
-    s_full = co.all_gather_rows(s_shard, group)
+    a_full = groups.all_gather_rows(a_shard, group)
+    s_full = groups.all_gather_rows(s_shard, group)
     a16_shard = torch.randn(rows_shard, k, device="cuda", dtype=torch.bfloat16)
-    a16_full = co.all_gather_rows(a16_shard, group)
+    a16_full = groups.all_gather_rows(a16_shard, group)
     fused = lambda: ops.fused_all_gather_fp4_matmul(a_shard, s_shard, b, sb, alpha, out_dtype, group)  # noqa: E731
     calls = {
-        "comm": lambda: (co.all_gather_rows(a_shard, group), co.all_gather_rows(s_shard, group)),
+        "comm": lambda: (groups.all_gather_rows(a_shard, group), groups.all_gather_rows(s_shard, group)),
         "mm": lambda: ops.mm_fp4(a_full, b, s_full, sb, alpha, out_dtype),
         "unfused": lambda: co.all_gather_fp4_matmul_fallback(a_shard, s_shard, b, sb, alpha, out_dtype, group),
         **{f"fused {sched.value}": with_schedule(sched, fused) for sched in AllGatherSchedule},
-        "bf16 comm": lambda: co.all_gather_rows(a16_shard, group),
+        "bf16 comm": lambda: groups.all_gather_rows(a16_shard, group),
         "bf16 mm": lambda: torch.mm(a16_full, w16.t()),
-        "bf16 unfused": lambda: torch.mm(co.all_gather_rows(a16_shard, group), w16.t()),
+        "bf16 unfused": lambda: torch.mm(groups.all_gather_rows(a16_shard, group), w16.t()),
         "bf16 fused": lambda: torch.ops.symm_mem.fused_all_gather_matmul(a16_shard, [w16.t()], 0, group,
                                                                         return_A=True),
     }
@@ -251,7 +252,7 @@ def _bench_shape(m_total: int, n: int, k: int, group: str, mode: str) -> list[Ro
     rs_bf16 = lambda t: funcol.wait_tensor(funcol.reduce_scatter_tensor(t, "sum", world, group))  # noqa: E731
     calls = {
         "mm": lambda: ops.mm_fp4(a, b, s, sb, alpha, out_dtype),
-        "comm": lambda: co.reduce_scatter_rows_fp32(partial, group),
+        "comm": lambda: groups.reduce_scatter_rows_fp32(partial, group),
         "unfused": lambda: co.fp4_matmul_reduce_scatter_fallback(a, b, s, sb, alpha, out_dtype, group),
         "fused": lambda: ops.fused_fp4_matmul_reduce_scatter(a, b, s, sb, alpha, out_dtype, group),
         "bf16 mm": lambda: torch.mm(a16, w16.t()),
@@ -273,8 +274,8 @@ def _profile(m_total: int, n: int, k: int, group: str) -> None:
     device-bound fused call per side (and per all-gather schedule), ranks aligned as in timing."""
     import json
     import tempfile
-    from fp4fuse.ops import collective_policy as policy
-    from fp4fuse.ops.symm_mem_gemm import AllGatherSchedule
+    from fp4fuse.distributed.symm_mem import policy
+    from fp4fuse.distributed.symm_mem.policy import AllGatherSchedule
     ops = torch.ops.fp4fuse
     rank, world = dist.get_rank(), dist.get_world_size()
     b, sb, gs_b = _quantized(n, k, 1)
@@ -325,8 +326,9 @@ def _sweep_peer_decode(rows: int, k: int, group: str) -> None:
     out of rank 1's symmetric buffer (SM loads over NVLink), per ``(BLOCKS, num_warps)`` of the
     decode kernel, next to the copy engine's pull of the same bytes and the local decode."""
     import triton.testing
-    from fp4fuse.ops import triton_mm, workspace
-    from fp4fuse.ops.symm_mem_gemm import all_gather_layout
+    from fp4fuse.kernels.triton import mm as triton_mm
+    from fp4fuse.distributed.symm_mem import workspace
+    from fp4fuse.distributed.symm_mem.workspace import all_gather_layout
     rank = dist.get_rank()
     ws = workspace.get_workspace(group, torch.device("cuda", torch.cuda.current_device()))
     layout = all_gather_layout(rows, k // 2, k // 16)
@@ -399,7 +401,7 @@ def _crossover(rows: list[Row], side: str, mode: str, tolerance: float = 1.02) -
 
 
 def _report(rows: list[Row], meta: dict[str, str], elapsed: float) -> str:
-    from fp4fuse.ops import collective_policy as policy
+    from fp4fuse.distributed.symm_mem import policy
     sides = ("all-gather", "reduce-scatter")
     lines = [
         f"# Collective NVFP4 GEMMs, {meta['world']} GPUs — {meta['date']}",
@@ -442,7 +444,7 @@ def _nccl_version() -> str:
 
 def _meta(group: str) -> dict[str, str]:
     from fp4fuse.ops.backend import backend_for
-    from fp4fuse.ops.symm_mem_gemm import RowBlockGemm
+    from fp4fuse.ops.collective_gemm import RowBlockGemm
     try:
         import triton
         triton_version = triton.__version__

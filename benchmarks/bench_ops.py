@@ -32,8 +32,8 @@ import triton
 from triton.testing import do_bench
 
 import fp4fuse  # noqa: F401  (registers torch.ops.fp4fuse)
-from fp4fuse import format as nvfp4
-from fp4fuse.ops import triton_mm, triton_quant
+from fp4fuse.nvfp4 import format as nvfp4
+from fp4fuse.kernels.triton import mm as triton_mm, quant as triton_quant
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import importlib
 from typing import Any
 
 from fp4fuse import ops  # noqa: F401  (registers torch.ops.fp4fuse.*)
-from fp4fuse.amax import (
+from fp4fuse.nvfp4.quantizer import (
     AmaxGroup,
     NVFP4Quantizer,
     UnknownAmaxGroupError,
@@ -21,7 +21,7 @@ from fp4fuse.amax import (
     amax_group_id,
     register_amax_group,
 )
-from fp4fuse.format import (
+from fp4fuse.nvfp4.format import (
     dequantize_reference,
     global_scale_from_amax,
     quantize_reference,
@@ -32,9 +32,9 @@ from fp4fuse.format import (
 _LAZY = {
     "FusionConfig": "fp4fuse.config",
     "FusionPass": "fp4fuse.passes.manager",
-    "reserve_workspace": "fp4fuse.ops.workspace",
-    "NVFP4Tensor": "fp4fuse.tensor",
-    "nvfp4_state_dict_for_dcp": "fp4fuse.tensor_dcp",
+    "reserve_workspace": "fp4fuse.distributed.symm_mem.workspace",
+    "NVFP4Tensor": "fp4fuse.nvfp4.tensor",
+    "nvfp4_state_dict_for_dcp": "fp4fuse.nvfp4.tensor",
 }
 
 __all__ = [

@@ -1,7 +1,14 @@
-"""``FusionConfig``: which fp4fuse passes run, and ``FP4FUSE_*`` environment flags.
+"""``FusionConfig`` (which fp4fuse passes run) and the one parser of ``FP4FUSE_*`` variables.
 
     cfg = FusionConfig(enable_async_tp=True, min_tokens=1024)
     cfg = FusionConfig.from_env()       # serving engines: one flag per switch
+
+Environment variables. Every ``FP4FUSE_*`` variable is read through :func:`env_bool`,
+:func:`env_int`, :func:`env_choice` or :func:`env_log_level`: an unset or empty (whitespace only)
+variable takes its default, anything else must parse or raises ``ValueError`` naming the variable
+and the accepted values. :data:`RUNTIME_ENV_VARS` lists the run-time switches read by the ops;
+those marked rank-uniform must hold the same value on every rank of a group (the collective ops
+agree on them at first use, ``fp4fuse.distributed.groups``).
 
 Normalization (``__post_init__``): ``enable_bf16_async_tp`` implies ``enable_async_tp``, which
 implies ``enable_sequence_parallelism`` (AsyncTP fuses the collectives that SP introduces). The
@@ -15,17 +22,19 @@ equal.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import json
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["FusionConfig", "ENV_VARS"]
+__all__ = [
+    "ENV_VARS", "RUNTIME_ENV_VARS", "FusionConfig", "env_bool", "env_choice", "env_int", "env_log_level",
+    "rank_uniform_env",
+]
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 # field name -> environment variable read by FusionConfig.from_env()
@@ -89,11 +98,6 @@ class FusionConfig:
             object.__setattr__(self, "enable_sequence_parallelism", True)
 
     @property
-    def any_enabled(self) -> bool:
-        """Whether any fusion pass (beyond the always-on no-op view cleanup) runs."""
-        return self.enable_sequence_parallelism or self.enable_async_tp
-
-    @property
     def log_level_number(self) -> int | None:
         return None if self.log_level is None else logging.getLevelName(self.log_level)
 
@@ -119,23 +123,56 @@ class FusionConfig:
         ``ValueError`` naming the variable and the accepted values. Keyword ``overrides`` win
         over the environment.
         """
-        env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for field, var in ENV_VARS.items():
-            raw = env.get(var)
-            if raw is None or raw.strip() == "":
+            if _raw(var, environ) is None:
                 continue
             if field == "min_tokens":
-                values[field] = _parse_nonneg_int(var, raw)
+                values[field] = env_int(var, 0, environ=environ)
             elif field == "log_level":
-                values[field] = _parse_log_level(var, raw)
+                values[field] = env_log_level(var, environ=environ)
             else:
-                values[field] = _parse_bool(var, raw)
+                values[field] = env_bool(var, False, environ=environ)
         values.update(overrides)
         return cls(**values)
 
 
-def _parse_bool(var: str, raw: str) -> bool:
+@dataclasses.dataclass(frozen=True)
+class RuntimeEnvVar:
+    """A run-time ``FP4FUSE_*`` switch: what it means, and whether every rank must agree on it."""
+
+    name: str
+    meaning: str
+    rank_uniform: bool
+
+
+#: The run-time switches the ops read (README, "Run-time knobs"). A rank-uniform switch changes
+#: which collectives a call issues, so ranks that disagree would hang or pair up wrongly.
+RUNTIME_ENV_VARS: tuple[RuntimeEnvVar, ...] = (
+    RuntimeEnvVar("FP4FUSE_OVERLAP_MIN_ROWS", "total rows from which the collective GEMMs overlap", True),
+    RuntimeEnvVar("FP4FUSE_DISABLE_OVERLAP", "never overlap the collective GEMMs", True),
+    RuntimeEnvVar("FP4FUSE_AG_SCHEDULE", "all-gather GEMM schedule: auto, decode-gather, per-shard", True),
+    RuntimeEnvVar("FP4FUSE_COLLECTIVE_CHECK", "cross-rank argument check: always, first, off", True),
+    RuntimeEnvVar("FP4FUSE_BACKEND", "CUDA kernel family: reference, triton, flashinfer", True),
+    RuntimeEnvVar("FP4FUSE_SYMM_MEM_TIMEOUT_MS", "device-side wait limit of the symmetric-memory pipelines", False),
+)
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+EnumT = TypeVar("EnumT", bound=enum.Enum)
+
+
+def _raw(var: str, environ: Mapping[str, str] | None) -> str | None:
+    """The variable's value, or None when it is unset or empty (whitespace only)."""
+    raw = (os.environ if environ is None else environ).get(var)
+    return None if raw is None or raw.strip() == "" else raw
+
+
+def env_bool(var: str, default: bool, *, environ: Mapping[str, str] | None = None) -> bool:
+    """``1/0, true/false, yes/no, on/off`` (any case) -> bool; unset or empty -> ``default``."""
+    raw = _raw(var, environ)
+    if raw is None:
+        return default
     value = raw.strip().lower()
     if value in _TRUE:
         return True
@@ -145,18 +182,47 @@ def _parse_bool(var: str, raw: str) -> bool:
                      f"{'/'.join(_TRUE)} (true) or {'/'.join(_FALSE)} (false), any case")
 
 
-def _parse_nonneg_int(var: str, raw: str) -> int:
+def env_int(var: str, default: int, *, minimum: int = 0, environ: Mapping[str, str] | None = None) -> int:
+    """A decimal integer >= ``minimum``; unset or empty -> ``default``."""
+    raw = _raw(var, environ)
+    if raw is None:
+        return default
     try:
         value = int(raw.strip(), 10)
     except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"{var}={raw!r} is not valid; accepted values: an integer >= 0")
+        value = None
+    if value is None or value < minimum:
+        raise ValueError(f"{var}={raw!r} is not valid; accepted values: an integer >= {minimum}")
     return value
 
 
-def _parse_log_level(var: str, raw: str) -> str:
+def env_choice(var: str, choices: type[EnumT], default: EnumT, *,
+               environ: Mapping[str, str] | None = None) -> EnumT:
+    """One of the string values of the enum ``choices`` (any case); unset or empty -> ``default``."""
+    raw = _raw(var, environ)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    for member in choices:
+        if member.value == value:
+            return member
+    allowed = ", ".join(str(m.value) for m in choices)
+    raise ValueError(f"{var}={raw!r} is not valid; accepted values: {allowed} (any case)")
+
+
+def env_log_level(var: str, *, environ: Mapping[str, str] | None = None) -> str | None:
+    """A ``logging`` level name (any case), upper-cased; unset or empty -> None."""
+    raw = _raw(var, environ)
+    if raw is None:
+        return None
     value = raw.strip().upper()
     if value not in _LOG_LEVELS:
         raise ValueError(f"{var}={raw!r} is not valid; accepted values: {', '.join(_LOG_LEVELS)} (any case)")
     return value
+
+
+def rank_uniform_env(environ: Mapping[str, str] | None = None) -> tuple[tuple[str, str], ...]:
+    """``(name, stripped value)`` of every rank-uniform run-time variable ('' when unset): what the
+    ranks of a group compare at first use."""
+    return tuple((v.name, (_raw(v.name, environ) or "").strip().lower())
+                 for v in RUNTIME_ENV_VARS if v.rank_uniform)

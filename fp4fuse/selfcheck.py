@@ -10,7 +10,7 @@ import time
 import torch
 
 import fp4fuse  # noqa: F401  (registers the ops)
-from fp4fuse import format as nvfp4
+from fp4fuse.nvfp4 import format as nvfp4
 from fp4fuse.ops.backend import backend_for
 
 

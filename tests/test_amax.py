@@ -1,4 +1,4 @@
-"""fp4fuse.amax: the amax-group registry and NVFP4Quantizer, single-process and on 2 gloo ranks."""
+"""fp4fuse.nvfp4.quantizer: the amax-group registry and NVFP4Quantizer, single-process and on 2 gloo ranks."""
 from __future__ import annotations
 
 import copy
@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import fp4fuse  # noqa: F401  (registers torch.ops.fp4fuse.*)
 from dist_utils import run_on_ranks
-from fp4fuse.amax import (
+from fp4fuse.nvfp4.quantizer import (
     AmaxGroup,
     NVFP4Quantizer,
     UnknownAmaxGroupError,
@@ -20,7 +20,7 @@ from fp4fuse.amax import (
     amax_group_id,
     register_amax_group,
 )
-from fp4fuse.format import global_scale_from_amax, quantize_reference
+from fp4fuse.nvfp4.format import global_scale_from_amax, quantize_reference
 
 WORLD = 2
 SHAPE = (32, 64)
@@ -299,7 +299,7 @@ def test_pickled_quantizer_restores_in_fresh_process_group(two_rank_run):
     pickled = two_rank_run[0]["pickled"]
     assert all(r["pickled"] == pickled for r in two_rank_run)
     assert b"ProcessGroup" not in pickled and b"distributed" not in pickled
-    assert _pickled_globals(pickled) == {("fp4fuse.amax", "NVFP4Quantizer")}
+    assert _pickled_globals(pickled) == {("fp4fuse.nvfp4.quantizer", "NVFP4Quantizer")}
 
     restored = run_on_ranks(_restore_on_rank, WORLD, pickled, timeout=TIMEOUT_S)
     amax = _global_amax()

@@ -15,10 +15,11 @@ import torch.distributed as dist
 
 import fp4fuse  # noqa: F401  (registers the ops)
 from dist_utils import run_on_ranks
-from fp4fuse import format as nvfp4
-from fp4fuse.ops import collective_policy as policy
-from fp4fuse.ops import workspace
-from fp4fuse.ops.symm_mem_gemm import all_gather_layout, reduce_scatter_layout
+from fp4fuse.nvfp4 import format as nvfp4
+from fp4fuse.distributed import groups
+from fp4fuse.distributed.symm_mem import policy
+from fp4fuse.distributed.symm_mem import workspace
+from fp4fuse.distributed.symm_mem.workspace import all_gather_layout, reduce_scatter_layout
 
 ops = torch.ops.fp4fuse
 _funcol = torch.ops._c10d_functional
@@ -142,7 +143,7 @@ class _ListHandler(logging.Handler):
 
 
 def _check_logs_once() -> int:
-    """The no-overlap reason is logged at INFO once per group (and reason), DEBUG afterwards."""
+    """The no-overlap reason is logged at INFO once per group (and reason)."""
     handler = _ListHandler()
     log = logging.getLogger(policy.__name__)
     log.addHandler(handler)
@@ -263,11 +264,11 @@ def test_mismatch_is_caught_after_agreement_off_cuda():
 
 
 def test_check_mode_defaults(monkeypatch):
-    monkeypatch.delenv(policy.ENV_CHECK, raising=False)
-    assert policy.signature_check_mode("cuda") is policy.SignatureCheck.FIRST
-    assert policy.signature_check_mode("cpu") is policy.SignatureCheck.ALWAYS
-    monkeypatch.setenv(policy.ENV_CHECK, "off")
-    assert policy.signature_check_mode("cpu") is policy.SignatureCheck.OFF
+    monkeypatch.delenv(groups.ENV_CHECK, raising=False)
+    assert groups.signature_check_mode("cuda") is groups.SignatureCheck.FIRST
+    assert groups.signature_check_mode("cpu") is groups.SignatureCheck.ALWAYS
+    monkeypatch.setenv(groups.ENV_CHECK, "off")
+    assert groups.signature_check_mode("cpu") is groups.SignatureCheck.OFF
 
 
 # ----------------------------------------------------------------------------------------------
@@ -296,7 +297,7 @@ def test_grown_capacity_is_deterministic_and_amortized():
 
 
 def test_overlap_threshold_env(monkeypatch):
-    ag, rs = policy.CollectiveKind.ALL_GATHER_MATMUL, policy.CollectiveKind.MATMUL_REDUCE_SCATTER
+    ag, rs = policy.CollectiveGemmKind.ALL_GATHER_MATMUL, policy.CollectiveGemmKind.MATMUL_REDUCE_SCATTER
     monkeypatch.delenv(policy.ENV_MIN_ROWS, raising=False)
     assert policy.overlap_min_rows(ag, 2) == policy.overlap_min_rows(ag, 4) == policy.DEFAULT_ALL_GATHER_MIN_ROWS
     assert policy.overlap_min_rows(rs, 2) == 2 * policy.DEFAULT_REDUCE_SCATTER_MIN_ROWS_PER_RANK
@@ -304,15 +305,15 @@ def test_overlap_threshold_env(monkeypatch):
     monkeypatch.setenv(policy.ENV_MIN_ROWS, "0")
     assert policy.overlap_min_rows(ag, 2) == policy.overlap_min_rows(rs, 4) == 0
     monkeypatch.setenv(policy.ENV_MIN_ROWS, "-3")
-    with pytest.raises(ValueError, match="non-negative"):
+    with pytest.raises(ValueError, match="FP4FUSE_OVERLAP_MIN_ROWS.*integer >= 0"):
         policy.overlap_min_rows(ag, 2)
-    monkeypatch.setenv(policy.ENV_CHECK, "sometimes")
+    monkeypatch.setenv(groups.ENV_CHECK, "sometimes")
     with pytest.raises(ValueError, match="FP4FUSE_COLLECTIVE_CHECK"):
-        policy.signature_check_mode()
+        groups.signature_check_mode()
 
 
 def test_all_gather_schedule_env_and_model(monkeypatch):
-    from fp4fuse.ops.symm_mem_gemm import AllGatherSchedule
+    from fp4fuse.distributed.symm_mem.policy import AllGatherSchedule
     monkeypatch.delenv(policy.ENV_AG_SCHEDULE, raising=False)
     limit = policy.DECODE_GATHER_MAX_PEER_ELEMENTS
     assert policy.all_gather_schedule(2, limit // 4096, 14336, 4096) is AllGatherSchedule.DECODE_GATHER
@@ -330,11 +331,11 @@ def test_signature_describes_every_argument():
     a = torch.empty(40, 104, dtype=torch.uint8)
     s = torch.empty(40, 13, dtype=torch.float8_e4m3fn)
     alpha = torch.ones(1)
-    sig = policy.call_signature(policy.CollectiveKind.ALL_GATHER_MATMUL, (a, s, alpha), torch.bfloat16)
-    text = policy.describe_signature(sig, ("a_shard", "a_scale_shard", "alpha"))
+    sig = groups.call_signature(policy.CollectiveGemmKind.ALL_GATHER_MATMUL, (a, s, alpha), torch.bfloat16)
+    text = groups.describe_signature(sig, ("a_shard", "a_scale_shard", "alpha"))
     assert text == "a_shard[40, 104] uint8, a_scale_shard[40, 13] float8_e4m3fn, alpha[1] float32, out_dtype=bfloat16"
-    other = policy.call_signature(policy.CollectiveKind.ALL_GATHER_MATMUL, (a.t(), s, alpha), torch.bfloat16)
-    assert other != sig and "non-contiguous" in policy.describe_signature(other, ("a_shard", "s", "alpha"))
+    other = groups.call_signature(policy.CollectiveGemmKind.ALL_GATHER_MATMUL, (a.t(), s, alpha), torch.bfloat16)
+    assert other != sig and "non-contiguous" in groups.describe_signature(other, ("a_shard", "s", "alpha"))
 
 
 def test_cpu_inputs_cannot_use_symmetric_memory():
@@ -363,7 +364,7 @@ _GPU_ENV = {policy.ENV_MIN_ROWS: "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "
 def _per_shard_mm(a: torch.Tensor, b, sa: torch.Tensor, sb, alpha, out_dtype, rows: int) -> torch.Tensor:
     """The fused ops' GEMMs, block by block: each ``rows``-row block through the kernel path and
     configuration that ``mm_fp4`` picks for the whole ``a`` (``RowBlockGemm``'s rule)."""
-    from fp4fuse.ops import triton_mm
+    from fp4fuse.kernels.triton import mm as triton_mm
     total, n, k = a.shape[0], b.shape[0], b.shape[1] * 2
     if out_dtype == torch.bfloat16 and total >= triton_mm.DEQUANT_MIN_M:
         def gemm(x, sx):
@@ -377,7 +378,7 @@ def _per_shard_mm(a: torch.Tensor, b, sa: torch.Tensor, sb, alpha, out_dtype, ro
 
 
 def _dequant_min_m() -> int:
-    from fp4fuse.ops import triton_mm
+    from fp4fuse.kernels.triton import mm as triton_mm
     return triton_mm.DEQUANT_MIN_M
 
 
@@ -390,7 +391,7 @@ def _all_gather_reference(a: torch.Tensor, sa: torch.Tensor, t: dict[str, torch.
     """What ``fused_all_gather_fp4_matmul`` must equal bit for bit under the schedule it picks:
     one full ``mm_fp4`` for DECODE_GATHER (and on the tiled path, where every block runs the whole
     GEMM's configuration), the per-block GEMMs for PER_SHARD on the cuBLAS path."""
-    from fp4fuse.ops.symm_mem_gemm import AllGatherSchedule
+    from fp4fuse.distributed.symm_mem.policy import AllGatherSchedule
     world = dist.get_world_size()
     decoded = out_dtype == torch.bfloat16 and world * shard_rows >= _dequant_min_m()
     schedule = policy.all_gather_schedule(world, shard_rows, t["b"].shape[0], t["b"].shape[1] * 2)
@@ -443,7 +444,7 @@ def _gpu_suite() -> dict[str, object]:
     assert isinstance(ws, workspace.SymmWorkspace) and ws.capacity > 0, ws
     report["capacity"] = ws.capacity
     t = _case_inputs(8, 99, device)
-    from fp4fuse.ops.symm_mem_gemm import RowBlockGemm
+    from fp4fuse.ops.collective_gemm import RowBlockGemm
     report["modes"] = {rows: RowBlockGemm(t["b"], t["sb"], t["alpha"], torch.bfloat16, rows // 2, rows).mode.name
                        for rows in (80, 2080)}
     report["graph"] = _gpu_graph_capture(device, group)
@@ -500,7 +501,7 @@ def test_symmetric_memory_pipelines_on_gpus(world):
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_sum_in_rank_order_is_the_rank_ordered_fp32_sum(world, dtype):
-    from fp4fuse.ops.symm_mem_gemm import sum_in_rank_order
+    from fp4fuse.ops.collective_gemm import sum_in_rank_order
     gen = torch.Generator().manual_seed(world)
     partials = (torch.randn(world, 37, 53, generator=gen) * 1e3).to(dtype)
     expected = partials[0].float()

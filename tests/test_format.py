@@ -5,7 +5,7 @@ import warnings
 import pytest
 import torch
 
-from fp4fuse import format as nvfp4
+from fp4fuse.nvfp4 import format as nvfp4
 
 GRID = torch.tensor(nvfp4.E2M1_VALUES)
 

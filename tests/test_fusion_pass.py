@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import fp4fuse
 from dist_utils import run_on_ranks
 from fp4fuse.config import FusionConfig
-from fp4fuse.passes import FusionGraphPass, FusionPass, process_group_fingerprint
+from fp4fuse.passes import FusionPass, GraphPass, process_group_fingerprint
 from fp4fuse.passes.cleanup import NoOpViewCleanupPass
 
 W, M, K, N = 2, 8, 64, 32
@@ -109,21 +109,23 @@ def test_uuid_stable_and_config_sensitive():
     assert len({base, *others}) == 5
 
 
-def test_uuid_covers_every_pass_pattern_and_op_source(tmp_path, monkeypatch):
+def test_uuid_is_composed_of_each_pass_uuid_over_its_patterns_and_ops(tmp_path, monkeypatch):
     fusion = FusionPass(FusionConfig(enable_async_tp=True))
-    files = set(fusion.source_files())
-    for folder in ("passes", "patterns", "ops"):
-        assert {str(p) for p in (PACKAGE / folder).rglob("*.py")} <= files
-    assert str(PACKAGE / "config.py") in files
+    files = {p.name: set(map(Path, p.source_files())) for p in fusion.passes}
+    assert {PACKAGE / "patterns" / "async_tp_fp4.py", PACKAGE / "patterns" / "collectives.py",
+            PACKAGE / "ops" / "collective_ops.py", PACKAGE / "passes" / "async_tp.py"} <= files["async_tp"]
+    assert {PACKAGE / "patterns" / "sequence_parallel.py", PACKAGE / "patterns" / "quant_before_gather.py",
+            PACKAGE / "ops" / "sp_ops.py", PACKAGE / "passes" / "base.py"} <= files["sequence_parallel"]
+    async_tp = fusion.passes[-1]
     extra = tmp_path / "extra_pattern.py"
     extra.write_text("A = 1\n")
-    monkeypatch.setattr(FusionPass, "source_files", lambda self: sorted(files | {str(extra)}))
-    before = fusion.uuid()
+    monkeypatch.setattr(type(async_tp), "source_files", lambda self: [str(extra)])
+    before, pass_before = fusion.uuid(), async_tp.uuid()
     extra.write_text("A = 2\n")
-    assert fusion.uuid() != before
+    assert async_tp.uuid() != pass_before and fusion.uuid() != before
 
 
-class _ReadsGroups(FusionGraphPass):
+class _ReadsGroups(GraphPass):
     name = "reads_groups"
     reads_process_groups = True
 

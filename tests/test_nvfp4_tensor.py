@@ -13,10 +13,9 @@ from dist_utils import run_on_ranks
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import fp4fuse
-from fp4fuse.amax import NVFP4Quantizer, register_amax_group
-from fp4fuse.format import global_scale_from_amax, quantize_reference
-from fp4fuse.tensor import NVFP4Tensor
-from fp4fuse.tensor_dcp import nvfp4_state_dict_for_dcp
+from fp4fuse.nvfp4.quantizer import NVFP4Quantizer, register_amax_group
+from fp4fuse.nvfp4.format import global_scale_from_amax, quantize_reference
+from fp4fuse.nvfp4.tensor import NVFP4Tensor, nvfp4_state_dict_for_dcp
 
 TIMEOUT_S = 90
 N, K = 64, 48

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import fp4fuse  # noqa: F401
-from fp4fuse import format as nvfp4
+from fp4fuse.nvfp4 import format as nvfp4
 
 ops = torch.ops.fp4fuse
 # torch's schema check compares inputs with allclose, which has no float8 kernel on CPU.

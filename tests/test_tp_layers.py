@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 import fp4fuse  # noqa: F401  (registers torch.ops.fp4fuse.*)
 from dist_utils import run_on_ranks
-from fp4fuse import format as nvfp4
-from fp4fuse.amax import NVFP4Quantizer
+from fp4fuse.nvfp4 import format as nvfp4
+from fp4fuse.nvfp4.quantizer import NVFP4Quantizer
 from fp4fuse.tp import (
     ColumnParallelNVFP4Linear, LlamaConfig, NormImpl, NVFP4Linear, RMSNorm, RowParallelNVFP4Linear, TPGroup,
     TPLlamaModel, VocabParallelEmbedding, quantize_weight, seeded_normal, shard,

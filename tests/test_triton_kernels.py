@@ -16,9 +16,9 @@ import torch
 pytest.importorskip("triton")
 
 import fp4fuse  # noqa: F401
-from fp4fuse import format as nvfp4
+from fp4fuse.nvfp4 import format as nvfp4
 from fp4fuse.ops.backend import Backend, backend_for
-from fp4fuse.ops.norm_ops import fused_add_rms_norm_reference, rms_norm_reference
+from fp4fuse.nvfp4.norms import fused_add_rms_norm_reference, rms_norm_reference
 
 ops = torch.ops.fp4fuse
 CASES_SCRIPT = os.path.join(os.path.dirname(__file__), "triton_interpreter_cases.py")
@@ -49,7 +49,7 @@ def _blocks(m: int, k: int, gen: torch.Generator, dtype=torch.bfloat16) -> torch
 @pytest.mark.parametrize("m,k", [(1, 16), (3, 48), (130, 1040), (1000, 4096), (4099, 512)])
 def test_cuda_quant_bit_equal(dtype, m, k):
     _require_triton_backend()
-    from fp4fuse.ops.triton_quant import QuantDivision, scaled_fp4_quant_triton
+    from fp4fuse.kernels.triton.quant import QuantDivision, scaled_fp4_quant_triton
     gen = torch.Generator(device="cuda").manual_seed(m * 7 + k)
     x = _blocks(m, k, gen, dtype)
     x[0, 0] = float("nan")
@@ -115,7 +115,7 @@ def test_cuda_scale_by_alpha_is_the_rounded_fp32_product(dtype, shape):
     """The alpha epilogue of the dequantize + cuBLAS path: ``x.dtype(fp32(x) * alpha)``, alpha not
     rounded to ``x.dtype`` first (PyTorch's ``x.mul_(alpha)`` with a CUDA 0-dim alpha rounds it)."""
     _require_triton_backend()
-    from fp4fuse.ops import triton_mm
+    from fp4fuse.kernels.triton import mm as triton_mm
     gen = torch.Generator(device="cuda").manual_seed(shape[1])
     x = (torch.randn(shape, generator=gen, device="cuda") * 300).to(dtype)
     x[0, 0] = float("inf")
@@ -131,7 +131,7 @@ def test_cuda_scale_by_alpha_is_the_rounded_fp32_product(dtype, shape):
 @pytest.mark.parametrize("world", [3, 4, 8])
 def test_cuda_sum_partials_in_order_is_bitwise_the_ordered_fp32_sum(dtype, world):
     _require_triton_backend()
-    from fp4fuse.ops import triton_reduce
+    from fp4fuse.kernels.triton import reduce as triton_reduce
     gen = torch.Generator(device="cuda").manual_seed(world)
     parts = (torch.randn(world, 130, 4099, generator=gen, device="cuda") * 1e3).to(dtype)
     expected = parts[0].float()

@@ -20,9 +20,9 @@ from triton.runtime import interpreter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fp4fuse import format as nvfp4
-from fp4fuse.ops import triton_mm, triton_norm, triton_quant
-from fp4fuse.ops.norm_ops import fused_add_rms_norm_reference, rms_norm_reference
+from fp4fuse.nvfp4 import format as nvfp4
+from fp4fuse.kernels.triton import mm as triton_mm, norm as triton_norm, quant as triton_quant
+from fp4fuse.nvfp4.norms import fused_add_rms_norm_reference, rms_norm_reference
 
 
 def _fix_interpreter_loop_bounds() -> None:
@@ -140,7 +140,7 @@ def case_mm() -> None:
         rel = ((out.double() - ref).norm() / ref.norm()).item()
         assert rel <= 1e-2, f"dequant+mm {m}x{n}x{k}: rel {rel:.2e}"
         # ordered fp32 sum of partials (fp32 out: bitwise; bf16: the interpreter truncates, 1 ulp)
-        from fp4fuse.ops import triton_reduce
+        from fp4fuse.kernels.triton import reduce as triton_reduce
         for dtype in (torch.float32, torch.bfloat16):
             parts = (torch.randn(3, m, n, generator=gen) * 1e3).to(dtype)
             ordered = ((parts[0].float() + parts[1].float()) + parts[2].float()).to(dtype)

@@ -1,6 +1,6 @@
 """Which kernel family serves an op on a device.
 
-REFERENCE is the pure-torch code in fp4fuse.format / fp4fuse.ops.reference (CPU, and any device as
+REFERENCE is the pure-torch code in fp4fuse.nvfp4 (format.py, norms.py) (CPU, and any device as
 a fallback). TRITON is fp4fuse's own Triton code (SM80/SM90 and later). FLASHINFER is flashinfer's
 FP4 path, SM100+ only; it was written to flashinfer 0.7.2's documented API and has never been run
 (no Blackwell GPU was available to the authors). ``FP4FUSE_BACKEND=reference|triton|flashinfer``

@@ -13,14 +13,15 @@
 Two implementations, the same results:
 
 * CUDA, a group symmetric memory can serve, at least
-  :func:`~fp4fuse.ops.collective_policy.overlap_min_rows` total rows: the overlapped pipelines of :mod:`fp4fuse.ops.symm_mem_gemm` (registered as the
-  ops' CUDA kernels).
+  :func:`~fp4fuse.distributed.symm_mem.policy.overlap_min_rows` total rows: the overlapped
+  pipelines of :mod:`fp4fuse.distributed.symm_mem.pipelines` driving
+  :class:`~fp4fuse.ops.collective_gemm.RowBlockGemm` (registered as the ops' CUDA kernels).
 * Everywhere else (CPU / gloo, small calls, groups symmetric memory cannot serve): functional
   collectives plus ``mm_fp4``, no overlap; the reason is logged once per group at INFO. Scales
   travel as uint8 views (gloo has no float8 collectives).
 
 Every call first makes sure all ranks agree on shapes and dtypes
-(:func:`~fp4fuse.ops.collective_policy.check_ranks_agree`): a mismatch is a ``ValueError`` on every
+(:func:`~fp4fuse.distributed.groups.check_ranks_agree`): a mismatch is a ``ValueError`` on every
 rank, not a hang.
 """
 from __future__ import annotations
@@ -28,11 +29,14 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.distributed as dist
 
-from fp4fuse.ops import collective_policy as policy
+from fp4fuse.distributed import groups
+from fp4fuse.distributed.groups import all_gather_rows, group_size_of, reduce_scatter_rows_fp32
+from fp4fuse.distributed.symm_mem import pipelines, workspace
+from fp4fuse.distributed.symm_mem import policy
+from fp4fuse.distributed.symm_mem.policy import CollectiveGemmKind, NoOverlapReason
 from fp4fuse.ops import validation
-from fp4fuse.ops.collective_policy import CollectiveKind, NoOverlapReason
+from fp4fuse.ops.collective_gemm import RowBlockGemm, sum_in_rank_order
 
 logger = logging.getLogger(__name__)
 
@@ -41,47 +45,6 @@ _funcol = torch.ops._c10d_functional
 _AG_OP = "fused_all_gather_fp4_matmul"
 _AG_GATHERED_OP = "fused_all_gather_fp4_matmul_gathered"
 _RS_OP = "fused_fp4_matmul_reduce_scatter"
-
-
-def resolve_group(group_name: str) -> dist.ProcessGroup:
-    """The process group registered under ``group_name`` (the name functional collectives take).
-
-    fp4fuse's one use of torch's private ``_resolve_process_group``; raises if the name is unknown
-    in this process."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-    return _resolve_process_group(group_name)
-
-
-def group_size_of(group_name: str) -> int:
-    """World size of the process group registered under ``group_name``."""
-    return dist.get_world_size(resolve_group(group_name))
-
-
-def group_rank_of(group_name: str) -> int:
-    """This process's rank in the process group registered under ``group_name``."""
-    return dist.get_rank(resolve_group(group_name))
-
-
-def all_gather_rows(t: torch.Tensor, group_name: str) -> torch.Tensor:
-    """All-gather along dim 0 through functional collectives; float8 travels as uint8."""
-    world = group_size_of(group_name)
-    is_fp8 = t.dtype == torch.float8_e4m3fn
-    payload = t.view(torch.uint8) if is_fp8 else t
-    out = _funcol.wait_tensor(_funcol.all_gather_into_tensor(payload.contiguous(), world, group_name))
-    return out.view(torch.float8_e4m3fn) if is_fp8 else out
-
-
-def reduce_scatter_rows_fp32(partial: torch.Tensor, group_name: str) -> torch.Tensor:
-    """Sum ``partial`` over the group in fp32 and return this rank's dim-0 chunk in its dtype."""
-    world = group_size_of(group_name)
-    summed = _funcol.wait_tensor(
-        _funcol.reduce_scatter_tensor(partial.float().contiguous(), "sum", world, group_name))
-    return summed.to(partial.dtype)
-
-
-def _check_rows_divisible(op: str, rows: int, world: int) -> None:
-    if rows % world != 0:
-        raise ValueError(f"fp4fuse.{op}: a has {rows} rows, which must be divisible by the group size {world}")
 
 
 def all_gather_fp4_matmul_fallback(
@@ -108,11 +71,11 @@ def fp4_matmul_reduce_scatter_fallback(
 # Shared front half: agree across ranks, validate, choose the path
 # ----------------------------------------------------------------------------------------------
 def _prepare_all_gather(
-    op: str, kind: CollectiveKind, a_shard: torch.Tensor, a_scale_shard: torch.Tensor, b: torch.Tensor,
+    op: str, kind: CollectiveGemmKind, a_shard: torch.Tensor, a_scale_shard: torch.Tensor, b: torch.Tensor,
     b_scale: torch.Tensor, alpha: torch.Tensor, out_dtype: torch.dtype, group_name: str,
 ) -> int:
     """Agreement + validation; returns the total (gathered) row count."""
-    policy.check_ranks_agree(op, group_name, kind, {
+    groups.check_ranks_agree(op, group_name, int(kind), {
         "a_shard": a_shard, "a_scale_shard": a_scale_shard, "b": b, "b_scale": b_scale, "alpha": alpha,
     }, out_dtype)
     validation.check_mm_inputs(a_shard, b, a_scale_shard, b_scale, alpha, out_dtype, op=op)
@@ -124,20 +87,19 @@ def _prepare_reduce_scatter(
     alpha: torch.Tensor, out_dtype: torch.dtype, group_name: str,
 ) -> int:
     """Agreement + validation (rows divisible by the group); returns the total row count."""
-    policy.check_ranks_agree(_RS_OP, group_name, CollectiveKind.MATMUL_REDUCE_SCATTER, {
+    groups.check_ranks_agree(_RS_OP, group_name, int(CollectiveGemmKind.MATMUL_REDUCE_SCATTER), {
         "a": a, "b": b, "a_scale": a_scale, "b_scale": b_scale, "alpha": alpha,
     }, out_dtype)
     validation.check_mm_inputs(a, b, a_scale, b_scale, alpha, out_dtype, op=_RS_OP)
-    _check_rows_divisible(_RS_OP, a.shape[0], group_size_of(group_name))
+    groups.check_rows_divisible(_RS_OP, "a", a.shape[0], group_size_of(group_name))
     return a.shape[0]
 
 
-def _overlap_workspace(op: str, kind: CollectiveKind, group_name: str, total_rows: int, device: torch.device):
+def _overlap_workspace(op: str, kind: CollectiveGemmKind, group_name: str, total_rows: int, device: torch.device):
     """The symmetric workspace to overlap this CUDA call on, or ``None`` (reason logged once).
 
     Every input of the decision is the same on every rank (agreed shapes, env, a collective
     capability answer), so all ranks take the same path."""
-    from fp4fuse.ops import workspace
     world = group_size_of(group_name)
     if world == 1:
         reason, detail = NoOverlapReason.SINGLE_RANK, ""
@@ -157,6 +119,18 @@ def _overlap_workspace(op: str, kind: CollectiveKind, group_name: str, total_row
     return None
 
 
+def _overlapped_all_gather(
+    ws: workspace.SymmWorkspace, a_shard: torch.Tensor, a_scale_shard: torch.Tensor, b: torch.Tensor,
+    b_scale: torch.Tensor, alpha: torch.Tensor, out_dtype: torch.dtype, *, need_gathered: bool,
+) -> pipelines.GatheredMatmul:
+    """The symmetric-memory all-gather pipeline driving a :class:`RowBlockGemm` (CUDA)."""
+    m = a_shard.shape[0]
+    gemm = RowBlockGemm(b, b_scale, alpha, out_dtype, m, total_rows=ws.world_size * m)
+    schedule = policy.all_gather_schedule(ws.world_size, m, b.shape[0], a_shard.shape[1] * 2)
+    return pipelines.all_gather_and_consume(ws, a_shard, a_scale_shard, gemm, need_gathered=need_gathered,
+                                            schedule=schedule)
+
+
 # ----------------------------------------------------------------------------------------------
 # fused_all_gather_fp4_matmul
 # ----------------------------------------------------------------------------------------------
@@ -165,7 +139,7 @@ def fused_all_gather_fp4_matmul(
     a_shard: torch.Tensor, a_scale_shard: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
     alpha: torch.Tensor, out_dtype: torch.dtype, group_name: str,
 ) -> torch.Tensor:
-    _prepare_all_gather(_AG_OP, CollectiveKind.ALL_GATHER_MATMUL, a_shard, a_scale_shard, b, b_scale, alpha,
+    _prepare_all_gather(_AG_OP, CollectiveGemmKind.ALL_GATHER_MATMUL, a_shard, a_scale_shard, b, b_scale, alpha,
                         out_dtype, group_name)
     policy.log_no_overlap_once(_AG_OP, group_name, NoOverlapReason.NOT_CUDA, a_shard.device.type)
     return all_gather_fp4_matmul_fallback(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name)[0]
@@ -179,14 +153,12 @@ def _(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name):
 
 @fused_all_gather_fp4_matmul.register_kernel("cuda")
 def _(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name):
-    total = _prepare_all_gather(_AG_OP, CollectiveKind.ALL_GATHER_MATMUL, a_shard, a_scale_shard, b, b_scale,
+    total = _prepare_all_gather(_AG_OP, CollectiveGemmKind.ALL_GATHER_MATMUL, a_shard, a_scale_shard, b, b_scale,
                                 alpha, out_dtype, group_name)
-    ws = _overlap_workspace(_AG_OP, CollectiveKind.ALL_GATHER_MATMUL, group_name, total, a_shard.device)
+    ws = _overlap_workspace(_AG_OP, CollectiveGemmKind.ALL_GATHER_MATMUL, group_name, total, a_shard.device)
     if ws is None:
         return all_gather_fp4_matmul_fallback(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name)[0]
-    from fp4fuse.ops import symm_mem_gemm
-    return symm_mem_gemm.all_gather_fp4_matmul(
-        ws, a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, need_gathered=False).out
+    return _overlapped_all_gather(ws, a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, need_gathered=False).out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -197,7 +169,7 @@ def fused_all_gather_fp4_matmul_gathered(
     a_shard: torch.Tensor, a_scale_shard: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
     alpha: torch.Tensor, out_dtype: torch.dtype, group_name: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _prepare_all_gather(_AG_GATHERED_OP, CollectiveKind.ALL_GATHER_MATMUL_GATHERED, a_shard, a_scale_shard, b,
+    _prepare_all_gather(_AG_GATHERED_OP, CollectiveGemmKind.ALL_GATHER_MATMUL_GATHERED, a_shard, a_scale_shard, b,
                         b_scale, alpha, out_dtype, group_name)
     policy.log_no_overlap_once(_AG_GATHERED_OP, group_name, NoOverlapReason.NOT_CUDA, a_shard.device.type)
     return all_gather_fp4_matmul_fallback(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name)
@@ -214,15 +186,13 @@ def _(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name):
 
 @fused_all_gather_fp4_matmul_gathered.register_kernel("cuda")
 def _(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name):
-    total = _prepare_all_gather(_AG_GATHERED_OP, CollectiveKind.ALL_GATHER_MATMUL_GATHERED, a_shard, a_scale_shard,
+    total = _prepare_all_gather(_AG_GATHERED_OP, CollectiveGemmKind.ALL_GATHER_MATMUL_GATHERED, a_shard, a_scale_shard,
                                 b, b_scale, alpha, out_dtype, group_name)
-    ws = _overlap_workspace(_AG_GATHERED_OP, CollectiveKind.ALL_GATHER_MATMUL_GATHERED, group_name, total,
+    ws = _overlap_workspace(_AG_GATHERED_OP, CollectiveGemmKind.ALL_GATHER_MATMUL_GATHERED, group_name, total,
                             a_shard.device)
     if ws is None:
         return all_gather_fp4_matmul_fallback(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name)
-    from fp4fuse.ops import symm_mem_gemm
-    res = symm_mem_gemm.all_gather_fp4_matmul(
-        ws, a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, need_gathered=True)
+    res = _overlapped_all_gather(ws, a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, need_gathered=True)
     return res.out, res.a, res.a_scale
 
 
@@ -242,15 +212,15 @@ def fused_fp4_matmul_reduce_scatter(
 @fused_fp4_matmul_reduce_scatter.register_fake
 def _(a, b, a_scale, b_scale, alpha, out_dtype, group_name):
     world = group_size_of(group_name)
-    _check_rows_divisible(_RS_OP, a.shape[0], world)
+    groups.check_rows_divisible(_RS_OP, "a", a.shape[0], world)
     return a.new_empty((a.shape[0] // world, b.shape[0]), dtype=out_dtype)
 
 
 @fused_fp4_matmul_reduce_scatter.register_kernel("cuda")
 def _(a, b, a_scale, b_scale, alpha, out_dtype, group_name):
     total = _prepare_reduce_scatter(a, b, a_scale, b_scale, alpha, out_dtype, group_name)
-    ws = _overlap_workspace(_RS_OP, CollectiveKind.MATMUL_REDUCE_SCATTER, group_name, total, a.device)
+    ws = _overlap_workspace(_RS_OP, CollectiveGemmKind.MATMUL_REDUCE_SCATTER, group_name, total, a.device)
     if ws is None:
         return fp4_matmul_reduce_scatter_fallback(a, b, a_scale, b_scale, alpha, out_dtype, group_name)
-    from fp4fuse.ops import symm_mem_gemm
-    return symm_mem_gemm.fp4_matmul_reduce_scatter(ws, a, b, a_scale, b_scale, alpha, out_dtype)
+    gemm = RowBlockGemm(b, b_scale, alpha, out_dtype, a.shape[0] // ws.world_size, total_rows=a.shape[0])
+    return sum_in_rank_order(pipelines.reduce_scatter_partials(ws, a, a_scale, gemm))

@@ -1,19 +1,19 @@
 """``fp4fuse::scaled_fp4_quant`` and ``fp4fuse::mm_fp4``: registration, fake impls, dispatch.
 
-Contracts (DESIGN.md):
+Contracts (docs/design.md):
 
 * ``scaled_fp4_quant(x, global_scale) -> (q, s)``: x ``[M, K]`` bf16/fp16/fp32, global_scale fp32
   one element (encode convention ``448*6/amax``) -> q uint8 ``[M, K/2]``, s e4m3 ``[M, K/16]``.
 * ``mm_fp4(a, b, a_scale, b_scale, alpha, out_dtype) -> out``: a ``[M, K/2]``, b ``[N, K/2]``
   (weight, row-major), linear scales; ``out = alpha * (q_a*s_a) @ (q_b*s_b)^T`` ``[M, N]``.
 
-CPU (and any device without a faster backend) runs the pure-torch reference in fp4fuse.format.
+CPU (and any device without a faster backend) runs the pure-torch reference in fp4fuse.nvfp4.format.
 """
 from __future__ import annotations
 
 import torch
 
-from fp4fuse import format as nvfp4
+from fp4fuse.nvfp4 import format as nvfp4
 from fp4fuse.ops import validation
 from fp4fuse.ops.backend import Backend, backend_for
 
@@ -38,10 +38,10 @@ def _(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.
     validation.check_quant_inputs(x, global_scale)
     backend = backend_for(x)
     if backend is Backend.TRITON:
-        from fp4fuse.ops.triton_quant import scaled_fp4_quant_triton
+        from fp4fuse.kernels.triton.quant import scaled_fp4_quant_triton
         return scaled_fp4_quant_triton(x, global_scale)
     if backend is Backend.FLASHINFER:
-        from fp4fuse.ops.flashinfer_backend import scaled_fp4_quant_flashinfer
+        from fp4fuse.kernels.flashinfer import scaled_fp4_quant_flashinfer
         return scaled_fp4_quant_flashinfer(x, global_scale)
     return nvfp4.quantize_reference(x, global_scale)
 
@@ -66,9 +66,9 @@ def _(a, b, a_scale, b_scale, alpha, out_dtype):
     validation.check_mm_inputs(a, b, a_scale, b_scale, alpha, out_dtype)
     backend = backend_for(a)
     if backend is Backend.TRITON:
-        from fp4fuse.ops.triton_mm import mm_fp4_triton
+        from fp4fuse.kernels.triton.mm import mm_fp4_triton
         return mm_fp4_triton(a, b, a_scale, b_scale, alpha, out_dtype)
     if backend is Backend.FLASHINFER:
-        from fp4fuse.ops.flashinfer_backend import mm_fp4_flashinfer
+        from fp4fuse.kernels.flashinfer import mm_fp4_flashinfer
         return mm_fp4_flashinfer(a, b, a_scale, b_scale, alpha, out_dtype)
     return nvfp4.mm_fp4_reference(a, b, a_scale, b_scale, alpha, out_dtype)

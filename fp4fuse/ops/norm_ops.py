@@ -9,21 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from fp4fuse.nvfp4.norms import fused_add_rms_norm_reference, rms_norm_reference
 from fp4fuse.ops import validation
 from fp4fuse.ops.backend import Backend, backend_for
-
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    inv_rms = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return (xf * inv_rms * weight.float()).to(x.dtype)
-
-
-def fused_add_rms_norm_reference(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    residual_out = (x.float() + residual.float()).to(x.dtype)
-    return rms_norm_reference(residual_out, weight, eps), residual_out
 
 
 @torch.library.custom_op("fp4fuse::rms_norm", mutates_args=())
@@ -43,7 +31,7 @@ def _(x, weight, eps):
     validation.check_norm_inputs("rms_norm", x, weight)
     if backend_for(x) is Backend.REFERENCE:
         return rms_norm_reference(x, weight, eps)
-    from fp4fuse.ops.triton_norm import rms_norm_triton
+    from fp4fuse.kernels.triton.norm import rms_norm_triton
     return rms_norm_triton(x, weight, eps)
 
 
@@ -66,5 +54,5 @@ def _(x, residual, weight, eps):
     validation.check_norm_inputs("fused_add_rms_norm", x, weight, residual)
     if backend_for(x) is Backend.REFERENCE:
         return fused_add_rms_norm_reference(x, residual, weight, eps)
-    from fp4fuse.ops.triton_norm import fused_add_rms_norm_triton
+    from fp4fuse.kernels.triton.norm import fused_add_rms_norm_triton
     return fused_add_rms_norm_triton(x, residual, weight, eps)

@@ -5,7 +5,7 @@
 The sequence-parallel pass slices the residual stream to the local token shard with it. The
 rank is resolved from the process group when the op runs, never baked into the graph: ranks on
 one host share the Inductor FX graph cache, and a graph holding ``rank * M/W`` as a constant
-served one rank's slice to every rank (ANCHORS.md, "Torch 2.13 CPU, gloo").
+served one rank's slice to every rank (docs/design.md, "Rank uniformity and the FX cache").
 
 The output is a fresh contiguous tensor (custom ops must not return views of their inputs).
 ``M`` must be divisible by the group size; the fake implementation states that with
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from fp4fuse.ops.collective_ops import group_rank_of, group_size_of
+from fp4fuse.distributed.groups import group_rank_of, group_size_of
 
 __all__ = ["shard_rows"]
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from fp4fuse.format import BLOCK_SIZE
+from fp4fuse.nvfp4.format import BLOCK_SIZE
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

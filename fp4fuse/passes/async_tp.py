@@ -21,15 +21,17 @@ from __future__ import annotations
 import torch.fx as fx
 
 from fp4fuse.config import FusionConfig
-from fp4fuse.passes.base import FusionGraphPass
+from fp4fuse.ops import collective_ops
+from fp4fuse.passes.base import GraphPass
 from fp4fuse.patterns import async_tp_bf16, async_tp_fp4, base, collectives
 from fp4fuse.patterns.base import GraphRewrite
 
 __all__ = ["AsyncTPPass"]
 
 
-class AsyncTPPass(FusionGraphPass):
+class AsyncTPPass(GraphPass):
     name = "async_tp"
+    source_modules = (async_tp_fp4, async_tp_bf16, collectives, base, collective_ops)
 
     def __init__(self, config: FusionConfig) -> None:
         super().__init__(config)
@@ -45,7 +47,3 @@ class AsyncTPPass(FusionGraphPass):
         for family in self.families:
             family.apply(graph, self.recorder)
         return self.finish()
-
-    def source_files(self) -> list[str]:
-        modules = (async_tp_fp4, async_tp_bf16, collectives, base)
-        return super().source_files() + [m.__file__ for m in modules if m.__file__ is not None]

@@ -1,7 +1,8 @@
-"""``FusionGraphPass``: the interface every pass of fp4fuse's pipeline implements.
+"""``GraphPass``: the interface every pass of fp4fuse's pipeline implements.
 
-    class MyPass(FusionGraphPass):
+    class MyPass(GraphPass):
         name = "my_pass"
+        source_modules = (my_patterns,)             # what decides the graphs this pass writes
 
         def __call__(self, graph: torch.fx.Graph) -> int:
             self.recorder.reset()
@@ -9,7 +10,8 @@
             return self.finish()                    # publishes match_counts, returns the total
 
 ``FusionPass`` (fp4fuse.passes.manager) runs the passes in a fixed order, sums their
-``match_counts`` and hashes their ``source_files()`` into its ``uuid()``.
+``match_counts`` and composes its ``uuid()`` from theirs: a pass's :meth:`GraphPass.uuid` hashes
+its name and the source of its own module, its fp4fuse base classes and ``source_modules``.
 
 Anything a pass bakes into a rewritten graph that is not already in the input graph (a rank, a
 group size that only the process group knows) must reach the FX-cache key: such a pass sets
@@ -19,8 +21,11 @@ process's rank and the name, size and ranks of every process group) to its uuid.
 from __future__ import annotations
 
 import abc
+import hashlib
 import inspect
 import logging
+from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -31,22 +36,25 @@ from fp4fuse.patterns.base import MatchRecorder, Skip
 if TYPE_CHECKING:
     from fp4fuse.config import FusionConfig
 
-__all__ = ["FusionGraphPass", "process_group_fingerprint"]
+__all__ = ["GraphPass", "process_group_fingerprint"]
 
 
-class FusionGraphPass(abc.ABC):
+class GraphPass(abc.ABC):
     """One pass of the pipeline.
 
     Attributes:
         name: short pass name; the prefix of its pattern keys (``"name.pattern"``).
         reads_process_groups: True if the pass bakes process-group state (rank, sizes) that the
             input graph does not hold into its rewrites; see the module docstring.
+        source_modules: modules besides the pass's own (and its fp4fuse base classes') whose
+            source decides what the pass writes into a graph: its patterns, the ops it inserts.
         match_counts: per-pattern counts of the last call, keys ``"name.pattern"``.
         skips: the matches the last call found and left alone, with their reasons.
     """
 
     name: ClassVar[str]
     reads_process_groups: ClassVar[bool] = False
+    source_modules: ClassVar[tuple[ModuleType, ...]] = ()
 
     def __init__(self, config: FusionConfig) -> None:
         self.config = config
@@ -66,15 +74,25 @@ class FusionGraphPass(abc.ABC):
         return self.recorder.total
 
     def source_files(self) -> list[str]:
-        """Source files whose content goes into the uuid: by default the module defining the
-        pass class and those of its bases within fp4fuse. Override to add pattern modules."""
+        """The files :meth:`uuid` hashes: the modules of the pass class and of its fp4fuse bases,
+        then ``source_modules``; no duplicates."""
         files: list[str] = []
-        for cls in type(self).__mro__:
-            if cls.__module__.startswith("fp4fuse"):
-                path = inspect.getsourcefile(cls)
-                if path is not None and path not in files:
-                    files.append(path)
+        modules = [inspect.getmodule(cls) for cls in type(self).__mro__ if cls.__module__.startswith("fp4fuse")]
+        for module in [*modules, *self.source_modules]:
+            path = getattr(module, "__file__", None)
+            if path is not None and path not in files:
+                files.append(path)
         return files
+
+    def uuid(self) -> str:
+        """sha256 of the pass's name and the content of :meth:`source_files` (read on every call:
+        Inductor's ``get_hash_for_files`` caches by path and would miss an edit made while the
+        process runs)."""
+        hasher = hashlib.sha256(self.name.encode())
+        for path in map(Path, self.source_files()):
+            hasher.update(path.name.encode())
+            hasher.update(path.read_bytes())
+        return hasher.hexdigest()
 
 
 def process_group_fingerprint() -> dict[str, Any]:

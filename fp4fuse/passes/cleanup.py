@@ -18,7 +18,8 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from fp4fuse.passes.base import FusionGraphPass
+from fp4fuse.passes.base import GraphPass
+from fp4fuse.patterns import base
 from fp4fuse.patterns.base import erase_if_unused, fake_value, is_call
 
 __all__ = ["NoOpViewCleanupPass"]
@@ -56,10 +57,11 @@ def find_noop_source(view: fx.Node) -> fx.Node | None:
     return source
 
 
-class NoOpViewCleanupPass(FusionGraphPass):
+class NoOpViewCleanupPass(GraphPass):
     """Replace every no-op view chain by its source (always on; changes no numerics)."""
 
     name = "cleanup"
+    source_modules = (base,)
 
     def __call__(self, graph: fx.Graph) -> int:
         self.recorder.reset()

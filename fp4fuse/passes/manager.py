@@ -13,12 +13,12 @@ Order of the pipeline (each pass sees the previous one's output):
 3. ``async_tp`` (``enable_async_tp``): the collectives of 2. (and any in the model) fused with
    their GEMMs.
 
-Caching: ``uuid()`` hashes the config's ``hash_key()`` and the source of every pass, pattern and
-op module (and of ``config.py`` and ``format.py``), so Inductor's FX graph cache stays on and
-never serves a graph compiled under other settings or other code. A pass that bakes
-process-group state into its rewrites (``reads_process_groups``) adds this process's rank and
-group layout. A graph served from the FX graph cache does not run the passes again: the counts
-then stay as they were.
+Caching: ``uuid()`` is composed, not scraped: the config's ``hash_key()``, each enabled pass's own
+``uuid()`` (its name and the source of its module, patterns and ops), and this module's source,
+so Inductor's FX graph cache stays on and never serves a graph compiled under other settings or
+other code. A pass that bakes process-group state into its rewrites (``reads_process_groups``)
+adds this process's rank and group layout. A graph served from the FX graph cache does not run
+the passes again: the counts then stay as they were.
 
 Logging (logger ``fp4fuse.passes.manager``): one INFO line per call,
 ``fp4fuse: replaced N patterns: key=count, ...``; each skipped match is a DEBUG line from its
@@ -37,7 +37,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from fp4fuse.config import FusionConfig
 from fp4fuse.passes.async_tp import AsyncTPPass
-from fp4fuse.passes.base import FusionGraphPass, process_group_fingerprint
+from fp4fuse.passes.base import GraphPass, process_group_fingerprint
 from fp4fuse.passes.cleanup import NoOpViewCleanupPass
 from fp4fuse.passes.sequence_parallel import SequenceParallelismPass
 from fp4fuse.patterns.base import Skip
@@ -45,12 +45,6 @@ from fp4fuse.patterns.base import Skip
 __all__ = ["FusionPass"]
 
 logger = logging.getLogger(__name__)
-
-_PACKAGE = Path(__file__).resolve().parent.parent
-# Everything whose code decides what a rewritten graph looks like or computes.
-_SOURCE_DIRS = ("passes", "patterns", "ops")
-_SOURCE_FILES = ("config.py", "format.py")
-
 
 class FusionPass(CustomGraphPass):
     """Runs fp4fuse's passes in order on a post-grad graph; see the module docstring.
@@ -68,7 +62,7 @@ class FusionPass(CustomGraphPass):
         self.config = config if config is not None else FusionConfig()
         if self.config.log_level_number is not None:
             logging.getLogger("fp4fuse").setLevel(self.config.log_level_number)
-        self.passes: list[FusionGraphPass] = [NoOpViewCleanupPass(self.config)]
+        self.passes: list[GraphPass] = [NoOpViewCleanupPass(self.config)]
         if self.config.enable_sequence_parallelism:
             self.passes.append(SequenceParallelismPass(self.config))
         if self.config.enable_async_tp:
@@ -99,26 +93,13 @@ class FusionPass(CustomGraphPass):
                     sum(fused.values()), f": {detail}" if detail else "", len(skips),
                     sum(self.last_match_counts.values()) - sum(fused.values()))
 
-    def source_files(self) -> list[str]:
-        """Every file hashed into ``uuid()``, sorted."""
-        files = {str(p) for d in _SOURCE_DIRS for p in (_PACKAGE / d).rglob("*.py")}
-        files.update(str(_PACKAGE / f) for f in _SOURCE_FILES)
-        for graph_pass in self.passes:
-            files.update(str(Path(f).resolve()) for f in graph_pass.source_files())
-        return sorted(files)
-
     def uuid(self) -> str:
-        """sha256 over the config's ``hash_key()``, the enabled passes, the content of every file of
-        ``source_files()`` (read on each call: Inductor's ``get_hash_for_files`` caches by path and
-        would miss an edit made while the process runs) and, where a pass needs it, the process-group
-        layout."""
-        hasher = hashlib.sha256()
-        hasher.update(self.config.hash_key().encode())
-        hasher.update(json.dumps(self.pass_names).encode())
-        for path in map(Path, self.source_files()):
-            name = path.relative_to(_PACKAGE) if path.is_relative_to(_PACKAGE) else Path(path.name)
-            hasher.update(name.as_posix().encode())
-            hasher.update(path.read_bytes())
+        """sha256 over the config's ``hash_key()``, each pass's ``uuid()`` in pipeline order, this
+        module's source and, where a pass needs it, the process-group layout."""
+        hasher = hashlib.sha256(self.config.hash_key().encode())
+        for graph_pass in self.passes:
+            hasher.update(graph_pass.uuid().encode())
+        hasher.update(Path(__file__).read_bytes())
         if any(p.reads_process_groups for p in self.passes):
             hasher.update(json.dumps(process_group_fingerprint(), sort_keys=True).encode())
         return hasher.hexdigest()

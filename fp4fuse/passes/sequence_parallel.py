@@ -4,13 +4,13 @@
 Steps of one call:
 
 1. find the tensor-parallel groups: every group a ``sum`` all_reduce of the graph runs over;
-2. norms (``fp4fuse/patterns/sp_*_norm.py``, Inductor pattern matcher): register the group's
-   patterns for the norm families and dtypes present (once per pass instance) and apply them.
-   Each match is checked -- token count divisible by the group size and at least ``min_tokens``
-   (a symbolic count gets guards, see sp_common.guard_token_count), per-row weight, unbroadcast
-   residual -- and skipped with a DEBUG-logged reason, or rewritten into a form that is correct on
-   its own: ``reduce_scatter -> norm -> all_gather`` (fp4fuse.patterns.sp_common);
-3. quant before gather (fp4fuse.patterns.sp_quant): ``scaled_fp4_quant(all_gather(x), gs)``
+2. norms (``fp4fuse/patterns/sequence_parallel.py``, Inductor pattern matcher): register the
+   group's patterns for the norm families and dtypes present (once per pass instance) and apply
+   them. Each match is checked -- token count divisible by the group size and at least
+   ``min_tokens`` (a symbolic count gets guards, see ``guard_token_count``), per-row weight,
+   unbroadcast residual -- and skipped with a DEBUG-logged reason, or rewritten into a form that
+   is correct on its own: ``reduce_scatter -> norm -> all_gather``;
+3. quant before gather (fp4fuse.patterns.quant_before_gather): ``scaled_fp4_quant(all_gather(x), gs)``
    becomes ``all_gather(scaled_fp4_quant(x, gs))`` for a rank-uniform gs, a dynamic scale's amax
    becoming an all-reduce MAX over the group;
 4. cleanup: fold ``shard_rows(all_gather(r))`` into ``r`` (the residual stream a rewritten layer
@@ -29,22 +29,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch._inductor import pattern_matcher as pm
 
-from fp4fuse.amax import UnknownAmaxGroupError, amax_group, amax_group_id
 from fp4fuse.config import FusionConfig
-from fp4fuse.ops import sp_ops
-from fp4fuse.ops.collective_ops import resolve_group
-from fp4fuse.passes.base import FusionGraphPass
-from fp4fuse.patterns import sp_common, sp_fp4fuse_norm, sp_quant, sp_torch_norm
+from fp4fuse.distributed.groups import resolve_group
+from fp4fuse.ops import fp4_ops, norm_ops, sp_ops
+from fp4fuse.passes.base import GraphPass
+from fp4fuse.patterns import base, collectives, quant_before_gather, sequence_parallel
 from fp4fuse.patterns.base import CollectiveKind, erase_if_unused, fake_value, find_collectives, get_arg, is_call
-from fp4fuse.patterns.sp_common import SPGroup
-from fp4fuse.patterns.sp_quant import QuantBeforeGather
+from fp4fuse.patterns.quant_before_gather import QuantBeforeGather
+from fp4fuse.patterns.sequence_parallel import NORM_SETS, NormSet, SPGroup
 
 __all__ = ["SequenceParallelismPass"]
 
@@ -85,11 +83,12 @@ class _GatherThenShard:
         erase_if_unused([self.wait, self.gather])
 
 
-class SequenceParallelismPass(FusionGraphPass):
+class SequenceParallelismPass(GraphPass):
     """Sequence parallelism around RMSNorm; see the module docstring."""
 
     name = "sequence_parallel"
     reads_process_groups = True
+    source_modules = (sequence_parallel, quant_before_gather, collectives, base, sp_ops, norm_ops, fp4_ops)
 
     def __init__(self, config: FusionConfig) -> None:
         super().__init__(config)
@@ -97,7 +96,6 @@ class SequenceParallelismPass(FusionGraphPass):
         self._registered: set[tuple[SPGroup, str, torch.dtype]] = set()
         self.quant_before_gather = QuantBeforeGather(config)
         self.folded_residuals = 0
-        self.amax_groups: dict[str, int | None] = {}
 
     def __call__(self, graph: fx.Graph) -> int:
         self.recorder.reset()
@@ -113,17 +111,9 @@ class SequenceParallelismPass(FusionGraphPass):
         self._cleanup(graph)
         total = self.finish()
         if total:
-            logger.debug("sequence parallelism: %d rewrite(s) %s, %d residual gather(s) folded; "
-                         "amax groups of the TP groups: %s", total, self.match_counts,
-                         self.folded_residuals, self.amax_groups)
+            logger.debug("sequence parallelism: %d rewrite(s) %s, %d residual gather(s) folded",
+                         total, self.match_counts, self.folded_residuals)
         return total
-
-    def source_files(self) -> list[str]:
-        files = super().source_files()
-        for module in (sp_common, sp_fp4fuse_norm, sp_torch_norm, sp_quant, sp_ops):
-            if module.__file__ not in files:
-                files.append(module.__file__)
-        return files
 
     # ------------------------------------------------------------------ steps
 
@@ -149,19 +139,7 @@ class SequenceParallelismPass(FusionGraphPass):
         if size < 2:
             self.recorder.skipped("group", None, f"group {group_name!r} has {size} rank: nothing to shard")
             return None
-        self.amax_groups[group_name] = self._amax_group_of(pg, group_name)
         return SPGroup(group_name, size)
-
-    @staticmethod
-    def _amax_group_of(pg: dist.ProcessGroup, group_name: str) -> int | None:
-        """The fp4fuse amax-group ID registered for the group's ranks, if any (recorded only: the
-        dynamic-scale rewrite all-reduces over the group by name and needs no registration)."""
-        group_id = amax_group_id(dist.get_process_group_ranks(pg))
-        try:
-            record = amax_group(group_id)
-        except UnknownAmaxGroupError:
-            return None
-        return group_id if record.group_name == group_name else None
 
     def _patterns_for(self, group: SPGroup, graph: fx.Graph) -> pm.PatternMatcherPass:
         """The group's pattern pass, with the norm families and dtypes of ``graph`` registered
@@ -169,16 +147,16 @@ class SequenceParallelismPass(FusionGraphPass):
         pm_pass = self._patterns.get(group)
         if pm_pass is None:
             pm_pass = self._patterns[group] = pm.PatternMatcherPass(pass_name=f"{self.name}[{group.name}]")
-        for family, dtype in self._blocks_needed(group, graph):
-            if (group, family.__name__, dtype) in self._registered:
+        for norm_set, dtype in self._blocks_needed(group, graph):
+            if (group, norm_set.name, dtype) in self._registered:
                 continue
-            for pattern in family.build_patterns(group, dtype, self.config.min_tokens):
+            for pattern in norm_set.build_patterns(group, dtype, self.config.min_tokens):
                 pattern.register(pm_pass, self.recorder)
-            self._registered.add((group, family.__name__, dtype))
+            self._registered.add((group, norm_set.name, dtype))
         return pm_pass
 
     @staticmethod
-    def _blocks_needed(group: SPGroup, graph: fx.Graph) -> list[tuple[Any, torch.dtype]]:
+    def _blocks_needed(group: SPGroup, graph: fx.Graph) -> list[tuple[NormSet, torch.dtype]]:
         dtypes: list[torch.dtype] = []
         for c in find_collectives(graph, CollectiveKind.ALL_REDUCE):
             val = fake_value(c.input)
@@ -186,8 +164,7 @@ class SequenceParallelismPass(FusionGraphPass):
                 dtype = torch.float32 if val.dtype == torch.float32 else torch.bfloat16
                 if dtype not in dtypes:
                     dtypes.append(dtype)
-        families = [f for f in (sp_fp4fuse_norm, sp_torch_norm) if f.present(graph)]
-        return [(f, d) for f in families for d in dtypes]
+        return [(s, d) for s in NORM_SETS if s.present(graph) for d in dtypes]
 
     def _cleanup(self, graph: fx.Graph) -> None:
         for pair in _GatherThenShard.find(graph):

@@ -10,6 +10,8 @@
 * ``insert_call``: add a call node with its fake ``meta["val"]`` computed.
 * ``GraphRewrite``: a rewrite family written as find -> check (reason) -> rewrite on small typed
   match objects (``micro_pipeline_tp`` style), for fusions that need reasons or variants.
+* ``aot_trace`` / ``insert_traced``: trace torch code the way post-grad graphs are made, and
+  inline it into a graph.
 * ``ReplacementPattern`` + ``registration_mode``: ``register_replacement`` patterns (vLLM style)
   whose group name is a constructor argument (a pass registers a group's patterns when it first
   sees the group in a graph) -- never read from global distributed state when a pattern is built.
@@ -23,12 +25,15 @@ import enum
 import inspect
 import logging
 import operator
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
 import torch.fx as fx
+from torch._functorch.aot_autograd import aot_function, make_boxed_func
 from torch._inductor import pattern_matcher as pm
+from torch._inductor.decomposition import select_decomp_table
+from torch._inductor.fx_passes.post_grad import remove_noop_ops, view_to_reshape
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils import _pytree as pytree
@@ -38,7 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CollectiveKind", "FunctionalCollective", "GraphRewrite", "MatchRecorder",
-    "ReplacementPattern", "Skip", "decode_collective", "erase_if_unused",
+    "ReplacementPattern", "Skip", "aot_trace", "decode_collective", "erase_if_unused", "insert_traced",
     "fake_value", "find_collectives", "get_arg", "insert_call", "is_call", "registration_mode",
     "token_count_reason",
 ]
@@ -281,6 +286,58 @@ class GraphRewrite(abc.ABC, Generic[MatchT]):
         return done
 
 
+# --------------------------------------------------------------------------- tracing
+
+
+def aot_trace(fn: Callable[..., Any], args: Sequence[Any], **_: Any) -> fx.GraphModule:
+    """Trace ``fn`` the way Inductor's post-grad graphs are made: AOT autograd (functionalized,
+    Inductor decompositions), then ``view_to_reshape`` and no-op removal.
+
+    ``pm.fwd_only`` traces without functionalization, which leaves in-place ops that a post-grad
+    graph never has (``F.rms_norm`` decomposes to ``mean(...).add_(eps)``); such a pattern never
+    matches. Accepts and ignores register_replacement's extra keywords (``get_decomp_fn``)."""
+    captured: list[fx.GraphModule] = []
+
+    def capture(gm: fx.GraphModule, _inputs: Any) -> Any:
+        captured.append(gm)
+        return make_boxed_func(gm)
+
+    # aot_function also runs what it traced: inside the inputs' fake mode, factory ops stay fake.
+    fake_mode = torch._guards.detect_fake_mode(list(args))
+    with torch._guards.tracing(None), torch.no_grad(), fake_mode or contextlib.nullcontext():
+        aot_function(fn, fw_compiler=capture, decompositions=select_decomp_table())(*args)
+    gm = captured[0]
+    view_to_reshape(gm)
+    remove_noop_ops(gm.graph)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def insert_traced(graph: fx.Graph, fn: Callable[..., Any], inputs: Sequence[fx.Node]) -> list[fx.Node]:
+    """Trace ``fn`` on the fake values of ``inputs`` (:func:`aot_trace`: decomposed, lowerable
+    ops only) and insert its nodes at ``graph``'s insertion point, each with its fake value
+    (computed in the inputs' fake mode, factory ops included); returns the nodes of ``fn``'s
+    outputs (a flat list)."""
+    vals = [fake_value(n) for n in inputs]
+    fake_mode = torch._guards.detect_fake_mode(vals)
+    traced = aot_trace(fn, vals)
+    env: dict[fx.Node, fx.Node] = dict(zip(traced.graph.find_nodes(op="placeholder"), inputs))
+    outputs: list[fx.Node] = []
+    for node in traced.graph.nodes:
+        if node.op == "call_function":
+            args, kwargs = fx.map_arg((node.args, node.kwargs), env.__getitem__)
+            new = graph.call_function(node.target, args, kwargs)
+            with fake_mode:
+                new.meta["val"] = node.target(*fx.map_arg(args, fake_value), **fx.map_arg(kwargs, fake_value))
+            env[node] = new
+        elif node.op == "output":
+            outputs = list(pytree.tree_leaves(fx.map_arg(node.args[0], env.__getitem__)))
+        elif node.op != "placeholder":
+            raise NotImplementedError(f"insert_traced: cannot inline a {node.op} node ({node.format_node()})")
+    return outputs
+
+
 # --------------------------------------------------------------------------- register_replacement
 
 
@@ -292,15 +349,16 @@ def registration_mode() -> Iterator[FakeTensorMode]:
         yield mode
 
 
-def _plain_function(method: Callable[..., Any]) -> Callable[..., Any]:
-    """A plain function with ``method``'s signature: register_replacement reads argument names
-    from the signature, and bound methods are not accepted by every torch version."""
+def _with_signature(method: Callable[..., Any], names: list[str]) -> Callable[..., Any]:
+    """A plain function of positional parameters ``names`` calling ``method`` (register_replacement
+    reads the argument names from the signature and does not accept every bound method)."""
 
     def fn(*args: Any) -> Any:
         return method(*args)
 
-    fn.__signature__ = inspect.signature(method)  # type: ignore[attr-defined]
-    fn.__name__ = getattr(method, "__name__", "pattern")
+    fn.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
+    fn.__name__ = getattr(method, "__name__", "fn")
     return fn
 
 
@@ -309,7 +367,8 @@ class ReplacementPattern(abc.ABC):
 
     A pattern takes its group name (and any size) as constructor arguments; it never reads
     global distributed state. ``check`` returns the reason to skip a structural match (logged
-    and recorded) or None to fire.
+    and recorded) or None to fire. Patterns are traced with :func:`aot_trace` (the form of a
+    post-grad graph); a float argument named in :meth:`scalar_workaround` is a wildcard.
     """
 
     name: ClassVar[str]
@@ -325,6 +384,14 @@ class ReplacementPattern(abc.ABC):
     @abc.abstractmethod
     def replacement(self, *args: Any) -> Any:
         """What replaces it; same arguments, same outputs."""
+
+    def arg_names(self) -> list[str]:
+        """The names of the pattern's arguments (default: :meth:`pattern`'s parameters)."""
+        return list(inspect.signature(self.pattern).parameters)
+
+    def scalar_workaround(self) -> dict[str, float]:
+        """Float arguments matched as wildcards: name -> the example value traced in their place."""
+        return {}
 
     def check(self, match: pm.Match) -> str | None:
         return None
@@ -343,9 +410,10 @@ class ReplacementPattern(abc.ABC):
         return extra_check
 
     def register(self, pm_pass: pm.PatternMatcherPass, recorder: MatchRecorder) -> None:
+        names = self.arg_names()
         with registration_mode():
             pm.register_replacement(
-                _plain_function(self.pattern), _plain_function(self.replacement),
-                self.example_inputs(), pm.fwd_only, pm_pass,
-                extra_check=self.recording_check(recorder), skip_duplicates=True,
+                _with_signature(self.pattern, names), _with_signature(self.replacement, names),
+                self.example_inputs(), aot_trace, pm_pass, extra_check=self.recording_check(recorder),
+                scalar_workaround=self.scalar_workaround(), skip_duplicates=True,
             )

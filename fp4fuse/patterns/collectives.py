@@ -149,7 +149,7 @@ def group_size_reason(group_name: str, group_size: int | None) -> str | None:
     under ``group_name``; it must exist in this process and agree with the size the collective
     states. (Only validated here; nothing read is baked into the graph.)
     """
-    from fp4fuse.ops.collective_ops import group_size_of
+    from fp4fuse.distributed.groups import group_size_of
 
     try:
         actual = group_size_of(group_name)

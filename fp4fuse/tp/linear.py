@@ -3,7 +3,7 @@
 Weights are quantized once, at construction, for the local shard: ``weight_q`` uint8
 ``[N_local, K_local/2]``, ``weight_scale`` e4m3 ``[N_local, K_local/16]``, ``weight_global_scale``
 fp32 ``[1]`` (from the shard's amax). Each call quantizes the activation with the layer's
-``NVFP4Quantizer`` (fp4fuse.amax) and runs ``mm_fp4`` with ``alpha = 1 / (gs_a * gs_w)``.
+``NVFP4Quantizer`` (fp4fuse.nvfp4.quantizer) and runs ``mm_fp4`` with ``alpha = 1 / (gs_a * gs_w)``.
 
 * ``ColumnParallelNVFP4Linear``: the weight is split by output rows; the input is the full,
   replicated activation; the output holds this rank's output features. ``parts`` splits a merged
@@ -22,8 +22,8 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from fp4fuse import format as nvfp4
-from fp4fuse.amax import NVFP4Quantizer
+from fp4fuse.nvfp4 import format as nvfp4
+from fp4fuse.nvfp4.quantizer import NVFP4Quantizer
 from fp4fuse.tp.parallel import TPGroup, shard
 
 __all__ = ["ColumnParallelNVFP4Linear", "NVFP4Linear", "RowParallelNVFP4Linear", "quantize_weight"]

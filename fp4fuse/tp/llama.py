@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp4fuse.amax import NVFP4Quantizer
+from fp4fuse.nvfp4.quantizer import NVFP4Quantizer
 from fp4fuse.tp.layers import NormImpl, RMSNorm, VocabParallelEmbedding
 from fp4fuse.tp.linear import ColumnParallelNVFP4Linear, RowParallelNVFP4Linear
 from fp4fuse.tp.parallel import TPGroup, seeded_normal

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fp4fuse.tensor import NVFP4Tensor, _contiguous_strides
+from fp4fuse.nvfp4.tensor.op_table import contiguous_strides
+from fp4fuse.nvfp4.tensor.subclass import NVFP4Tensor
 
 __all__ = ["nvfp4_state_dict_for_dcp"]
 
@@ -49,7 +50,7 @@ def _dtensor_payload(fqn: str, dt: DTensor) -> dict[str, torch.Tensor]:
     for part, divisor in (("qdata", 2), ("scale", 16)):
         shape = (*dt.shape[:-1], dt.shape[-1] // divisor)
         out[part] = DTensor.from_local(local[part], dt.device_mesh, dt.placements, run_check=False,
-                                       shape=torch.Size(shape), stride=_contiguous_strides(shape))
+                                       shape=torch.Size(shape), stride=contiguous_strides(shape))
     return out
 
 

@@ -1,6 +1,6 @@
 """Quantize before the all-gather: the NVFP4 half of sequence parallelism.
 
-After the SP norm rewrites (fp4fuse.patterns.sp_common) a norm output reaches its GEMM as
+After the SP norm rewrites (fp4fuse.patterns.sequence_parallel) a norm output reaches its GEMM as
 ``scaled_fp4_quant(all_gather(out_r), gs)``. Quantization is row-wise (16-element blocks along K)
 with one global scale, so when ``gs`` is the same on every rank it commutes with the gather::
 
@@ -36,9 +36,11 @@ import operator
 import torch
 import torch.fx as fx
 
-from fp4fuse.patterns.base import GraphRewrite, erase_if_unused, fake_value, insert_call, is_call, token_count_reason
+from fp4fuse.distributed import groups
+from fp4fuse.patterns.base import (
+    GraphRewrite, erase_if_unused, fake_value, insert_call, insert_traced, is_call, token_count_reason,
+)
 from fp4fuse.patterns.collectives import GatheredTensor, decode_gathered, external_users
-from fp4fuse.patterns.sp_common import insert_traced
 
 __all__ = ["AmaxOfGathered", "QuantBeforeGather", "QuantOfGatheredMatch", "nonuniform_source"]
 
@@ -181,12 +183,10 @@ class QuantBeforeGather(GraphRewrite[QuantOfGatheredMatch]):
 
 
 def _insert_all_gather(graph: fx.Graph, shard: fx.Node, size: int, group_name: str) -> fx.Node:
-    """``all_gather`` along dim 0 at the insertion point; float8 travels as uint8."""
-    dtype = fake_value(shard).dtype
-    wire = insert_call(graph, aten.view.dtype, (shard, torch.uint8)) if dtype == torch.float8_e4m3fn else shard
-    out = insert_call(graph, c10d.wait_tensor.default,
-                      (insert_call(graph, c10d.all_gather_into_tensor.default, (wire, size, group_name)),))
-    return insert_call(graph, aten.view.dtype, (out, dtype)) if wire is not shard else out
+    """:func:`fp4fuse.distributed.groups.all_gather_rows` of ``shard``, inserted at the insertion point."""
+    gather = functools.partial(groups.all_gather_rows, group_name=group_name, group_size=size)
+    (out,) = insert_traced(graph, gather, [shard])
+    return out
 
 
 def _group_amax(shard: torch.Tensor, group_name: str) -> torch.Tensor:

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4fuse.format import BLOCK_SIZE
+from fp4fuse.nvfp4.format import BLOCK_SIZE
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Contract: ``scaled_fp4_quant_triton(x, global_scale) -> (q, s)`` with x ``[M, K]`` bf16/fp16/fp32
 (contiguous, K a multiple of 16), global_scale a one-element fp32 device tensor (encode convention
 ``448 * 6 / amax``); q uint8 ``[M, K/2]`` (element 2j in the low nibble), s float8_e4m3fn ``[M, K/16]``
-(linear). Bit-equal to :func:`fp4fuse.format.quantize_reference`, including its non-finite rules:
+(linear). Bit-equal to :func:`fp4fuse.nvfp4.format.quantize_reference`, including its non-finite rules:
 a NaN in a block makes the block scale NaN and all of the block's codes 0, ``+-inf`` saturates to
 scale 448 and code ``+-6``, an all-zero block gives scale 0 and codes 0.
 
@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4fuse.format import BLOCK_SIZE
+from fp4fuse.nvfp4.format import BLOCK_SIZE
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The NVFP4 format in pure torch: the reference every kernel is checked against.
 
-Layout (canonical in fp4fuse, see DESIGN.md):
+Layout (canonical in fp4fuse, see docs/design.md):
 
 * data: ``uint8 [M, K/2]``; element ``2j`` in the low nibble, ``2j+1`` in the high nibble.
   e2m1 code: bit 3 sign, bits 2..1 exponent, bit 0 mantissa; magnitudes

@@ -1,4 +1,4 @@
-"""The aten overrides of :class:`fp4fuse.tensor.NVFP4Tensor` (the ops FSDP2 and DCP use).
+"""The aten overrides of :class:`fp4fuse.nvfp4.tensor.subclass.NVFP4Tensor` (the ops FSDP2 and DCP use).
 
 Each handler takes ``(func, args, kwargs)`` as ``__torch_dispatch__`` received them. Row ranges and
 contiguous reshapes stay NVFP4Tensor views (inner tensors are views, ``amax`` is shared); a dtype
@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from fp4fuse import format as nvfp4
-from fp4fuse.tensor import NVFP4Tensor, _contiguous_strides, implements
+from fp4fuse.nvfp4 import format as nvfp4
+from fp4fuse.nvfp4.tensor.op_table import contiguous_strides, implements
+from fp4fuse.nvfp4.tensor.subclass import NVFP4Tensor
 
 __all__: list[str] = []
 
@@ -91,7 +92,7 @@ def _view(func, args, kwargs):
 def _as_strided(func, args, kwargs):
     t, size, stride = args[0], tuple(args[1]), tuple(args[2])
     offset = args[3] if len(args) > 3 else kwargs.get("storage_offset") or 0
-    if stride != _contiguous_strides(size) or offset % _BLOCK:
+    if stride != contiguous_strides(size) or offset % _BLOCK:
         raise NotImplementedError(
             f"NVFP4Tensor: as_strided(size={size}, stride={stride}, storage_offset={offset}) is not a "
             f"contiguous block-aligned window; only identity/narrow-like calls are supported")

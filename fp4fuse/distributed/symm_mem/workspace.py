@@ -2,16 +2,16 @@
 
 A :class:`SymmWorkspace` is one P2P buffer (``torch.distributed._symmetric_memory``, CUDA
 backend, no multicast) shared by the ranks of one process group, plus the side stream and events
-the pipelines in :mod:`fp4fuse.ops.symm_mem_gemm` run on. Every rank maps every peer's buffer, so a
+the pipelines in :mod:`fp4fuse.distributed.symm_mem.pipelines` run on. Every rank maps every peer's buffer, so a
 rank pulls a peer's data with a plain copy (copy engine over NVLink) and signals through the
 buffer's signal pad (``barrier`` / ``put_signal`` / ``wait_signal``).
 
 Lifetime: a workspace is created on the first overlapped call for its ``(group_name, device)``
-(or by :func:`reserve_workspace`) and then kept in this module's registry until
-:func:`release_workspaces` or the end of the process. Creating and growing are collective: every
+(or by :func:`reserve_workspace`) and then kept in this module's registry until the end of the
+process. Creating and growing are collective: every
 rank of the group must do them with the same sizes in the same order. The ops guarantee that by
 checking, before their first overlapped call with a given shape, that all ranks agree on the shapes
-(:mod:`fp4fuse.ops.collective_policy`); sizes are a pure function of those shapes.
+(:func:`fp4fuse.distributed.groups.check_ranks_agree`); sizes are a pure function of those shapes.
 
 Growing cannot happen while a CUDA graph is being captured (the rendezvous synchronizes the host):
 call :func:`reserve_workspace` with the largest shapes first. Handles and peer views are cached,
@@ -27,14 +27,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
-import os
 import socket
 import zlib
 
 import torch
 import torch.distributed as dist
 
-from fp4fuse.ops.collective_ops import resolve_group
+from fp4fuse.config import env_int
+from fp4fuse.distributed.groups import gather_values, resolve_group
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,8 @@ def grown_capacity(current: int, requested: int) -> int:
 
 
 def timeout_ms() -> int:
-    return int(os.environ.get(ENV_TIMEOUT_MS, DEFAULT_TIMEOUT_MS))
+    """``FP4FUSE_SYMM_MEM_TIMEOUT_MS`` (an integer >= 1) or ``DEFAULT_TIMEOUT_MS``."""
+    return env_int(ENV_TIMEOUT_MS, DEFAULT_TIMEOUT_MS, minimum=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +91,42 @@ class Region:
     @property
     def end(self) -> int:
         return self.offset + self.nbytes
+
+
+# ----------------------------------------------------------------------------------------------
+# Buffer layouts (pure functions of the shapes, identical on every rank)
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class AllGatherLayout:
+    """Where a rank's shard sits in its buffer: packed data, then block scales (both uint8)."""
+    data: Region
+    scales: Region
+
+    @property
+    def nbytes(self) -> int:
+        return align_up(self.scales.end)
+
+
+def all_gather_layout(shard_rows: int, k_half: int, k_blocks: int) -> AllGatherLayout:
+    data = Region(0, (shard_rows, k_half), torch.uint8)
+    scales = Region(align_up(data.end), (shard_rows, k_blocks), torch.uint8)
+    return AllGatherLayout(data, scales)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceScatterLayout:
+    """``W - 1`` slots of one ``[m, N]`` ``out_dtype`` partial each (the rank's own chunk stays local)."""
+    slots: tuple[Region, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return align_up(self.slots[-1].end) if self.slots else 0
+
+
+def reduce_scatter_layout(world_size: int, chunk_rows: int, n: int, out_dtype: torch.dtype) -> ReduceScatterLayout:
+    slot_bytes = align_up(chunk_rows * n * out_dtype.itemsize)
+    return ReduceScatterLayout(tuple(
+        Region(i * slot_bytes, (chunk_rows, n), out_dtype) for i in range(world_size - 1)))
 
 
 class WorkspaceUnavailable(RuntimeError):
@@ -152,7 +189,7 @@ class SymmWorkspace:
             raise RuntimeError(
                 f"fp4fuse: the symmetric workspace of group {self.group_name!r} holds {self.capacity} bytes "
                 f"but this call needs {nbytes}; it cannot grow during CUDA-graph capture. Call "
-                f"fp4fuse.ops.workspace.reserve_workspace({self.group_name!r}, max_rows=..., k=..., n=...) "
+                f"fp4fuse.reserve_workspace({self.group_name!r}, max_rows=..., k=..., n=...) "
                 "with the largest shapes before capturing.")
         new_capacity = grown_capacity(self.capacity, nbytes)
         symm = _symm_mem_class()
@@ -209,7 +246,7 @@ class _Unavailable:
 
 
 # Registry: (group_name, device index) -> workspace, or the reason symmetric memory cannot serve
-# that group. Entries live until release_workspaces() or process exit.
+# that group. Entries live until the process exits.
 _REGISTRY: dict[tuple[str, int], SymmWorkspace | _Unavailable] = {}
 
 
@@ -243,7 +280,7 @@ def get_workspace(group_name: str, device: torch.device) -> SymmWorkspace:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 f"fp4fuse: no symmetric workspace for group {group_name!r} yet, and none can be created "
-                "during CUDA-graph capture; call fp4fuse.ops.workspace.reserve_workspace(...) (or run the "
+                "during CUDA-graph capture; call fp4fuse.reserve_workspace(...) (or run the "
                 "model once) before capturing.")
         device = torch.device("cuda", index)
         reason = _agree_on_capability(group_name, device)
@@ -258,15 +295,6 @@ def get_workspace(group_name: str, device: torch.device) -> SymmWorkspace:
     return entry
 
 
-def release_workspaces() -> None:
-    """Drop every cached workspace (collective in spirit: call it on every rank, outside capture,
-    when no op is in flight). The next overlapped call creates a fresh one."""
-    for entry in _REGISTRY.values():
-        if isinstance(entry, SymmWorkspace):
-            torch.cuda.synchronize(entry.device)
-    _REGISTRY.clear()
-
-
 def reserve_workspace(
     group_name: str, max_rows: int, k: int, n: int, out_dtype: torch.dtype = torch.bfloat16,
     device: torch.device | None = None,
@@ -279,8 +307,6 @@ def reserve_workspace(
     CUDA-graph capture. Returns the capacity in bytes. Raises :class:`WorkspaceUnavailable` if
     symmetric memory cannot serve the group.
     """
-    from fp4fuse.ops.collective_policy import gather_values
-    from fp4fuse.ops.symm_mem_gemm import all_gather_layout, reduce_scatter_layout
     device = device or torch.device("cuda", torch.cuda.current_device())
     if k % 16 != 0 or max_rows < 0 or n < 0:
         raise ValueError(f"reserve_workspace: need max_rows >= 0, n >= 0 and k a multiple of 16; got "

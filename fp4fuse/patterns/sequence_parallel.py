@@ -1,9 +1,18 @@
-"""Sequence-parallel (SP) rewrites of ``all_reduce -> rms_norm``, shared by the norm families in
-``fp4fuse/patterns/sp_*_norm.py``.
+"""Sequence-parallel (SP) rewrites of ``all_reduce -> rms_norm``, for every way a model writes the norm.
 
 Each pattern is one ``Position`` of one norm family (which supplies ``norm`` and ``add_norm``),
 built for one tensor-parallel group (name and size are constructor arguments; nothing here
-reads global distributed state). Before / after, for a middle layer::
+reads global distributed state). Norm families (:data:`NORM_SETS`):
+
+* ``fp4fuse``: fp4fuse's own ops, ``fp4fuse::rms_norm`` / ``fp4fuse::fused_add_rms_norm``;
+* ``torch_functional``: ``torch.nn.functional.rms_norm(x, (hidden,), weight, eps)``;
+* ``torch_manual``: ``x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight`` (in x's dtype);
+* ``torch_fp32``: the Hugging Face Llama form, statistics in float32:
+  ``weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)``, ``xf = x.float()``.
+
+The torch forms add the residual with a plain ``+``, written either ``x + residual`` or
+``residual + x`` (an FX pattern is not commutative, so both orders are registered). Before /
+after, for a middle layer::
 
     y = all_reduce(x)                          y_r = reduce_scatter(x)              # rows of rank r
     out, res_out = add_norm(y, res, w)         out_r, res_r = add_norm(y_r, shard_rows(res), w)
@@ -12,7 +21,7 @@ reads global distributed state). Before / after, for a middle layer::
 
 Every rewrite is correct on its own: its outputs are the full, replicated tensors the graph had
 before, so a graph where only some norms match is still right. The pass's later steps make it
-fast: fp4fuse.patterns.sp_quant moves an NVFP4 quant of ``out`` before the gather (4.5 bits per
+fast: fp4fuse.patterns.quant_before_gather moves an NVFP4 quant of ``out`` before the gather (4.5 bits per
 element on the wire instead of 16), and the cleanup folds ``shard_rows(all_gather(res_r))`` into
 ``res_r``, so the residual stream stays sharded from one layer to the next.
 
@@ -22,30 +31,24 @@ adds a residual and passes the sum on, LAST adds one whose sum nobody reads.
 from __future__ import annotations
 
 import abc
-import contextlib
 import dataclasses
 import enum
-import inspect
 import logging
-from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
 import torch.fx as fx
-from torch._functorch.aot_autograd import aot_function, make_boxed_func
+import torch.nn.functional as F
 from torch._inductor import pattern_matcher as pm
-from torch._inductor.decomposition import select_decomp_table
-from torch._inductor.fx_passes.post_grad import remove_noop_ops, view_to_reshape
-from torch.utils import _pytree as pytree
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from fp4fuse.distributed import groups
 from fp4fuse.ops import sp_ops  # noqa: F401  (registers fp4fuse::shard_rows)
-from fp4fuse.patterns.base import (
-    MatchRecorder, ReplacementPattern, fake_value, get_arg, is_call, registration_mode,
-)
+from fp4fuse.patterns.base import ReplacementPattern, fake_value, get_arg, is_call
 
 __all__ = [
-    "EXAMPLE_EPS", "NormFamily", "Position", "SPGroup", "SPMatch", "SPPattern", "all_gather_rows",
-    "all_reduce_sum", "aot_trace", "guard_token_count", "insert_traced", "reduce_scatter_rows", "shard_rows",
+    "EXAMPLE_EPS", "NORM_SETS", "NormFamily", "NormSet", "Position", "SPGroup", "SPMatch", "SPPattern",
+    "guard_token_count",
 ]
 
 logger = logging.getLogger(__name__)
@@ -74,7 +77,7 @@ class SPGroup:
 
 
 class NormFamily(abc.ABC):
-    """One way a model writes RMSNorm (one ``fp4fuse/patterns/sp_*_norm.py`` module per family)."""
+    """One way a model writes RMSNorm (the classes below; :data:`NORM_SETS` groups them)."""
 
     name: ClassVar[str]
 
@@ -100,67 +103,11 @@ def reduce_scatter_rows(x: torch.Tensor, group: SPGroup) -> torch.Tensor:
 
 
 def all_gather_rows(x: torch.Tensor, group: SPGroup) -> torch.Tensor:
-    """All-gather along dim 0; float8 travels as a uint8 view (gloo has no float8 collectives)."""
-    if x.dtype == torch.float8_e4m3fn:
-        gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(x.view(torch.uint8), group.size, group.name))
-        return gathered.view(torch.float8_e4m3fn)
-    return c10d.wait_tensor(c10d.all_gather_into_tensor(x, group.size, group.name))
+    return groups.all_gather_rows(x, group.name, group.size)
 
 
 def shard_rows(x: torch.Tensor, group: SPGroup) -> torch.Tensor:
     return torch.ops.fp4fuse.shard_rows(x, group.name)
-
-
-# --------------------------------------------------------------------------- tracing
-
-
-def aot_trace(fn: Callable[..., Any], args: Sequence[Any], **_: Any) -> fx.GraphModule:
-    """Trace ``fn`` the way Inductor's post-grad graphs are made: AOT autograd (functionalized,
-    Inductor decompositions), then ``view_to_reshape`` and no-op removal.
-
-    ``pm.fwd_only`` traces without functionalization, which leaves in-place ops that a post-grad
-    graph never has (``F.rms_norm`` decomposes to ``mean(...).add_(eps)``); such a pattern never
-    matches. Accepts and ignores register_replacement's extra keywords (``get_decomp_fn``)."""
-    captured: list[fx.GraphModule] = []
-
-    def capture(gm: fx.GraphModule, _inputs: Any) -> Any:
-        captured.append(gm)
-        return make_boxed_func(gm)
-
-    # aot_function also runs what it traced: inside the inputs' fake mode, factory ops stay fake.
-    fake_mode = torch._guards.detect_fake_mode(list(args))
-    with torch._guards.tracing(None), torch.no_grad(), fake_mode or contextlib.nullcontext():
-        aot_function(fn, fw_compiler=capture, decompositions=select_decomp_table())(*args)
-    gm = captured[0]
-    view_to_reshape(gm)
-    remove_noop_ops(gm.graph)
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    return gm
-
-
-def insert_traced(graph: fx.Graph, fn: Callable[..., Any], inputs: Sequence[fx.Node]) -> list[fx.Node]:
-    """Trace ``fn`` on the fake values of ``inputs`` (:func:`aot_trace`: decomposed, lowerable
-    ops only) and insert its nodes at ``graph``'s insertion point, each with its fake value
-    (computed in the inputs' fake mode, factory ops included); returns the nodes of ``fn``'s
-    outputs (a flat list)."""
-    vals = [fake_value(n) for n in inputs]
-    fake_mode = torch._guards.detect_fake_mode(vals)
-    traced = aot_trace(fn, vals)
-    env: dict[fx.Node, fx.Node] = dict(zip(traced.graph.find_nodes(op="placeholder"), inputs))
-    outputs: list[fx.Node] = []
-    for node in traced.graph.nodes:
-        if node.op == "call_function":
-            args, kwargs = fx.map_arg((node.args, node.kwargs), env.__getitem__)
-            new = graph.call_function(node.target, args, kwargs)
-            with fake_mode:
-                new.meta["val"] = node.target(*fx.map_arg(args, fake_value), **fx.map_arg(kwargs, fake_value))
-            env[node] = new
-        elif node.op == "output":
-            outputs = list(pytree.tree_leaves(fx.map_arg(node.args[0], env.__getitem__)))
-        elif node.op != "placeholder":
-            raise NotImplementedError(f"insert_traced: cannot inline a {node.op} node ({node.format_node()})")
-    return outputs
 
 
 # --------------------------------------------------------------------------- matches
@@ -191,7 +138,6 @@ def _shape_of(node: Any) -> tuple[Any, ...] | None:
 
 
 def _is_exactly(value: Any, expected: int) -> bool:
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
     return bool(statically_known_true(value == expected))
 
 
@@ -254,7 +200,8 @@ class SPPattern(ReplacementPattern):
         return f"{self.position.value}.{self.family.name}"
 
     def arg_names(self) -> list[str]:
-        """x, [residual], weight, eps (eps is a scalar wildcard, not an example tensor)."""
+        """x, [residual], weight, eps (eps is a scalar wildcard, not an example tensor: one pattern
+        serves every epsilon)."""
         return ["x"] + (["residual"] if self.position is not Position.FIRST else []) + ["weight", "eps"]
 
     def example_inputs(self) -> list[Any]:
@@ -299,26 +246,94 @@ class SPPattern(ReplacementPattern):
             return f"norm weight shape {weight_shape} is not [hidden={hidden}] (it must not vary by row)"
         return guard_token_count(m.tokens, self.group.size, self.min_tokens)
 
-    def register(self, pm_pass: pm.PatternMatcherPass, recorder: MatchRecorder) -> None:
-        """As ReplacementPattern.register, but traced with ``aot_trace`` and with ``eps`` as a
-        scalar wildcard, so one pattern serves every epsilon."""
-        names = self.arg_names()
-        with registration_mode():
-            pm.register_replacement(
-                _with_signature(self.pattern, names), _with_signature(self.replacement, names),
-                self.example_inputs(), aot_trace, pm_pass, extra_check=self.recording_check(recorder),
-                scalar_workaround={"eps": EXAMPLE_EPS}, skip_duplicates=True,
-            )
+    def scalar_workaround(self) -> dict[str, float]:
+        return {"eps": EXAMPLE_EPS}
 
 
-def _with_signature(method: Callable[..., Any], names: list[str]) -> Callable[..., Any]:
-    """A plain function of positional parameters ``names`` calling ``method`` (register_replacement
-    reads the argument names from the signature)."""
+# --------------------------------------------------------------------------- norm families
 
-    def fn(*args: Any) -> Any:
-        return method(*args)
 
-    fn.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
-    fn.__name__ = getattr(method, "__name__", "fn")
-    return fn
+class FP4FuseNorm(NormFamily):
+    name = "fp4fuse"
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch.ops.fp4fuse.rms_norm(x, weight, eps)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        out, residual_out = torch.ops.fp4fuse.fused_add_rms_norm(x, residual, weight, eps)
+        return out, residual_out
+
+
+class _TorchNorm(NormFamily):
+    def __init__(self, residual_first: bool = False) -> None:
+        self.residual_first = residual_first
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        total = residual + x if self.residual_first else x + residual
+        return self.norm(total, weight, eps), total
+
+
+class TorchFunctionalNorm(_TorchNorm):
+    name = "torch_functional"
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+class TorchManualNorm(_TorchNorm):
+    name = "torch_manual"
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+class TorchFP32Norm(_TorchNorm):
+    name = "torch_fp32"
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+# LAST before MIDDLE in registration (= priority) order, so a final norm whose residual sum nobody
+# reads counts as the last one.
+_POSITIONS = (Position.FIRST, Position.LAST, Position.MIDDLE)
+
+
+@dataclasses.dataclass(frozen=True)
+class NormSet:
+    """Norm families that share a presence test: their patterns are registered for a graph only
+    when it may hold one of them (``marker_ops`` appear in it)."""
+
+    name: str
+    families: tuple[type[NormFamily], ...]
+    marker_ops: tuple[Any, ...]
+    dtype_generic: bool
+
+    def present(self, graph: fx.Graph) -> bool:
+        return any(graph.find_nodes(op="call_function", target=t) for t in self.marker_ops)
+
+    def build_patterns(self, group: SPGroup, dtype: torch.dtype, min_tokens: int = 0) -> list[SPPattern]:
+        """Every family and position (and, for the torch forms, both add orders) for ``group`` and
+        one activation dtype. A dtype-generic set (fp4fuse's ops) traces the same for every dtype;
+        the torch forms trace fp32 without the casts of bf16/fp16 (fp16 traces like bf16)."""
+        example_dtype = torch.bfloat16 if self.dtype_generic or dtype != torch.float32 else torch.float32
+        patterns = []
+        for family in self.families:
+            for pos in _POSITIONS:
+                orders = (False,) if family is FP4FuseNorm or pos is Position.FIRST else (False, True)
+                for residual_first in orders:
+                    norm = family() if family is FP4FuseNorm else family(residual_first)
+                    patterns.append(SPPattern(norm, pos, group, example_dtype, min_tokens))
+        return patterns
+
+
+#: fp4fuse's norm ops, and the torch forms (every torch form decomposes to an ``rsqrt``).
+NORM_SETS: tuple[NormSet, ...] = (
+    NormSet("fp4fuse", (FP4FuseNorm,),
+            (torch.ops.fp4fuse.rms_norm.default, torch.ops.fp4fuse.fused_add_rms_norm.default), True),
+    NormSet("torch", (TorchFunctionalNorm, TorchManualNorm, TorchFP32Norm),
+            (torch.ops.aten.rsqrt.default,), False),
+)

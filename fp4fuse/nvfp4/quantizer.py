@@ -3,7 +3,7 @@
 A quantizer with a dynamic global scale must agree with its peers on one amax (an all-reduce MAX of
 one fp32 over the tensor-parallel group) or gathered shards carry different global scales. The
 group travels on the quantizer as an ``int`` ID, never as a ``ProcessGroup``: a process group on a
-quantizer broke pickling and torch.compile in TransformerEngine (ANCHORS.md).
+quantizer broke pickling and torch.compile in TransformerEngine (docs/design.md, "Amax groups").
 
 Registry (one per process). ``_REGISTRY`` is a module-level ``dict[int, AmaxGroup]``, written only
 by :func:`register_amax_group` and read only by :func:`amax_group`. The ID is a pure function of
@@ -28,7 +28,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from fp4fuse import format as nvfp4
+from fp4fuse.nvfp4 import format as nvfp4
 
 __all__ = [
     "AmaxGroup",

@@ -1,7 +1,7 @@
 """``NVFP4Tensor``: an NVFP4 weight as a ``torch.Tensor`` subclass, for FSDP2 and DCP.
 
 The outer (logical) tensor has the weight's shape ``[N, K]`` and its original high-precision
-dtype (e.g. bf16); it owns no storage. The payload lives in inner tensors (DESIGN.md format):
+dtype (e.g. bf16); it owns no storage. The payload lives in inner tensors (the format of docs/design.md):
 
 * ``qdata``: uint8 ``[N, K/2]``, two e2m1 codes per byte (element ``2j`` in the low nibble);
 * ``scale``: float8_e4m3fn ``[N, K/16]``, linear (unswizzled) block scales;
@@ -30,34 +30,13 @@ from typing import Any
 
 import torch
 
-from fp4fuse import format as nvfp4
-from fp4fuse.amax import group_amax
+from fp4fuse.nvfp4 import format as nvfp4
+from fp4fuse.nvfp4.quantizer import group_amax
+from fp4fuse.nvfp4.tensor.op_table import OPS, contiguous_strides
 
 __all__ = ["NVFP4Tensor"]
 
 logger = logging.getLogger(__name__)
-
-aten = torch.ops.aten
-
-_Handler = Callable[..., Any]
-_OPS: dict[torch._ops.OpOverload, _Handler] = {}
-
-
-def implements(*ops: torch._ops.OpOverload) -> Callable[[_Handler], _Handler]:
-    """Register ``fn(func, args, kwargs)`` as the NVFP4Tensor override of each aten op in ``ops``."""
-    def register(fn: _Handler) -> _Handler:
-        for op in ops:
-            _OPS[op] = fn
-        return fn
-    return register
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for size in reversed(shape):
-        strides.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 class NVFP4Tensor(torch.Tensor):
@@ -97,7 +76,7 @@ class NVFP4Tensor(torch.Tensor):
             raise TypeError(f"NVFP4Tensor: amax_group must be an int ID or None, got "
                             f"{type(amax_group).__name__}")
         return torch.Tensor._make_wrapper_subclass(
-            cls, shape, strides=_contiguous_strides(shape), dtype=orig_dtype, device=qdata.device,
+            cls, shape, strides=contiguous_strides(shape), dtype=orig_dtype, device=qdata.device,
             requires_grad=False)
 
     def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
@@ -231,7 +210,7 @@ class NVFP4Tensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
-        handler = _OPS.get(func)
+        handler = OPS.get(func)
         if handler is None:
             arg_types = [type(a).__name__ for a in args] + [f"{k}={type(v).__name__}"
                                                            for k, v in (kwargs or {}).items()]
@@ -242,6 +221,3 @@ class NVFP4Tensor(torch.Tensor):
 
 def _rebuild(fields: dict[str, Any]) -> NVFP4Tensor:
     return NVFP4Tensor(**{**fields, "scale": fields["scale"].view(torch.float8_e4m3fn)})
-
-
-from fp4fuse import tensor_ops as _tensor_ops  # noqa: F401  (fills the implements table)

@@ -7,10 +7,10 @@ the authors, so neither function has executed and the CPU/Hopper test suites can
   is_sf_swizzled_layout=True)`` returns 128x4-swizzled uint8 scales; they are unswizzled per call
   into fp4fuse's linear ``float8_e4m3fn [M, K/16]``. flashinfer scales elements by a reciprocal of
   the block scale, so a rare value on an e2m1 rounding boundary may get the neighbouring code
-  compared with :func:`fp4fuse.format.quantize_reference` (format.py documents the same effect for
+  compared with :func:`fp4fuse.nvfp4.format.quantize_reference` (format.py documents the same effect for
   torchao/TransformerEngine).
 * ``mm_fp4_flashinfer``: swizzles both linear scale matrices per call (fp4fuse keeps scales linear
-  so that they gather along M for any shard size, DESIGN.md) and calls
+  so that they gather along M for any shard size, docs/design.md) and calls
   ``flashinfer.mm_fp4(a, b.T, a_sf, b_sf.T, alpha, out_dtype, backend=MM_BACKEND)``.
   flashinfer's mm_fp4 produces bf16/fp16 only; fp32 output runs fp4fuse's Triton GEMM instead.
 """
@@ -20,7 +20,7 @@ import logging
 
 import torch
 
-from fp4fuse.format import BLOCK_SIZE, swizzle_scales, unswizzle_scales
+from fp4fuse.nvfp4.format import BLOCK_SIZE, swizzle_scales, unswizzle_scales
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def mm_fp4_flashinfer(
 ) -> torch.Tensor:
     """``alpha * (q_a * s_a) @ (q_b * s_b)^T`` as ``[M, N]`` (a ``[M, K/2]``, b ``[N, K/2]``)."""
     if out_dtype == torch.float32:
-        from fp4fuse.ops.triton_mm import mm_fp4_triton
+        from fp4fuse.kernels.triton.mm import mm_fp4_triton
         return mm_fp4_triton(a, b, a_scale, b_scale, alpha, out_dtype)
     import flashinfer
 
