@@ -43,6 +43,7 @@ ENV_VARS: dict[str, str] = {
     "enable_async_tp": "FP4FUSE_ENABLE_ASYNC_TP",
     "enable_bf16_async_tp": "FP4FUSE_ENABLE_BF16_ASYNC_TP",
     "min_tokens": "FP4FUSE_MIN_TOKENS",
+    "lower_kernels": "FP4FUSE_LOWER_KERNELS",
     "log_level": "FP4FUSE_LOG_LEVEL",
 }
 
@@ -67,6 +68,9 @@ class FusionConfig:
             is the number of rows of the full, unsharded activation: the input rows of a
             reduce-scatter or all-reduce, ``group_size x`` the shard rows of an all-gather.
             0 (default) fuses at every size.
+        lower_kernels: replace fp4fuse's op calls on CUDA by the Triton launches they run, so the
+            compiled graph launches kernels without a Python op call per kernel
+            (KernelLoweringPass, the last pass; on by default, also when no fusion is enabled).
         log_level: if set, the level given to the ``fp4fuse`` logger when a ``FusionPass`` is
             built (``"DEBUG"`` shows every skipped match and its reason). ``None`` leaves logging
             configuration alone. Not part of ``hash_key()``.
@@ -76,10 +80,11 @@ class FusionConfig:
     enable_async_tp: bool = False
     enable_bf16_async_tp: bool = False
     min_tokens: int = 0
+    lower_kernels: bool = True
     log_level: str | None = None
 
     def __post_init__(self) -> None:
-        for f in ("enable_sequence_parallelism", "enable_async_tp", "enable_bf16_async_tp"):
+        for f in ("enable_sequence_parallelism", "enable_async_tp", "enable_bf16_async_tp", "lower_kernels"):
             if not isinstance(getattr(self, f), bool):
                 raise TypeError(f"FusionConfig.{f} must be a bool, got {getattr(self, f)!r}")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int):
@@ -132,7 +137,7 @@ class FusionConfig:
             elif field == "log_level":
                 values[field] = env_log_level(var, environ=environ)
             else:
-                values[field] = env_bool(var, False, environ=environ)
+                values[field] = env_bool(var, getattr(cls, field), environ=environ)
         values.update(overrides)
         return cls(**values)
 

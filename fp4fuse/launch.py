@@ -62,6 +62,7 @@ def run_on_ranks(
     backend: str | None = "gloo",
     grace: float = 5.0,
     env: Mapping[str, str] | None = None,
+    hard_exit: bool = False,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ranks ``0 .. world_size - 1``, each in a new process.
 
@@ -73,6 +74,8 @@ def run_on_ranks(
     intra-op threads are split evenly between the ranks.
 
     ``timeout``: seconds for the whole run, also the process group's collective timeout.
+    ``hard_exit``: each rank leaves with ``os._exit(0)`` right after saving its result, skipping
+    process-group and CUDA teardown (which has hung after CUDA-graph runs with NCCL).
     Returns the per-rank return values, indexed by rank. Raises :class:`RankError` if any rank
     raised or died, :class:`TimeoutError` if the run did not finish in time.
     """
@@ -85,7 +88,7 @@ def run_on_ranks(
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(rank, world_size, fn, args, backend, store_path, tmp, timeout, threads),
+                args=(rank, world_size, fn, args, backend, store_path, tmp, timeout, threads, hard_exit),
                 name=f"rank{rank}",
                 daemon=True,
             )
@@ -158,7 +161,7 @@ def _collect(procs: list, result_dir: str, unfinished: set[int], timeout: float)
 
 def _rank_main(
     rank: int, world_size: int, fn: Callable[..., Any], args: tuple, backend: str | None,
-    store_path: str, result_dir: str, timeout: float, threads: int,
+    store_path: str, result_dir: str, timeout: float, threads: int, hard_exit: bool,
 ) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
@@ -173,6 +176,8 @@ def _rank_main(
         value = fn(*args)
         torch.save(value, _ok_path(result_dir, rank) + ".tmp")
         os.replace(_ok_path(result_dir, rank) + ".tmp", _ok_path(result_dir, rank))
+        if hard_exit:
+            os._exit(0)
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
         try:
             pickled: bytes | None = pickle.dumps(exc)

@@ -79,6 +79,7 @@ def test_env_reads_os_environ_and_overrides_win(monkeypatch):
     ("FP4FUSE_MIN_TOKENS", "-3", "an integer >= 0"),
     ("FP4FUSE_MIN_TOKENS", "1e3", "an integer >= 0"),
     ("FP4FUSE_LOG_LEVEL", "verbose", "DEBUG, INFO"),
+    ("FP4FUSE_LOWER_KERNELS", "sometimes", "1/true/yes/on"),
 ])
 def test_env_errors_name_variable_and_accepted_values(var, raw, accepted):
     with pytest.raises(ValueError) as err:
@@ -98,7 +99,13 @@ def test_hash_key_stable_and_distinct():
     keys = {c.hash_key() for c in (
         FusionConfig(), FusionConfig(enable_sequence_parallelism=True), a,
         FusionConfig(enable_async_tp=True, min_tokens=65), FusionConfig(enable_bf16_async_tp=True),
+        FusionConfig(lower_kernels=False),
     )}
-    assert len(keys) == 5
+    assert len(keys) == 6
     assert a.to_json() == ('{"enable_async_tp":true,"enable_bf16_async_tp":false,'
-                           '"enable_sequence_parallelism":true,"log_level":null,"min_tokens":64}')
+                           '"enable_sequence_parallelism":true,"log_level":null,"lower_kernels":true,"min_tokens":64}')
+
+
+def test_lower_kernels_defaults_on_and_reads_the_env():
+    assert FusionConfig().lower_kernels and FusionConfig.from_env({}).lower_kernels
+    assert not FusionConfig.from_env({"FP4FUSE_LOWER_KERNELS": "off"}).lower_kernels

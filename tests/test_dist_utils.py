@@ -61,3 +61,15 @@ def test_timeout_raises_instead_of_hanging():
     with pytest.raises(TimeoutError, match=r"ranks \[0\] did not finish within 3"):
         run_on_ranks(_sleep_forever, 1, backend=None, timeout=3)
     assert time.monotonic() - start < 20
+
+
+def _pid_and_rank() -> tuple[int, int]:
+    return os.getpid(), dist.get_rank()
+
+
+def test_hard_exit_returns_every_rank_value():
+    """With hard_exit the ranks leave through os._exit right after saving their results (no
+    teardown), and the values still come back, one per rank, from distinct processes."""
+    results = run_on_ranks(_pid_and_rank, 2, timeout=60, hard_exit=True)
+    assert [rank for _, rank in results] == [0, 1]
+    assert len({pid for pid, _ in results}) == 2 and os.getpid() not in {pid for pid, _ in results}

@@ -65,9 +65,12 @@ BOTH = {"async_tp.all_gather_mm_fp4": 1, "async_tp.mm_fp4_reduce_scatter": 1}
 
 def test_is_a_custom_graph_pass_with_documented_order():
     assert isinstance(FusionPass(), CustomGraphPass)
-    assert FusionPass().pass_names == ["cleanup"]
-    assert FusionPass(FusionConfig(enable_sequence_parallelism=True)).pass_names == ["cleanup", "sequence_parallel"]
-    assert FusionPass(FusionConfig(enable_async_tp=True)).pass_names == ["cleanup", "sequence_parallel", "async_tp"]
+    assert FusionPass().pass_names == ["cleanup", "lowering"]
+    assert FusionPass(FusionConfig(lower_kernels=False)).pass_names == ["cleanup"]
+    assert FusionPass(FusionConfig(enable_sequence_parallelism=True)).pass_names == [
+        "cleanup", "sequence_parallel", "lowering"]
+    assert FusionPass(FusionConfig(enable_async_tp=True)).pass_names == [
+        "cleanup", "sequence_parallel", "async_tp", "lowering"]
 
 
 def test_counts_cumulative_and_last_and_one_summary_line(caplog):
@@ -82,7 +85,8 @@ def test_counts_cumulative_and_last_and_one_summary_line(caplog):
     summaries = [r for r in caplog.records if r.name == "fp4fuse.passes.manager"]
     assert len(summaries) == 2 and all(r.levelno == logging.INFO for r in summaries)
     assert summaries[0].getMessage() == ("fp4fuse: replaced 2 patterns: async_tp.all_gather_mm_fp4=1, "
-                                         "async_tp.mm_fp4_reduce_scatter=1 (0 skipped, 0 no-op views removed)")
+                                         "async_tp.mm_fp4_reduce_scatter=1 (0 skipped, 0 no-op views removed, "
+                                         "0 op calls lowered to kernels)")
 
 
 def test_disabled_pipeline_leaves_graph_alone(caplog):
@@ -93,7 +97,8 @@ def test_disabled_pipeline_leaves_graph_alone(caplog):
     fusion(gm.graph)
     gm.recompile()
     assert gm.code == code and fusion.last_match_counts == {}
-    assert caplog.records[-1].getMessage() == "fp4fuse: replaced 0 patterns (0 skipped, 0 no-op views removed)"
+    assert caplog.records[-1].getMessage() == ("fp4fuse: replaced 0 patterns (0 skipped, 0 no-op views removed, "
+                                               "0 op calls lowered to kernels)")
 
 
 # --------------------------------------------------------------------------- uuid and the FX cache
@@ -104,9 +109,9 @@ def test_uuid_stable_and_config_sensitive():
     assert base == FusionPass(FusionConfig(enable_async_tp=True)).uuid()
     assert base == FusionPass(FusionConfig(enable_async_tp=True, log_level="DEBUG")).uuid()
     others = [FusionPass(c).uuid() for c in (
-        FusionConfig(), FusionConfig(enable_sequence_parallelism=True),
+        FusionConfig(), FusionConfig(enable_sequence_parallelism=True), FusionConfig(lower_kernels=False),
         FusionConfig(enable_async_tp=True, min_tokens=1), FusionConfig(enable_bf16_async_tp=True))]
-    assert len({base, *others}) == 5
+    assert len({base, *others}) == 6
 
 
 def test_uuid_is_composed_of_each_pass_uuid_over_its_patterns_and_ops(tmp_path, monkeypatch):
@@ -135,7 +140,8 @@ class _ReadsGroups(GraphPass):
 
 def test_process_group_layout_in_uuid_only_for_passes_that_read_it():
     assert process_group_fingerprint() == {"rank": 0, "world_size": W, "groups": [("0", W, [0, 1])]}
-    plain, reading = FusionPass(), FusionPass()
+    plain = FusionPass(FusionConfig(lower_kernels=False))
+    reading = FusionPass(FusionConfig(lower_kernels=False))
     reading.passes.append(_ReadsGroups(reading.config))
     plain_uuid, reading_uuid = plain.uuid(), reading.uuid()
     dist.new_group([0, 1])

@@ -7,7 +7,8 @@ Contracts (docs/design.md):
 * ``mm_fp4(a, b, a_scale, b_scale, alpha, out_dtype) -> out``: a ``[M, K/2]``, b ``[N, K/2]``
   (weight, row-major), linear scales; ``out = alpha * (q_a*s_a) @ (q_b*s_b)^T`` ``[M, N]``.
 
-CPU (and any device without a faster backend) runs the pure-torch reference in fp4fuse.nvfp4.format.
+CPU (and any device without a faster backend) runs the pure-torch reference in fp4fuse.nvfp4.format;
+CUDA runs what ``fp4fuse.ops.kernel_table`` names for the device's backend.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch
 
 from fp4fuse.nvfp4 import format as nvfp4
 from fp4fuse.ops import validation
-from fp4fuse.ops.backend import Backend, backend_for
+from fp4fuse.ops.backend import backend_for
+from fp4fuse.ops.kernel_table import kernel_for
 
 
 @torch.library.custom_op("fp4fuse::scaled_fp4_quant", mutates_args=())
@@ -36,14 +38,7 @@ def _(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.
 @scaled_fp4_quant.register_kernel("cuda")
 def _(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     validation.check_quant_inputs(x, global_scale)
-    backend = backend_for(x)
-    if backend is Backend.TRITON:
-        from fp4fuse.kernels.triton.quant import scaled_fp4_quant_triton
-        return scaled_fp4_quant_triton(x, global_scale)
-    if backend is Backend.FLASHINFER:
-        from fp4fuse.kernels.flashinfer import scaled_fp4_quant_flashinfer
-        return scaled_fp4_quant_flashinfer(x, global_scale)
-    return nvfp4.quantize_reference(x, global_scale)
+    return kernel_for("scaled_fp4_quant", backend_for(x))(x, global_scale)
 
 
 @torch.library.custom_op("fp4fuse::mm_fp4", mutates_args=())
@@ -64,11 +59,4 @@ def _(a, b, a_scale, b_scale, alpha, out_dtype):
 @mm_fp4.register_kernel("cuda")
 def _(a, b, a_scale, b_scale, alpha, out_dtype):
     validation.check_mm_inputs(a, b, a_scale, b_scale, alpha, out_dtype)
-    backend = backend_for(a)
-    if backend is Backend.TRITON:
-        from fp4fuse.kernels.triton.mm import mm_fp4_triton
-        return mm_fp4_triton(a, b, a_scale, b_scale, alpha, out_dtype)
-    if backend is Backend.FLASHINFER:
-        from fp4fuse.kernels.flashinfer import mm_fp4_flashinfer
-        return mm_fp4_flashinfer(a, b, a_scale, b_scale, alpha, out_dtype)
-    return nvfp4.mm_fp4_reference(a, b, a_scale, b_scale, alpha, out_dtype)
+    return kernel_for("mm_fp4", backend_for(a))(a, b, a_scale, b_scale, alpha, out_dtype)

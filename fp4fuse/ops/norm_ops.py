@@ -11,7 +11,8 @@ import torch
 
 from fp4fuse.nvfp4.norms import fused_add_rms_norm_reference, rms_norm_reference
 from fp4fuse.ops import validation
-from fp4fuse.ops.backend import Backend, backend_for
+from fp4fuse.ops.backend import backend_for
+from fp4fuse.ops.kernel_table import kernel_for
 
 
 @torch.library.custom_op("fp4fuse::rms_norm", mutates_args=())
@@ -29,10 +30,7 @@ def _(x, weight, eps):
 @rms_norm.register_kernel("cuda")
 def _(x, weight, eps):
     validation.check_norm_inputs("rms_norm", x, weight)
-    if backend_for(x) is Backend.REFERENCE:
-        return rms_norm_reference(x, weight, eps)
-    from fp4fuse.kernels.triton.norm import rms_norm_triton
-    return rms_norm_triton(x, weight, eps)
+    return kernel_for("rms_norm", backend_for(x))(x, weight, eps)
 
 
 @torch.library.custom_op("fp4fuse::fused_add_rms_norm", mutates_args=())
@@ -52,7 +50,4 @@ def _(x, residual, weight, eps):
 @fused_add_rms_norm.register_kernel("cuda")
 def _(x, residual, weight, eps):
     validation.check_norm_inputs("fused_add_rms_norm", x, weight, residual)
-    if backend_for(x) is Backend.REFERENCE:
-        return fused_add_rms_norm_reference(x, residual, weight, eps)
-    from fp4fuse.kernels.triton.norm import fused_add_rms_norm_triton
-    return fused_add_rms_norm_triton(x, residual, weight, eps)
+    return kernel_for("fused_add_rms_norm", backend_for(x))(x, residual, weight, eps)

@@ -12,6 +12,8 @@ Order of the pipeline (each pass sees the previous one's output):
    reduce_scatter + norm + quant + all_gather.
 3. ``async_tp`` (``enable_async_tp``): the collectives of 2. (and any in the model) fused with
    their GEMMs.
+4. ``lowering`` (``lower_kernels``, on by default): fp4fuse's op calls on CUDA replaced by the
+   Triton launches they run (fp4fuse.passes.lowering), so no op costs a Python call per kernel.
 
 Caching: ``uuid()`` is composed, not scraped: the config's ``hash_key()``, each enabled pass's own
 ``uuid()`` (its name and the source of its module, patterns and ops), and this module's source,
@@ -39,12 +41,16 @@ from fp4fuse.config import FusionConfig
 from fp4fuse.passes.async_tp import AsyncTPPass
 from fp4fuse.passes.base import GraphPass, process_group_fingerprint
 from fp4fuse.passes.cleanup import NoOpViewCleanupPass
+from fp4fuse.passes.lowering import KernelLoweringPass
 from fp4fuse.passes.sequence_parallel import SequenceParallelismPass
 from fp4fuse.patterns.base import Skip
 
 __all__ = ["FusionPass"]
 
 logger = logging.getLogger(__name__)
+
+# Pattern-key prefixes of the passes that fuse nothing: cleanup and kernel lowering.
+_NOT_FUSIONS = (f"{NoOpViewCleanupPass.name}.", f"{KernelLoweringPass.name}.")
 
 class FusionPass(CustomGraphPass):
     """Runs fp4fuse's passes in order on a post-grad graph; see the module docstring.
@@ -67,6 +73,8 @@ class FusionPass(CustomGraphPass):
             self.passes.append(SequenceParallelismPass(self.config))
         if self.config.enable_async_tp:
             self.passes.append(AsyncTPPass(self.config))
+        if self.config.lower_kernels:
+            self.passes.append(KernelLoweringPass(self.config))
         self.match_counts: collections.Counter[str] = collections.Counter()
         self.last_match_counts: dict[str, int] = {}
         self.last_skips: list[Skip] = []
@@ -87,11 +95,12 @@ class FusionPass(CustomGraphPass):
         self.last_match_counts = {k: v for k, v in counts.items() if v}
         self.last_skips = skips
         self.match_counts.update(self.last_match_counts)
-        fused = {k: v for k, v in self.last_match_counts.items() if not k.startswith(f"{NoOpViewCleanupPass.name}.")}
+        fused = {k: v for k, v in self.last_match_counts.items() if not k.startswith(_NOT_FUSIONS)}
         detail = ", ".join(f"{k}={v}" for k, v in sorted(fused.items()))
-        logger.info("fp4fuse: replaced %d patterns%s (%d skipped, %d no-op views removed)",
-                    sum(fused.values()), f": {detail}" if detail else "", len(skips),
-                    sum(self.last_match_counts.values()) - sum(fused.values()))
+        lowered = sum(v for k, v in self.last_match_counts.items() if k.startswith(f"{KernelLoweringPass.name}."))
+        logger.info("fp4fuse: replaced %d patterns%s (%d skipped, %d no-op views removed, %d op calls "
+                    "lowered to kernels)", sum(fused.values()), f": {detail}" if detail else "", len(skips),
+                    sum(self.last_match_counts.values()) - sum(fused.values()) - lowered, lowered)
 
     def uuid(self) -> str:
         """sha256 over the config's ``hash_key()``, each pass's ``uuid()`` in pipeline order, this

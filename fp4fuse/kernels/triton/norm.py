@@ -18,6 +18,7 @@ import logging
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     if not single:
         block = _TWO_PASS_BLOCK
     num_warps = max(1, min(16, block // 512))
-    _rms_norm_kernel[(t,)](
+    wrap_triton(_rms_norm_kernel)[(t,)](
         x, residual if residual is not None else x, weight, out,
         res_out if res_out is not None else out, h, float(eps),
         HAS_RESIDUAL=residual is not None, BLOCK=block, SINGLE_PASS=single, num_warps=num_warps,

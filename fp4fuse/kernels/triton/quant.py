@@ -43,6 +43,7 @@ import logging
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 from fp4fuse.nvfp4.format import BLOCK_SIZE
 
@@ -208,7 +209,7 @@ def quant_launch_config(n_blocks: int, device: torch.device) -> tuple[int, int, 
     (128, 4, 16)."""
     blocks, num_warps = 128, 4
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return blocks, num_warps, max(1, min(triton.cdiv(n_blocks, blocks), 16 * sms))
+    return blocks, num_warps, torch.sym_max(1, torch.sym_min(triton.cdiv(n_blocks, blocks), 16 * sms))
 
 
 def scaled_fp4_quant_triton(
@@ -228,15 +229,14 @@ def scaled_fp4_quant_triton(
         return q, s
     x = x.contiguous()
     pair_dtype = _PAIR_DTYPE[x.dtype]
-    pair_bytes = torch.empty((), dtype=pair_dtype).element_size()
-    if (x.storage_offset() * x.element_size()) % pair_bytes:
+    if (x.storage_offset() * x.element_size()) % pair_dtype.itemsize:
         x = x.clone()
     pairs = x.view(pair_dtype)
     if n_blocks >= 2**31:
         raise ValueError(f"fp4fuse.scaled_fp4_quant: {m}x{k} has {n_blocks} blocks of 16; the Triton kernel indexes blocks with int32")
     gs = global_scale.reshape(1).to(torch.float32)
     blocks, num_warps, programs = config or quant_launch_config(n_blocks, x.device)
-    _quant_kernel[(programs,)](
+    wrap_triton(_quant_kernel)[(programs,)](
         pairs, gs, q, s.view(torch.uint8), n_blocks, triton.cdiv(n_blocks, blocks),
         IN_KIND=int(_INPUT_KIND[x.dtype]), DIVISION=int(division), BLOCKS=blocks,
         FAST_CVT=x.device.type == "cuda", num_warps=num_warps,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 __all__ = ["sum_partials_in_order"]
 
@@ -36,6 +37,6 @@ def sum_partials_in_order(partials: torch.Tensor) -> torch.Tensor:
     out = torch.empty(partials.shape[1:], dtype=partials.dtype, device=partials.device)
     n = out.numel()
     if n:
-        _sum_in_order_kernel[(triton.cdiv(n, _BLOCK),)](partials, out, n, partials.shape[0], BLOCK=_BLOCK,
+        wrap_triton(_sum_in_order_kernel)[(triton.cdiv(n, _BLOCK),)](partials, out, n, partials.shape[0], BLOCK=_BLOCK,
                                                         num_warps=8)
     return out

@@ -1,0 +1,345 @@
+"""End to end: does a TP model run faster with fp4fuse switched on? The number fp4fuse is judged by.
+
+    PYTHONPATH=. python benchmarks/bench_e2e.py --tp 2 [--tokens 16,128,1024] [--modes default,cudagraphs]
+        [--out results.md --json raw.json]
+    python benchmarks/bench_e2e.py --render raw.json --out results.md --plot results.png   # no GPU needed
+
+The model is one nobody wrote for fp4fuse: Hugging Face transformers' ``LlamaModel`` with
+Llama-3-8B-shaped decoder layers (hidden 4096, 32 heads, 8 KV heads, FFN 14336; ``--layers``,
+default 4; no LM head), random weights from one seed, put on ``--tp`` ranks by
+``fp4fuse.tp.parallelize`` with its config's own ``base_model_tp_plan``. Variants, built on every
+rank from the same weights and timed in the same process, interleaved round by round:
+
+* ``bf16``: the TP model with bf16 linears, ``torch.compile`` (no fp4fuse pass);
+* ``nvfp4``: NVFP4 linears (dynamic activation scales), ``torch.compile`` without fp4fuse;
+* ``lowered``: + ``FusionPass(FusionConfig())``: no fusion, fp4fuse's op calls lowered to kernels;
+* ``sp``: + sequence parallelism;
+* ``fp4fuse``: + sequence parallelism + AsyncTP, shipped defaults (what a serving engine's flag does);
+* ``forced``: the same with every threshold at 0 (``min_tokens=0``, ``FP4FUSE_OVERLAP_MIN_ROWS=0``).
+
+Token counts T are shaped like serving batches: up to 128 tokens as decode steps ``[T, 1]``
+(T sequences of one token), above as prefill chunks ``[T / 512, 512]``. The batch dimension is
+dynamic (``torch._dynamo.mark_dynamic``), so each variant compiles once per shape family (plus once
+more where a pass's size threshold splits the range). Launch modes: ``default`` (the host launches
+every kernel) and ``cudagraphs`` (``options={"triton.cudagraphs": True}``). A time is the median
+over rounds of the wall time of ``--iters`` back-to-back forwards on rank 0 (after a barrier and a
+device sync), so it includes host overhead where the host is the bottleneck.
+
+Results: a dated markdown table (per mode and T: ms per forward of each variant, fp4fuse / nvfp4 and
+fp4fuse / bf16 speedups) with the device, torch, Triton and transformers versions, the JSON of every
+measurement, and (``--render``) a PNG plot. Progress goes to stderr as it compiles and runs.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+VARIANTS = ("bf16", "nvfp4", "lowered", "sp", "fp4fuse", "forced")
+DECODE_MAX_TOKENS = 128
+PREFILL_SEQ = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchArgs:
+    tp: int
+    layers: int
+    tokens: tuple[int, ...]
+    modes: tuple[str, ...]
+    variants: tuple[str, ...]
+    iters: int
+    rounds: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+
+
+def log(msg: str) -> None:
+    print(f"[bench_e2e {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def batch_shape(tokens: int) -> tuple[int, int]:
+    """``[batch, seq]`` of a T-token step: decode ``[T, 1]`` up to DECODE_MAX_TOKENS, else prefill chunks."""
+    if tokens <= DECODE_MAX_TOKENS:
+        return tokens, 1
+    if tokens % PREFILL_SEQ:
+        raise ValueError(f"--tokens: {tokens} > {DECODE_MAX_TOKENS} must be a multiple of {PREFILL_SEQ}")
+    return tokens // PREFILL_SEQ, PREFILL_SEQ
+
+
+# ----------------------------------------------------------------------------------------------
+# on every rank
+# ----------------------------------------------------------------------------------------------
+def _build_models(args: BenchArgs, device, group) -> dict[str, Any]:
+    import torch
+    from transformers import LlamaConfig, LlamaModel
+
+    from fp4fuse.tp import WeightFormat, parallelize
+
+    config = LlamaConfig(
+        hidden_size=args.hidden, intermediate_size=args.ffn, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, vocab_size=32000,
+        max_position_embeddings=8192)
+    models = {}
+    for fmt in (WeightFormat.BF16, WeightFormat.NVFP4):
+        torch.manual_seed(0)  # the same weights on every rank and for both formats
+        with torch.device(device):
+            model = LlamaModel(config).to(torch.bfloat16).eval()
+        models[fmt] = parallelize(model, group, weight_format=fmt)
+    return models
+
+
+def _compiled_variants(args: BenchArgs, models: dict[Any, Any], mode: str) -> dict[str, Any]:
+    import torch
+
+    import fp4fuse
+    from fp4fuse.tp import WeightFormat
+
+    def compiled(model, fusion):
+        options = {"triton.cudagraphs": mode == "cudagraphs"}
+        if fusion is not None:
+            options["post_grad_custom_post_pass"] = fusion
+        return torch.compile(model, options=options)
+
+    Cfg = fp4fuse.FusionConfig
+    configs = {
+        "nvfp4": None,
+        "lowered": Cfg(),
+        "sp": Cfg(enable_sequence_parallelism=True),
+        "fp4fuse": Cfg(enable_async_tp=True),
+        "forced": Cfg(enable_async_tp=True, min_tokens=0),
+    }
+    out = {}
+    for name in args.variants:
+        if name == "bf16":
+            out[name] = (compiled(models[WeightFormat.BF16], None), None)
+        else:
+            fusion = None if configs[name] is None else fp4fuse.FusionPass(configs[name])
+            out[name] = (compiled(models[WeightFormat.NVFP4], fusion), fusion)
+    return out
+
+
+class _ForcedOverlap:
+    """``FP4FUSE_OVERLAP_MIN_ROWS=0`` while the ``forced`` variant runs (set the same on every rank)."""
+
+    def __init__(self, active: bool) -> None:
+        self.active = active
+
+    def __enter__(self) -> None:
+        if self.active:
+            os.environ["FP4FUSE_OVERLAP_MIN_ROWS"] = "0"
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.active:
+            os.environ.pop("FP4FUSE_OVERLAP_MIN_ROWS", None)
+
+
+def _time_ms(fn, iters: int) -> float:
+    """Wall ms per call of ``iters`` back-to-back calls, the ranks aligned before, the device synced after."""
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.synchronize()
+    dist.barrier()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / iters
+
+
+def _rank_main(args: BenchArgs) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device())
+    # every variant compiles the same forward (one Dynamo cache per code object)
+    torch._dynamo.config.cache_size_limit = 256
+    torch._dynamo.config.accumulated_cache_size_limit = 1024
+    group = dist.group.WORLD
+    say = log if rank == 0 else (lambda msg: None)
+    say(f"building {args.layers}-layer Llama (hidden {args.hidden}, ffn {args.ffn}) at TP={args.tp}")
+    models = _build_models(args, device, group)
+    results: dict[str, Any] = {"times": {}, "counts": {}, "max_rel_diff": {}}
+    for mode in args.modes:
+        variants = _compiled_variants(args, models, mode)
+        for tokens in args.tokens:
+            batch, seq = batch_shape(tokens)
+            ids = torch.randint(0, 32000, (batch, seq), generator=torch.Generator().manual_seed(tokens)).to(device)
+            torch._dynamo.mark_dynamic(ids, 0)
+            outs, calls = {}, {}
+            for name, (model, _) in variants.items():
+                say(f"{mode} T={tokens}: compiling / warming up {name}")
+                with _ForcedOverlap(name == "forced"), torch.no_grad():
+                    for _ in range(3):
+                        out = model(input_ids=ids).last_hidden_state
+                    outs[name] = out.float().clone()
+                calls[name] = (lambda m=model: m(input_ids=ids).last_hidden_state)
+            ref = outs.get("nvfp4")
+            for name, out in outs.items():
+                if ref is not None:
+                    rel = ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+                    results["max_rel_diff"][f"{mode}/{tokens}/{name}"] = rel
+            samples: dict[str, list[float]] = {name: [] for name in variants}
+            for _ in range(args.rounds):
+                for name, fn in calls.items():
+                    with _ForcedOverlap(name == "forced"), torch.no_grad():
+                        samples[name].append(_time_ms(fn, args.iters))
+            for name, values in samples.items():
+                results["times"][f"{mode}/{tokens}/{name}"] = statistics.median(values)
+            line = ", ".join(f"{n} {statistics.median(v):.3f}" for n, v in samples.items())
+            say(f"{mode} T={tokens} ms/forward: {line}")
+        for name, (_, fusion) in variants.items():
+            if fusion is not None:
+                results["counts"][f"{mode}/{name}"] = dict(fusion.match_counts)
+        del variants
+        torch._dynamo.reset()
+    return results
+
+
+# ----------------------------------------------------------------------------------------------
+# report
+# ----------------------------------------------------------------------------------------------
+def _versions() -> dict[str, str]:
+    import torch
+    info = {"torch": torch.__version__}
+    for name in ("triton", "transformers"):
+        try:
+            info[name] = __import__(name).__version__
+        except ImportError:
+            info[name] = "not installed"
+    info["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return info
+
+
+def render_markdown(raw: dict[str, Any]) -> str:
+    args, times = raw["args"], raw["times"]
+    lines = [
+        f"# End to end, TP={args['tp']}: fp4fuse on vs off, NVFP4 vs bf16 ({raw['date']})", "",
+        f"Device: {raw['versions']['device']} x{args['tp']}; torch {raw['versions']['torch']}, Triton "
+        f"{raw['versions']['triton']}, transformers {raw['versions']['transformers']}. Model: HF `LlamaModel`, "
+        f"{args['layers']} layers, hidden {args['hidden']}, {args['heads']} heads / {args['kv_heads']} KV heads, "
+        f"FFN {args['ffn']}, random bf16 weights, `fp4fuse.tp.parallelize` with the config's TP plan. "
+        "Command: `" + raw["command"] + "`.", "",
+        "Milliseconds per forward (median over rounds of back-to-back forwards, rank 0 wall time; "
+        "variants interleaved in one process). `fp4fuse/nvfp4` is the speedup of switching fp4fuse on "
+        "(shipped defaults) over the same NVFP4 model compiled without it; `fp4fuse/bf16` over the bf16 model.", "",
+    ]
+    variants = [v for v in VARIANTS if v in args["variants"]]
+    for mode in args["modes"]:
+        lines += [f"## Launch mode: {mode}", "",
+                  "| tokens | " + " | ".join(variants) + " | fp4fuse/nvfp4 | fp4fuse/bf16 |",
+                  "| --- |" + " --- |" * (len(variants) + 2)]
+        for tokens in args["tokens"]:
+            row = [times.get(f"{mode}/{tokens}/{v}") for v in variants]
+            cells = [f"{t:.3f}" if t is not None else "-" for t in row]
+            get = lambda v: times.get(f"{mode}/{tokens}/{v}")  # noqa: E731
+            speed = lambda a, b: f"{get(b) / get(a):.2f}x" if get(a) and get(b) else "-"  # noqa: E731
+            lines.append(f"| {tokens} | " + " | ".join(cells) + f" | {speed('fp4fuse', 'nvfp4')} | "
+                         f"{speed('fp4fuse', 'bf16')} |")
+        lines.append("")
+    lines += ["## Fusions per compiled model (cumulative over its graphs)", ""]
+    for key, counts in sorted(raw["counts"].items()):
+        lines.append(f"- `{key}`: " + (", ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "none"))
+    diffs = raw.get("max_rel_diff", {})
+    if diffs:
+        worst = max((v for k, v in diffs.items() if not k.endswith("/bf16")), default=0.0)
+        lines += ["", f"Largest relative difference of an NVFP4 variant's output from `nvfp4`: {worst:.2e}."]
+    return "\n".join(lines) + "\n"
+
+
+def render_plot(raw: dict[str, Any], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    args, times = raw["args"], raw["times"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, baseline in zip(axes, ("nvfp4", "bf16")):
+        for mode, style in zip(args["modes"], ("-o", "--s")):
+            for variant in ("lowered", "sp", "fp4fuse", "forced"):
+                if variant not in args["variants"]:
+                    continue
+                xs, ys = [], []
+                for t in args["tokens"]:
+                    a, b = times.get(f"{mode}/{t}/{variant}"), times.get(f"{mode}/{t}/{baseline}")
+                    if a and b:
+                        xs.append(t)
+                        ys.append(b / a)
+                ax.plot(xs, ys, style, label=f"{variant} ({mode})")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens per forward")
+        ax.set_title(f"speedup over {baseline} (higher is better)")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("speedup")
+    axes[1].legend(fontsize=7)
+    fig.suptitle(f"fp4fuse end to end, TP={args['tp']}, {raw['versions']['device']}, {raw['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (one GPU per rank)")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers")
+    p.add_argument("--tokens", default="16,128,1024,4096,8192,16384,32768", help="token counts, comma-separated")
+    p.add_argument("--modes", default="default,cudagraphs", help="launch modes: default, cudagraphs")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
+    p.add_argument("--iters", type=int, default=10, help="back-to-back forwards per timing sample")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (median)")
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--ffn", type=int, default=14336)
+    p.add_argument("--out", help="markdown results file")
+    p.add_argument("--json", help="raw results (JSON)")
+    p.add_argument("--plot", help="PNG plot (with --render)")
+    p.add_argument("--render", help="render --out/--plot from a JSON written earlier; runs nothing")
+    ns = p.parse_args(argv)
+    if ns.render:
+        with open(ns.render) as f:
+            raw = json.load(f)
+        if ns.out:
+            with open(ns.out, "w") as f:
+                f.write(render_markdown(raw))
+        if ns.plot:
+            render_plot(raw, ns.plot)
+        return 0
+    args = BenchArgs(ns.tp, ns.layers, tuple(int(t) for t in ns.tokens.split(",")),
+                     tuple(ns.modes.split(",")), tuple(ns.variants.split(",")), ns.iters, ns.rounds,
+                     ns.hidden, ns.heads, ns.kv_heads, ns.ffn)
+    unknown = set(args.variants) - set(VARIANTS)
+    if unknown or set(args.modes) - {"default", "cudagraphs"}:
+        p.error(f"unknown variants {sorted(unknown)} or modes {args.modes}")
+    for t in args.tokens:
+        batch_shape(t)
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    from fp4fuse.launch import run_on_ranks
+    # CUDA-graph runs have hung in process-group teardown: ranks exit right after their result.
+    results = run_on_ranks(_rank_main, args.tp, args, timeout=3600, backend="nccl", hard_exit=True)[0]
+    raw = {**results, "args": dataclasses.asdict(args), "versions": _versions(),
+           "date": datetime.date.today().isoformat(), "command": "python " + " ".join(sys.argv)}
+    text = render_markdown(raw)
+    print(text)
+    if ns.out:
+        with open(ns.out, "w") as f:
+            f.write(text)
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump(raw, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

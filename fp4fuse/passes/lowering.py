@@ -1,0 +1,144 @@
+"""``KernelLoweringPass``: fp4fuse's op calls become, inside the compiled graph, the kernels they run.
+
+Inductor calls a custom op from its generated code through the op's Python kernel (dispatcher
+entry, validation, backend choice, launcher): tens of microseconds of host time per call, which at
+decode sizes is longer than the kernels themselves. This pass replaces each call by the launches
+its CUDA kernel would make -- traced from the same function (``fp4fuse.ops.kernel_table``), so the
+graph computes what the eager op computes, bit for bit -- as ``triton_kernel_wrapper_functional``
+nodes, which Inductor's generated code launches directly (``torch.library.wrap_triton``)::
+
+    before:  out = fp4fuse.mm_fp4(a, b, sa, sb, alpha, bf16)                     # Python per call
+    after:   a16 = <dequant kernel>(a, sa); b16 = <dequant kernel>(b, sb)        # M >= DEQUANT_MIN_M
+             out = mm(a16, b16.T); out = <alpha kernel>(out, alpha)
+
+             shard = fp4fuse.shard_rows(x, group)        ->  shard = x[r*M/W : (r+1)*M/W]
+
+Argument checks ran when the graph was traced (the ops' fake implementations validate like the
+ops do), so nothing is re-checked per call. A call is lowered only where its tensors are on CUDA
+and the device's backend is Triton; elsewhere (CPU, the reference backend, flashinfer) it stays an
+op call. ``shard_rows`` becomes a slice at this rank's offset: the rank is baked into the graph,
+so the pass reads process groups and ``FusionPass.uuid()`` carries this process's rank.
+
+It runs last in the pipeline: the fusion passes match fp4fuse's op calls, which this pass removes.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fp4fuse.distributed.groups import group_rank_of, group_size_of
+from fp4fuse.ops import kernel_table
+from fp4fuse.ops.backend import Backend, backend_for
+from fp4fuse.passes.base import GraphPass
+from fp4fuse.patterns import base
+from fp4fuse.patterns.base import erase_if_unused, fake_value, insert_call, insert_traced
+
+__all__ = ["KernelLoweringPass"]
+
+logger = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+_SHARD_ROWS = torch.ops.fp4fuse.shard_rows.default
+_LOWERABLE = {getattr(torch.ops.fp4fuse, name).default: name for name in kernel_table.LOWERABLE_OPS}
+# The launchers traced into graphs: their configuration choices decide the graph (Inductor hashes
+# the kernels' own source). Located without importing triton, which a CPU install lacks.
+_KERNEL_MODULES = ("fp4fuse.kernels.triton.mm", "fp4fuse.kernels.triton.quant", "fp4fuse.kernels.triton.norm")
+
+
+def _ordered_args(node: fx.Node) -> list[Any]:
+    """The call's arguments in schema order (positional, keyword or default)."""
+    schema = node.target._schema  # type: ignore[union-attr]
+    args = []
+    for i, arg in enumerate(schema.arguments):
+        if i < len(node.args):
+            args.append(node.args[i])
+        elif arg.name in node.kwargs:
+            args.append(node.kwargs[arg.name])
+        else:
+            args.append(arg.default_value)
+    return args
+
+
+def _on_cuda(node: fx.Node) -> bool:
+    val = fake_value(node.args[0]) if node.args else None
+    return isinstance(val, torch.Tensor) and val.device.type == "cuda"
+
+
+class KernelLoweringPass(GraphPass):
+    """Replace fp4fuse op calls on CUDA by their Triton launches (module docstring)."""
+
+    name = "lowering"
+    reads_process_groups = True
+    source_modules = (kernel_table, base)
+
+    def source_files(self) -> list[str]:
+        files = super().source_files()
+        for module in _KERNEL_MODULES:
+            spec = importlib.util.find_spec(module)
+            if spec is not None and spec.origin is not None and spec.origin not in files:
+                files.append(spec.origin)
+        return files
+
+    def __call__(self, graph: fx.Graph) -> int:
+        self.recorder.reset()
+        for node in list(graph.nodes):
+            if node.op != "call_function":
+                continue
+            if node.target is _SHARD_ROWS:
+                self._lower_shard_rows(node)
+            elif node.target in _LOWERABLE:
+                self._lower_op(node, _LOWERABLE[node.target])
+        return self.finish()
+
+    def _lower_op(self, node: fx.Node, op: str) -> None:
+        if not _on_cuda(node):
+            return  # CPU graphs keep the op (its reference kernel); not worth a skip record
+        backend = backend_for(fake_value(node.args[0]))
+        if backend is not Backend.TRITON:
+            self.recorder.skipped(op, node, f"the device's fp4fuse backend is {backend.value}, not triton")
+            return
+        args = _ordered_args(node)
+        slots = [i for i, a in enumerate(args) if isinstance(a, fx.Node)]
+        impl = kernel_table.kernel_for(op, backend)
+
+        def launches(*tensors: torch.Tensor) -> Any:
+            full = list(args)
+            for i, t in zip(slots, tensors):
+                full[i] = t
+            return impl(*full)
+
+        with node.graph.inserting_before(node):
+            outputs = insert_traced(node.graph, launches, [args[i] for i in slots])
+        self._replace(node, outputs)
+        self.recorder.matched(op)
+
+    @staticmethod
+    def _replace(node: fx.Node, outputs: list[fx.Node]) -> None:
+        """Point ``node``'s readers at the traced outputs (a tuple-returning op is read through
+        ``getitem``) and erase it."""
+        if len(outputs) == 1 and not isinstance(fake_value(node), (tuple, list)):
+            node.replace_all_uses_with(outputs[0])
+        else:
+            for user in list(node.users):
+                user.replace_all_uses_with(outputs[user.args[1]])
+                node.graph.erase_node(user)
+        erase_if_unused([node])
+
+    def _lower_shard_rows(self, node: fx.Node) -> None:
+        x, group_name = node.args[0], node.args[1]
+        try:
+            world, rank = group_size_of(group_name), group_rank_of(group_name)
+        except (RuntimeError, ValueError, KeyError) as exc:
+            self.recorder.skipped("shard_rows", node, f"group {group_name!r} does not resolve here: {exc}")
+            return
+        rows = fake_value(node).shape[0]
+        with node.graph.inserting_before(node):
+            shard = insert_call(node.graph, aten.slice.Tensor, (x, 0, rank * rows, (rank + 1) * rows))
+        node.replace_all_uses_with(shard)
+        erase_if_unused([node])
+        self.recorder.matched("shard_rows")
+        del world  # the fake implementation already required rows * world == x.shape[0]

@@ -1,0 +1,83 @@
+"""KernelLoweringPass: fp4fuse op calls on CUDA become their Triton launches in the compiled graph.
+
+CPU: op calls stay (their reference kernels), ``shard_rows`` becomes a slice at the rank's offset.
+CUDA: the compiled code launches fp4fuse's kernels itself (no ``torch.ops.fp4fuse`` call left) and
+computes what the eager ops compute, bit for bit (the same launches, traced from the same
+functions)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._inductor.pattern_matcher import fwd_only
+from torch._inductor.utils import run_and_get_code
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import fp4fuse
+from fp4fuse.config import FusionConfig
+from fp4fuse.nvfp4 import format as nvfp4
+from fp4fuse.passes.lowering import KernelLoweringPass
+
+fp4 = torch.ops.fp4fuse
+
+
+def _quantized(rows: int, k: int, gen: torch.Generator, device: str) -> tuple[torch.Tensor, ...]:
+    x = torch.randn(rows, k, generator=gen) * torch.rand(rows, 1, generator=gen).add(0.1)
+    gs = nvfp4.global_scale_from_amax(x.abs().amax()).reshape(1)
+    q, s = nvfp4.quantize_reference(x, gs)
+    return q.to(device), s.to(device), gs.to(device)
+
+
+def test_cpu_op_calls_stay_and_shard_rows_becomes_the_rank_slice(fake_group):
+    def fn(x, res, w):
+        out = fp4.rms_norm(x, w, 1e-6)
+        return out, fp4.shard_rows(res, fake_group)
+
+    with FakeTensorMode() as mode:
+        inputs = [mode.from_tensor(torch.empty(6, 32)), mode.from_tensor(torch.empty(6, 32)),
+                  mode.from_tensor(torch.empty(32))]
+        gm = fwd_only(fn, inputs)
+    lowering = KernelLoweringPass(FusionConfig())
+    assert lowering(gm.graph) == 1 and lowering.match_counts == {"lowering.shard_rows": 1}
+    gm.recompile()
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert fp4.rms_norm.default in targets and fp4.shard_rows.default not in targets
+    (slice_node,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.slice.Tensor]
+    assert slice_node.args[1:] == (0, 0, 3)  # the fake group's rank is 0 of 2
+    x, res, w = torch.randn(6, 32), torch.randn(6, 32), torch.rand(32) + 0.5
+    out, shard = gm(x, res, w)
+    assert torch.equal(shard, res[:3]) and torch.equal(out, fp4.rms_norm(x, w, 1e-6))
+    assert KernelLoweringPass.reads_process_groups
+
+
+def _ops_graph(a, b, sa, sb, alpha, x, r, w, gs):
+    out16 = fp4.mm_fp4(a, b, sa, sb, alpha, torch.bfloat16)
+    out32 = fp4.mm_fp4(a, b, sa, sb, alpha, torch.float32)
+    normed, summed = fp4.fused_add_rms_norm(x, r, w, 1e-5)
+    q, s = fp4.scaled_fp4_quant(fp4.rms_norm(normed, w, 1e-6), gs)
+    return out16, out32, summed, q, s
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", [3, 17, 200])
+def test_cuda_compiled_graph_launches_kernels_and_matches_the_eager_ops(m):
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(m)
+    n, k = 96, 208
+    a, sa, ga = _quantized(m, k, gen, "cuda")
+    b, sb, gb = _quantized(n, k, gen, "cuda")
+    alpha = (1.0 / (ga * gb)).reshape(1)
+    x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
+    r = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
+    w = (torch.rand(k, generator=gen) + 0.5).to("cuda", torch.bfloat16)
+    gs = torch.tensor([7.5], device="cuda")
+    args = (a, b, sa, sb, alpha, x, r, w, gs)
+    eager = _ops_graph(*args)
+    fusion = fp4fuse.FusionPass(FusionConfig())
+    compiled = torch.compile(_ops_graph, fullgraph=True, options={"post_grad_custom_post_pass": fusion})
+    got, (code, *_) = run_and_get_code(compiled, *args)
+    assert "torch.ops.fp4fuse" not in code and "fp4fuse.mm_fp4" not in code
+    assert fusion.match_counts == {"lowering.mm_fp4": 2, "lowering.fused_add_rms_norm": 1,
+                                   "lowering.rms_norm": 1, "lowering.scaled_fp4_quant": 1}
+    for e, g in zip(eager, got):
+        assert g.dtype == e.dtype and torch.equal(g.view(torch.uint8) if g.dtype == torch.float8_e4m3fn else g,
+                                                  e.view(torch.uint8) if e.dtype == torch.float8_e4m3fn else e)
