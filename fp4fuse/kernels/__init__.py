@@ -1,0 +1,1 @@
+"""fp4fuse's compute kernels, grouped by implementation language."""
