@@ -122,7 +122,7 @@ def _store_output(acc, alpha_ptr, out_ptr, rows_m, cols_n, M, N):
     tl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "iters_per_split", "n_split"])
 def _mm_decode_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, alpha_ptr, out_ptr, part_ptr, count_ptr,
     M, N, KB, KG, iters_per_split, n_split,
