@@ -15,6 +15,12 @@ every timed call, so weights are read from HBM as in a real decode step):
    replays over 4 rotating weight copies (no launch gaps, weights cold in L2).
 4. ``--sweep``: the launch-configuration sweep that chose the defaults in triton_mm.py and
    triton_quant.py (printed and written to the JSON).
+5. ``--decode-sweep`` (only this, after the ceilings): the one-launch decode GEMM
+   (``fp4fuse.kernels.triton.mm_decode``) over a grid of launch configurations at the TP=2
+   Llama-3-8B shard shapes and the 8192/28672 shapes, M in {1, 16, 64, 128}, against the current
+   ``mm_fp4_triton`` and cuBLAS bf16, with ``do_bench`` (L2 cleared) and as CUDA-graph replays over
+   rotating weight copies; one summary line per (shape, M) with the best configuration, the
+   default's time and the floor (fp4 weight + scale bytes / copy bandwidth).
 """
 from __future__ import annotations
 
@@ -33,7 +39,7 @@ from triton.testing import do_bench
 
 import fp4fuse  # noqa: F401  (registers torch.ops.fp4fuse)
 from fp4fuse.nvfp4 import format as nvfp4
-from fp4fuse.kernels.triton import mm as triton_mm, quant as triton_quant
+from fp4fuse.kernels.triton import mm as triton_mm, mm_decode, quant as triton_quant
 
 logger = logging.getLogger(__name__)
 
@@ -243,6 +249,115 @@ def sweep(raw: dict) -> None:
     raw["sweep"] = out
 
 
+DECODE_SHAPES = ((3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168), (8192, 8192), (28672, 8192),
+                 (8192, 28672))
+DECODE_MS = (1, 16, 64, 128)
+_DC = mm_decode.DecodeConfig
+#: Tile variants per activation block (block_m, block_n, block_k, split_k placeholder, warps,
+#: stages, register cap); each is timed at several split counts. The first of each is the default
+#: rule's tile, the others its neighbours; all compile for sm_90 with Triton 3.6 (only the
+#: 128-register cap of the 128x128 tile spills, 24 bytes).
+DECODE_TILES = {
+    16: (_DC(16, 128, 128, 1, 4, 3, 128), _DC(16, 128, 128, 1, 4, 3), _DC(16, 64, 128, 1, 4, 3),
+         _DC(16, 256, 128, 1, 4, 3), _DC(16, 256, 128, 1, 8, 3, 128), _DC(16, 128, 128, 1, 4, 4, 128)),
+    64: (_DC(64, 128, 128, 1, 4, 3), _DC(64, 64, 128, 1, 4, 3), _DC(64, 256, 128, 1, 8, 3),
+         _DC(64, 128, 128, 1, 4, 4)),
+    128: (_DC(128, 128, 128, 1, 8, 3), _DC(128, 128, 128, 1, 8, 3, 128), _DC(64, 128, 128, 1, 4, 3),
+          _DC(128, 256, 128, 1, 8, 3)),
+}
+
+
+def _decode_splits(cfg: mm_decode.DecodeConfig, m: int, n: int, k: int, sms: int) -> list[int]:
+    """Split counts to time for one tile: powers of two up to 16, the default rule's pick, and
+    none that gives more than 8 programs per multiprocessor or fewer than 2 K steps per split."""
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    steps = triton.cdiv(k // 2, cfg.block_k // 2)
+    default = mm_decode.decode_config_for(m, n, k, sms).split_k
+    cands = sorted({1, 2, 4, 8, 16, default})
+    return [s for s in cands if s == 1 or (tiles * s <= 8 * sms and steps >= 2 * s)]
+
+
+def _decode_point(ceil: Ceilings, m: int, n: int, k: int, weights: list, w_bf16: list, sms: int) -> dict:
+    """Time one (shape, M): every config of the grid (do_bench), then the best and the default
+    config, the current kernel and cuBLAS bf16 also as CUDA-graph replays."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    a, sa, ga = quantize(x)
+    b, sb, gb = weights[0]
+    alpha = 1.0 / (ga * gb)
+    default = mm_decode.decode_config_for(m, n, k, sms)
+    tiles = DECODE_TILES[16 if m <= 16 else 64 if m <= 64 else 128]
+    configs = [default] + [dataclasses.replace(t, split_k=s) for t in tiles for s in _decode_splits(t, m, n, k, sms)]
+    timed: list[tuple[mm_decode.DecodeConfig, float]] = []
+    for cfg in dict.fromkeys(configs):
+        ws = mm_decode.empty_decode_workspace(*mm_decode.decode_workspace_numel(m, n, k, cfg), a.device)
+        fn = functools.partial(mm_decode.mm_fp4_decode, a, b, sa, sb, alpha, torch.bfloat16, cfg, ws)
+        try:
+            ms = bench(fn, warmup=5, rep=20)
+        except (triton.runtime.errors.OutOfResources, triton.compiler.errors.CompilationError) as exc:
+            print(f"  skip {_cfg_str(cfg)}: {type(exc).__name__}", flush=True)
+            continue
+        timed.append((cfg, ms))
+        print(f"  m={m} n={n} k={k} {_cfg_str(cfg)}: {ms * 1e3:.1f} us", flush=True)
+    if not timed:
+        raise RuntimeError(f"decode sweep m={m} n={n} k={k}: no configuration ran")
+    best_cfg, best_ms = min(timed, key=lambda t: t[1])
+    if default not in dict(timed):
+        default = best_cfg
+    default_ms = dict(timed)[default]
+
+    def graph_decode(cfg):
+        ws = mm_decode.empty_decode_workspace(*mm_decode.decode_workspace_numel(m, n, k, cfg), a.device)
+        return bench_graph([functools.partial(mm_decode.mm_fp4_decode, a, wq, sa, wsq, alpha, torch.bfloat16, cfg, ws)
+                            for wq, wsq, _ in weights])
+
+    w_t = [w.t() for w in w_bf16]
+    row = {"m": m, "n": n, "k": k, "best_cfg": dataclasses.asdict(best_cfg), "best_us": best_ms * 1e3,
+           "default_cfg": dataclasses.asdict(default), "default_us": default_ms * 1e3,
+           "current_us": bench(functools.partial(triton_mm.mm_fp4_triton, a, b, sa, sb, alpha, torch.bfloat16),
+                               warmup=5, rep=20) * 1e3,
+           "bf16_us": bench(functools.partial(torch.mm, x, w_t[0]), warmup=5, rep=20) * 1e3,
+           "graph_best_us": graph_decode(best_cfg) * 1e3,
+           "graph_default_us": graph_decode(default) * 1e3,
+           "graph_current_us": bench_graph([functools.partial(triton_mm.mm_fp4_triton, a, wq, sa, wsq, alpha,
+                                                              torch.bfloat16) for wq, wsq, _ in weights]) * 1e3,
+           "graph_bf16_us": bench_graph([functools.partial(torch.mm, x, wt) for wt in w_t]) * 1e3,
+           "floor_us": (n * k // 2 + n * k // 16) / ceil.copy_gbs / 1e3,
+           "all": [{"cfg": dataclasses.asdict(c), "us": t * 1e3} for c, t in timed]}
+    row["graph_vs_bf16"] = row["graph_bf16_us"] / row["graph_best_us"]
+    print(f"DECODE m={m:<3d} n={n:<5d} k={k:<5d} best {row['best_us']:6.1f} us {_cfg_str(best_cfg)} | "
+          f"default {row['default_us']:6.1f} | current {row['current_us']:6.1f} | bf16 {row['bf16_us']:6.1f} | "
+          f"graph: best {row['graph_best_us']:6.1f} default {row['graph_default_us']:6.1f} "
+          f"current {row['graph_current_us']:6.1f} bf16 {row['graph_bf16_us']:6.1f} "
+          f"({row['graph_vs_bf16']:.2f}x) | floor {row['floor_us']:5.1f} us", flush=True)
+    return row
+
+
+def _cfg_str(cfg: mm_decode.DecodeConfig) -> str:
+    cap = f",r{cfg.max_registers}" if cfg.max_registers else ""
+    return f"[{cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.split_k} w{cfg.num_warps} st{cfg.num_stages}{cap}]"
+
+
+def decode_sweep(ceil: Ceilings, raw: dict) -> None:
+    """``--decode-sweep``: module docstring, item 5."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for n, k in DECODE_SHAPES:
+        weights = [quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16)) for _ in range(ROTATIONS)]
+        w_bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+        for m in DECODE_MS:
+            rows.append(_decode_point(ceil, m, n, k, weights, w_bf16, sms))
+        weights = w_bf16 = None
+        torch.cuda.empty_cache()
+    raw["decode_sweep"] = rows
+    print("\nsummary (us; graph = CUDA-graph replay over rotating weights; speedup = graph bf16 / graph best)")
+    print(f"{'M':>4} {'N':>6} {'K':>6} {'best':>7} {'default':>8} {'current':>8} {'bf16':>7} {'g.best':>7} "
+          f"{'g.cur':>7} {'g.bf16':>7} {'speedup':>8} {'floor':>6}  best config")
+    for r in rows:
+        print(f"{r['m']:>4} {r['n']:>6} {r['k']:>6} {r['best_us']:7.1f} {r['default_us']:8.1f} {r['current_us']:8.1f} "
+              f"{r['bf16_us']:7.1f} {r['graph_best_us']:7.1f} {r['graph_current_us']:7.1f} {r['graph_bf16_us']:7.1f} "
+              f"{r['graph_vs_bf16']:7.2f}x {r['floor_us']:6.1f}  {_cfg_str(_DC(**r['best_cfg']))}", flush=True)
+
+
 def markdown(dev: str, ceil: Ceilings, op_rows: list[dict], mm_rows: list[dict]) -> str:
     lines = [
         f"# fp4fuse single-GPU ops, {datetime.date.today().isoformat()}",
@@ -280,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="markdown file to write (default: print)")
     parser.add_argument("--json", help="raw results as JSON")
     parser.add_argument("--sweep", action="store_true", help="also run the launch-configuration sweep")
+    parser.add_argument("--decode-sweep", action="store_true",
+                        help="only the decode-GEMM configuration sweep (after the ceilings)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not torch.cuda.is_available():
@@ -289,6 +406,15 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.cuda.get_device_name()
     ceil = measure_ceilings()
     print(f"copy {ceil.copy_gbs:.0f} GB/s, bf16 mm {ceil.mm_tflops:.0f} TFLOP/s", flush=True)
+    if args.decode_sweep:
+        raw = {"device": dev, "torch": torch.__version__, "triton": triton.__version__,
+               "ceilings": dataclasses.asdict(ceil)}
+        decode_sweep(ceil, raw)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(raw, f, indent=1, default=str)
+        print(f"total {time.time() - t0:.0f} s", flush=True)
+        return 0
     op_rows: list[dict] = []
     bench_quant(ceil, op_rows)
     for r in op_rows:

@@ -24,7 +24,7 @@ ops = torch.ops.fp4fuse
 CASES_SCRIPT = os.path.join(os.path.dirname(__file__), "triton_interpreter_cases.py")
 
 
-@pytest.mark.parametrize("family", ["quant", "mm", "norm"])
+@pytest.mark.parametrize("family", ["quant", "mm", "mm_decode", "norm"])
 def test_kernels_under_triton_interpreter(family):
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, CASES_SCRIPT, family], env=env, capture_output=True,
@@ -106,6 +106,47 @@ def test_cuda_mm_fp4_matches_float64(m, n, k, out_dtype):
     assert out.dtype == out_dtype and out.shape == (m, n)
     assert torch.isfinite(out).all()
     assert rel <= tol, rel
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m,n,k", [(1, 3072, 4096), (3, 423, 208), (16, 8192, 1040), (17, 200, 48),
+                                   (64, 1000, 1024), (128, 4096, 7168)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_mm_fp4_decode_matches_float64(m, n, k, out_dtype):
+    """The one-launch decode GEMM (default config and a 3-way split that does not divide the K
+    steps) against float64; bitwise repeatable; counters back to zero; a NaN scale poisons its row."""
+    _require_triton_backend()
+    from fp4fuse.kernels.triton import mm_decode
+    gen = torch.Generator(device="cuda").manual_seed(m * 31 + n + k)
+    xa, xb = _blocks(m, k, gen), _blocks(n, k, gen)
+    ga = nvfp4.global_scale_from_amax(xa.float().abs().amax()).reshape(1)
+    gb = nvfp4.global_scale_from_amax(xb.float().abs().amax()).reshape(1)
+    a, sa = ops.scaled_fp4_quant(xa, ga)
+    b, sb = ops.scaled_fp4_quant(xb, gb)
+    alpha = 1.0 / (ga * gb)
+    ref = nvfp4.mm_fp4_reference(a.cpu(), b.cpu(), sa.cpu(), sb.cpu(), alpha.cpu(), torch.float64)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[out_dtype]
+    split3 = mm_decode.DecodeConfig(block_m=16 if m <= 16 else 64, block_n=128, block_k=128, split_k=3,
+                                    num_warps=4, num_stages=3)
+    for cfg in (None, split3):
+        ws = None
+        if cfg is not None:
+            ws = mm_decode.empty_decode_workspace(*mm_decode.decode_workspace_numel(m, n, k, cfg), a.device)
+        out = mm_decode.mm_fp4_decode(a, b, sa, sb, alpha, out_dtype, cfg, workspace=ws)
+        again = mm_decode.mm_fp4_decode(a, b, sa, sb, alpha, out_dtype, cfg, workspace=ws)
+        rel = ((out.double().cpu() - ref).norm() / ref.norm()).item()
+        assert out.dtype == out_dtype and out.shape == (m, n)
+        assert torch.isfinite(out).all()
+        assert rel <= tol, (cfg, rel)
+        assert torch.equal(out, again), cfg
+        if ws is not None:
+            assert not ws.counters.any()
+    if m > 1:
+        sa_nan = sa.clone()
+        sa_nan.view(torch.uint8)[1, k // 32] = 0x7F
+        out = mm_decode.mm_fp4_decode(a, b, sa_nan, sb, alpha, out_dtype, split3)
+        assert torch.isnan(out[1]).all()
+        assert torch.isfinite(out[0]).all() and torch.isfinite(out[2:]).all()
 
 
 @pytest.mark.cuda

@@ -3,7 +3,7 @@
 Run by tests/test_triton_kernels.py in a subprocess with ``TRITON_INTERPRET=1`` (the variable must
 be set before triton is imported, so these cannot share a process with CUDA tests):
 
-    TRITON_INTERPRET=1 python tests/triton_interpreter_cases.py quant mm norm
+    TRITON_INTERPRET=1 python tests/triton_interpreter_cases.py quant mm mm_decode norm
 
 Each case raises AssertionError with the failing shape; exit status 0 means all passed.
 """
@@ -21,7 +21,7 @@ from triton.runtime import interpreter
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fp4fuse.nvfp4 import format as nvfp4
-from fp4fuse.kernels.triton import mm as triton_mm, norm as triton_norm, quant as triton_quant
+from fp4fuse.kernels.triton import mm as triton_mm, mm_decode, norm as triton_norm, quant as triton_quant
 from fp4fuse.nvfp4.norms import fused_add_rms_norm_reference, rms_norm_reference
 
 
@@ -157,6 +157,57 @@ def case_mm() -> None:
         assert rel <= 1e-5, f"dispatch {m}x{n}x{k}: rel {rel:.2e}"
 
 
+def case_mm_decode() -> None:
+    """The one-launch decode GEMM against the float64 reference: odd shapes, every output dtype,
+    split counts that do and do not divide the K steps, NaN scales, determinism, workspace reuse."""
+    gen = torch.Generator().manual_seed(4)
+    C = mm_decode.DecodeConfig
+    # (block_m, block_n, block_k, split_k, warps, stages); K steps of 32 code bytes at block_k 64
+    configs = (C(16, 16, 64, 1, 4, 2), C(16, 32, 64, 2, 4, 2), C(32, 16, 128, 3, 4, 2), C(64, 64, 64, 5, 4, 2))
+    dtypes = ((torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3))
+    for m, n, k in ((1, 37, 1040), (3, 70, 160), (17, 200, 48), (64, 37, 16), (17, 70, 1040)):
+        a, sa, ga = _quantized(m, k, gen)
+        b, sb, gb = _quantized(n, k, gen)
+        alpha = 1.0 / (ga * gb)
+        ref = nvfp4.mm_fp4_reference(a, b, sa, sb, alpha, torch.float64)
+        for i, cfg in enumerate(configs + (None,)):
+            for out_dtype, tol in dtypes if i in (0, 2) else dtypes[:1]:
+                out = mm_decode.mm_fp4_decode(a, b, sa, sb, alpha, out_dtype, cfg)
+                rel = ((out.double() - ref).norm() / ref.norm()).item()
+                assert out.dtype == out_dtype and out.shape == (m, n), f"decode {m}x{n}x{k} {cfg}: shape"
+                assert rel <= tol, f"decode {m}x{n}x{k} {cfg} {out_dtype}: rel {rel:.2e}"
+    # split 3 over 17 K steps (6, 6, 5): bitwise repeatable, counters back to zero, buffer reusable
+    m, n, k = 17, 70, 1040
+    a, sa, ga = _quantized(m, k, gen)
+    b, sb, gb = _quantized(n, k, gen)
+    alpha = 1.0 / (ga * gb)
+    cfg = C(16, 32, 64, 3, 4, 2)
+    ws = mm_decode.empty_decode_workspace(*mm_decode.decode_workspace_numel(m, n, k, cfg), a.device)
+    first = mm_decode.mm_fp4_decode(a, b, sa, sb, alpha, torch.float32, cfg, workspace=ws)
+    assert not ws.counters.any(), "decode: counters not reset"
+    again = mm_decode.mm_fp4_decode(a, b, sa, sb, alpha, torch.float32, cfg, workspace=ws)
+    assert torch.equal(first, again) and not ws.counters.any(), "decode: second call differs"
+    cached = mm_decode.mm_fp4_decode(a, b, sa, sb, alpha, torch.float32, cfg)
+    assert torch.equal(first, cached), "decode: cached workspace differs"
+    # a NaN activation block scale poisons exactly its row, through the split reduction
+    sa_nan = sa.clone()
+    sa_nan.view(torch.uint8)[5, 40] = 0x7F
+    out = mm_decode.mm_fp4_decode(a, b, sa_nan, sb, alpha, torch.bfloat16, cfg, workspace=ws)
+    assert torch.isnan(out[5]).all(), "decode: NaN scale lost"
+    assert torch.isfinite(out[:5]).all() and torch.isfinite(out[6:]).all(), "decode: NaN leaked"
+    assert not ws.counters.any(), "decode: counters not reset after NaN call"
+    for m, n in ((0, 5), (4, 0)):
+        empty = mm_decode.mm_fp4_decode(a[:m], b[:n], sa[:m], sb[:n], alpha, torch.bfloat16, cfg)
+        assert empty.shape == (m, n), "decode: empty shapes"
+    # the default rule: split never beyond what fills one wave, and at least one K step per split
+    for n, k in ((3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168), (8192, 8192), (28672, 8192),
+                 (8192, 28672)):
+        for m in (1, 4, 16, 32, 64, 128):
+            cfg = mm_decode.decode_config_for(m, n, k, 132)
+            plan = mm_decode._plan(cfg, m, n, k)
+            assert 1 <= plan.split <= mm_decode.MAX_SPLIT and plan.iters_per_split >= 1, (m, n, k, cfg)
+
+
 def _ulps_ok(out: torch.Tensor, ref: torch.Tensor, ulps: int) -> bool:
     """|out - ref| within ``ulps`` units in the last place of ref's dtype (fp32 for fp32)."""
     eps = torch.finfo(ref.dtype).eps
@@ -181,7 +232,7 @@ def case_norm() -> None:
             assert _ulps_ok(out, ref_out, 3), f"fused_add out {dtype} {t}x{h}"
 
 
-CASES = {"quant": case_quant, "mm": case_mm, "norm": case_norm}
+CASES = {"quant": case_quant, "mm": case_mm, "mm_decode": case_mm_decode, "norm": case_norm}
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 class GemmMode(enum.Enum):
     """How :class:`RowBlockGemm` writes a row block's ``mm_fp4`` into an output view."""
     DEQUANT_CUBLAS = "exact bf16 dequantize + cuBLAS into out="
+    DECODE = "one-launch decode GEMM with the whole GEMM's configuration, then copy"
     TILED = "tiled Triton kernel with the whole GEMM's configuration, then copy"
     COPY = "mm_fp4 then copy"
 
@@ -42,6 +43,9 @@ class RowBlockGemm:
       functions so it can write into the view: ``torch.mm(dequant(a), dequant(b).T, out=view)`` then
       the in-place alpha scale -- the same kernels and arithmetic as ``triton_mm.mm_fp4_dequant_mm``, so
       bit-identical, with ``b`` dequantized once per call instead of once per block;
+    * ``DECODE``: up to ``DECODE_MAX_M`` total rows, the one-launch decode GEMM with the
+      configuration ``mm_fp4`` would pick for the whole GEMM (each row's sums do not depend on the
+      other rows, so bitwise equal to the unfused graph);
     * ``TILED``: the Triton backend's tiled kernel, launched with the configuration (tile shape,
       split-K) that ``mm_fp4`` would pick for the whole ``total_rows``-row GEMM, so every output
       element is accumulated in the same order as in the unfused graph (bitwise equal to it);
@@ -75,14 +79,19 @@ class RowBlockGemm:
             self.mode = GemmMode.DEQUANT_CUBLAS
             self._dequantize = triton_mm.dequantize_fp4_triton
             self._scale_by_alpha = triton_mm.scale_by_alpha_
+        elif triton_mm is not None and total_rows <= triton_mm.DECODE_MAX_M:
+            self.mode = GemmMode.DECODE
+            self._decode_gemm = triton_mm.mm_fp4_decode
+            self._config = triton_mm.decode_config_for(total_rows, b.shape[0], b.shape[1] * 2,
+                                                       triton_mm.num_sms(b.device))
         elif triton_mm is not None:
             self.mode = GemmMode.TILED
             self._tiled = triton_mm.mm_fp4_tiled
             self._config = triton_mm.mm_config_for(total_rows, b.shape[0], b.shape[1] * 2, b.device)
         else:
             self.mode = GemmMode.COPY
-        # fp4fuse's tiled kernel retires its programs tile by tile; anything else may be persistent.
-        self.may_hold_all_sms = self.mode is not GemmMode.TILED
+        # fp4fuse's Triton GEMMs retire their programs tile by tile; anything else may be persistent.
+        self.may_hold_all_sms = self.mode not in (GemmMode.TILED, GemmMode.DECODE)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("fp4fuse: %d-row blocks of %d rows, N=%d, %s: %s", block_rows, total_rows, b.shape[0],
                          out_dtype, self.mode.value)
@@ -121,6 +130,9 @@ class RowBlockGemm:
         stream; ``out`` a contiguous ``[rows, N]`` view."""
         if self.mode is GemmMode.DEQUANT_CUBLAS:
             self.run_decoded(out, block.a_dequant)
+        elif self.mode is GemmMode.DECODE:
+            out.copy_(self._decode_gemm(block.a, self.b, block.a_scale, self.b_scale, self.alpha, self.out_dtype,
+                                        config=self._config))
         elif self.mode is GemmMode.TILED:
             out.copy_(self._tiled(block.a, self.b, block.a_scale, self.b_scale, self.alpha, self.out_dtype,
                                   self._config))

@@ -5,15 +5,15 @@ a uint8 ``[M, K/2]``, b uint8 ``[N, K/2]`` (weight, row-major), linear e4m3 scal
 ``[N, K/16]``, alpha a one-element fp32 device tensor (read in-kernel, never synchronised),
 ``out = alpha * (q_a * s_a) @ (q_b * s_b)^T`` in bf16/fp16/fp32. Inputs are validated by the op layer.
 
-Numerics. Codes are decoded with integer ops: ``bits = (c & 7) << 9 | (c & 8) << 12`` is the fp16
-pattern of ``e2m1(c) * 2**-14`` (the e2m1 subnormal 0.5 lands on an fp16 subnormal), and scales are
-decoded from their e4m3 bits. ``(e2m1 * 2**-14) * s`` is an integer multiple of 2**-24 with at most
-6 significant bits, so it is exact in fp16; products of two such values are exact in fp32, the
-tensor cores accumulate in fp32, and the epilogue multiplies by ``2**28`` (exact) and then alpha.
-The result is the float64 reference up to fp32 accumulation and one rounding to ``out_dtype``.
+Numerics. Codes and scales are decoded exactly into the fp16 operand encoding of
+``fp4fuse.kernels.triton.decode`` (``e2m1 * 2**-14 * s``); products are exact in fp32, the tensor
+cores accumulate in fp32, and the epilogue multiplies by ``2**28`` (exact) and then alpha. The result
+is the float64 reference up to fp32 accumulation and one rounding to ``out_dtype``.
 
-Kernels and dispatch (measured on an H200, benchmarks/results/2026-11-21-ops-h200.md):
+Kernels and dispatch (``mm_fp4_triton``; measurements in benchmarks/results/):
 
+* up to ``DECODE_MAX_M`` rows: ``fp4fuse.kernels.triton.mm_decode``, one launch (activation decode
+  and deterministic split-K inside it);
 * ``_decode_halves_kernel`` decodes the activation once into fp16 even/odd halves ``[M, K/2]``
   (a few microseconds at decode sizes), so that the GEMM decodes only the weight.
 * ``_mm_fp4_kernel``: tiled ``tl.dot`` kernel; each K step decodes a ``[BLOCK_N, 16*BLOCK_G]``
@@ -28,8 +28,7 @@ Kernels and dispatch (measured on an H200, benchmarks/results/2026-11-21-ops-h20
   multiplied by ``torch.mm``, then scaled by alpha in place by ``_scale_kernel`` (a second rounding
   to bf16: ``bf16(fp32(bf16(acc)) * alpha)``). PyTorch's ``out.mul_(alpha)`` with a CUDA 0-dim
   fp32 alpha would round alpha to bf16 first and runs a non-vectorized mixed-dtype loop at about a
-  quarter of the copy bandwidth (70 us vs 15 us for an 8192 x 4096 bf16 output on the H200).
-  fp16/fp32 outputs always use the tiled kernel (a bf16 cuBLAS output would lose precision).
+  quarter of the copy bandwidth. fp16/fp32 outputs always use the tiled kernel (a bf16 cuBLAS output would lose precision).
 """
 from __future__ import annotations
 
@@ -41,11 +40,18 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from fp4fuse.kernels.triton.decode import DECODE_SCALE_UNDO, decode_codes, decode_scales, num_sms
+from fp4fuse.kernels.triton.mm_decode import DECODE_MAX_M, decode_config_for, mm_fp4_decode
 from fp4fuse.nvfp4.format import BLOCK_SIZE
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    # re-exported: the dispatch below uses them and RowBlockGemm reproduces its choices
+    "DECODE_MAX_M",
+    "decode_config_for",
+    "mm_fp4_decode",
+    "num_sms",
     "DEQUANT_MIN_M",
     "MMConfig",
     "decode_fp4_halves",
@@ -56,9 +62,6 @@ __all__ = [
     "mm_fp4_triton",
     "scale_by_alpha_",
 ]
-
-# 2**14 per operand from the fp16 decode (see module docstring), undone in the epilogue.
-_DECODE_SCALE_UNDO = tl.constexpr(268435456.0)  # 2**28
 
 # Crossover between the tiled kernel and dequantize + cuBLAS for bf16 output, measured on the H200
 # (bench_ops.py --sweep, N=K=8192): M=128 tiled 84 us vs 114 us, M=256 tiled 143 us vs 126 us;
@@ -71,66 +74,6 @@ DEQUANT_LAUNCH = (256, 8)
 
 
 @triton.jit
-def _e4m3_to_fp16(bits):
-    """e4m3fn bits (uint8 tensor) -> fp16 value, exact (incl. subnormals; 0x7F/0xFF -> NaN)."""
-    b = bits.to(tl.int16)
-    # e4m3 placed in fp16's exponent/mantissa fields is the value times 2**-8 (subnormals too)
-    v = (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True) * 256.0
-    return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
-
-
-# One PTX block per 4 code bytes (8 codes). For every byte at once: l = fp16 high byte of its
-# low nibble (magnitude bits 2..0 -> bits 3..1, sign bit 3 -> bit 7), h = the same for its high
-# nibble; then prmt places byte i of l/h in the high byte of a 16-bit lane (low byte 0), which is
-# the fp16 pattern of e2m1 * 2**-14. Outputs: $0,$1 = low nibbles of bytes 0..3 as fp16x2,
-# $2,$3 = high nibbles; input $4 = the 4 bytes.
-_DECODE_PTX = tl.constexpr("""
-{
-.reg .b32 a, b, l, h, z;
-mov.b32 z, 0;
-shl.b32 a, $4, 1;
-and.b32 a, a, 0x0E0E0E0E;
-shl.b32 b, $4, 4;
-and.b32 b, b, 0x80808080;
-or.b32 l, a, b;
-shr.b32 a, $4, 3;
-and.b32 a, a, 0x0E0E0E0E;
-and.b32 b, $4, 0x80808080;
-or.b32 h, a, b;
-prmt.b32 $0, z, l, 0x5040;
-prmt.b32 $1, z, l, 0x7060;
-prmt.b32 $2, z, h, 0x5040;
-prmt.b32 $3, z, h, 0x7060;
-}
-""")
-
-
-@triton.jit
-def _decode_codes(codes, FAST_DECODE: tl.constexpr):
-    """Packed code bytes (uint8, any shape) -> (low, high) nibbles as fp16 ``e2m1 * 2**-14``.
-
-    FAST_DECODE (CUDA): inline PTX on 4 bytes at a time. Otherwise (Triton's interpreter) the
-    same bits from per-element integer ops."""
-    if FAST_DECODE:
-        lo, hi = tl.inline_asm_elementwise(
-            _DECODE_PTX, "=r,=r,=r,=r,r", [codes], dtype=(tl.float16, tl.float16),
-            is_pure=True, pack=4)
-    else:
-        c = codes.to(tl.int16)
-        lo = (((c & 0x7) << 9) | ((c & 0x8) << 12)).to(tl.float16, bitcast=True)
-        hi = (((c & 0x70) << 5) | ((c & 0x80) << 8)).to(tl.float16, bitcast=True)
-    return lo, hi
-
-
-@triton.jit
-def _decode_scales(scales, FAST_DECODE: tl.constexpr):
-    """e4m3 scales -> fp16 (exact): the hardware convert on CUDA, integer ops otherwise."""
-    if FAST_DECODE:
-        return scales.to(tl.float16)
-    return _e4m3_to_fp16(scales.to(tl.uint8, bitcast=True))
-
-
-@triton.jit
 def _decode_weight_tile(codes, scales, FAST_DECODE: tl.constexpr):
     """Weight tile, K-major: codes ``uint8 [G, 8, N]`` + scales ``[G, N]`` -> (low, high) nibble
     values ``fp16 [G*8, N]``, each ``e2m1 * 2**-14 * s`` (exact); row ``8g + j`` of low holds
@@ -138,8 +81,8 @@ def _decode_weight_tile(codes, scales, FAST_DECODE: tl.constexpr):
 
     K-major (K along dim 0) lets the decoded tile go to shared memory as the MMA's B operand with
     16-byte stores; decoding it N-major cost one 2-byte store per element (SASS, Triton 3.6)."""
-    lo, hi = _decode_codes(codes, FAST_DECODE)
-    s = _decode_scales(scales, FAST_DECODE)[:, None, :]
+    lo, hi = decode_codes(codes, FAST_DECODE)
+    s = decode_scales(scales, FAST_DECODE)[:, None, :]
     g: tl.constexpr = codes.shape[0]
     n: tl.constexpr = codes.shape[2]
     return tl.reshape(lo * s, (g * 8, n)), tl.reshape(hi * s, (g * 8, n))
@@ -206,7 +149,7 @@ def _mm_fp4_kernel(
     mask = row_ok & (cols < N)[None, :]
     if not PARTIAL:
         alpha = tl.load(alpha_ptr)
-        res = (acc * _DECODE_SCALE_UNDO) * alpha
+        res = (acc * DECODE_SCALE_UNDO) * alpha
         offs = rows[:, None].to(tl.int64) * N + cols[None, :]
         tl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty), mask=mask)
     else:
@@ -223,7 +166,7 @@ def _splitk_reduce_kernel(part_ptr, alpha_ptr, out_ptr, n_elements, n_split, BLO
     for sp in range(1, n_split):
         acc += tl.load(part_ptr + sp * n_elements + offs, mask=mask, other=0.0)
     alpha = tl.load(alpha_ptr)
-    res = (acc * _DECODE_SCALE_UNDO) * alpha
+    res = (acc * DECODE_SCALE_UNDO) * alpha
     tl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -236,8 +179,8 @@ def _decode_halves_kernel(q_ptr, s_ptr, lo_ptr, hi_ptr, n_blocks, BLOCKS: tl.con
     in_range = blk < n_blocks
     offs = blk[:, None] * 8 + tl.arange(0, 8)[None, :]
     codes = tl.load(q_ptr + offs, mask=in_range[:, None], other=0)
-    scales = _decode_scales(tl.load(s_ptr + blk, mask=in_range, other=0.0), FAST_DECODE)
-    lo, hi = _decode_codes(codes, FAST_DECODE)
+    scales = decode_scales(tl.load(s_ptr + blk, mask=in_range, other=0.0), FAST_DECODE)
+    lo, hi = decode_codes(codes, FAST_DECODE)
     tl.store(lo_ptr + offs, lo * scales[:, None], mask=in_range[:, None])
     tl.store(hi_ptr + offs, hi * scales[:, None], mask=in_range[:, None])
 
@@ -321,24 +264,11 @@ def mm_config_for(m: int, n: int, k: int, device: torch.device) -> MMConfig:
         cfg = MMConfig(block_m=128, block_n=128, block_g=4, split_k=1, num_warps=8, num_stages=4)
     kg = k // BLOCK_SIZE
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    budget = 8 * _num_sms(device)
+    budget = 8 * num_sms(device)
     split = 1
     while tiles * split * 2 * cfg.num_warps <= budget and kg // (split * 2) >= 4 * cfg.block_g:
         split *= 2
     return dataclasses.replace(cfg, split_k=split)
-
-
-_SM_COUNT: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    """Multiprocessor count of ``device``; off CUDA (Triton's interpreter) an H100/H200's 132."""
-    if device.type != "cuda":
-        return 132
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
 
 
 def mm_fp4_tiled(
@@ -445,6 +375,8 @@ def mm_fp4_triton(
 ) -> torch.Tensor:
     """``alpha * (q_a * s_a) @ (q_b * s_b)^T`` as ``[M, N]`` ``out_dtype`` (see module docstring)."""
     m, n, k = a.shape[0], b.shape[0], a.shape[1] * 2
+    if m <= DECODE_MAX_M:
+        return mm_fp4_decode(a, b, a_scale, b_scale, alpha, out_dtype)
     if out_dtype == torch.bfloat16 and m >= DEQUANT_MIN_M:
         return mm_fp4_dequant_mm(a, b, a_scale, b_scale, alpha)
     return mm_fp4_tiled(a, b, a_scale, b_scale, alpha, out_dtype, mm_config_for(m, n, k, a.device))

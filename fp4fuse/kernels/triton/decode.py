@@ -1,0 +1,93 @@
+"""Shared Triton device functions of fp4fuse's NVFP4 GEMMs: exact decoding of e2m1 codes and e4m3
+block scales into the GEMMs' fp16 operand encoding, and the device's multiprocessor count.
+
+Operand encoding: ``bits = (c & 7) << 9 | (c & 8) << 12`` is the fp16 pattern of ``e2m1(c) * 2**-14``
+(the e2m1 subnormal 0.5 lands on an fp16 subnormal); times an e4m3 scale the product is an
+integer multiple of 2**-24 with at most 6 significant bits, exact in fp16; products of two such
+values are exact in fp32, and an epilogue multiplies by ``DECODE_SCALE_UNDO = 2**28`` (exact).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["DECODE_SCALE_UNDO", "decode_codes", "decode_scales", "num_sms"]
+
+#: 2**14 per operand from the fp16 decode, undone in the GEMM epilogues.
+DECODE_SCALE_UNDO = tl.constexpr(268435456.0)  # 2**28
+
+
+@triton.jit
+def _e4m3_to_fp16(bits):
+    """e4m3fn bits (uint8 tensor) -> fp16 value, exact (incl. subnormals; 0x7F/0xFF -> NaN)."""
+    b = bits.to(tl.int16)
+    # e4m3 placed in fp16's exponent/mantissa fields is the value times 2**-8 (subnormals too)
+    v = (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True) * 256.0
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
+
+
+# One PTX block per 4 code bytes (8 codes). For every byte at once: l = fp16 high byte of its
+# low nibble (magnitude bits 2..0 -> bits 3..1, sign bit 3 -> bit 7), h = the same for its high
+# nibble; then prmt places byte i of l/h in the high byte of a 16-bit lane (low byte 0), which is
+# the fp16 pattern of e2m1 * 2**-14. Outputs: $0,$1 = low nibbles of bytes 0..3 as fp16x2,
+# $2,$3 = high nibbles; input $4 = the 4 bytes.
+_DECODE_PTX = tl.constexpr("""
+{
+.reg .b32 a, b, l, h, z;
+mov.b32 z, 0;
+shl.b32 a, $4, 1;
+and.b32 a, a, 0x0E0E0E0E;
+shl.b32 b, $4, 4;
+and.b32 b, b, 0x80808080;
+or.b32 l, a, b;
+shr.b32 a, $4, 3;
+and.b32 a, a, 0x0E0E0E0E;
+and.b32 b, $4, 0x80808080;
+or.b32 h, a, b;
+prmt.b32 $0, z, l, 0x5040;
+prmt.b32 $1, z, l, 0x7060;
+prmt.b32 $2, z, h, 0x5040;
+prmt.b32 $3, z, h, 0x7060;
+}
+""")
+
+
+@triton.jit
+def decode_codes(codes, FAST_DECODE: tl.constexpr):
+    """Packed code bytes (uint8, any shape) -> (low, high) nibbles as fp16 ``e2m1 * 2**-14``.
+
+    FAST_DECODE (CUDA): inline PTX on 4 bytes at a time. Otherwise (Triton's interpreter) the
+    same bits from per-element integer ops."""
+    if FAST_DECODE:
+        lo, hi = tl.inline_asm_elementwise(
+            _DECODE_PTX, "=r,=r,=r,=r,r", [codes], dtype=(tl.float16, tl.float16),
+            is_pure=True, pack=4)
+    else:
+        c = codes.to(tl.int16)
+        lo = (((c & 0x7) << 9) | ((c & 0x8) << 12)).to(tl.float16, bitcast=True)
+        hi = (((c & 0x70) << 5) | ((c & 0x80) << 8)).to(tl.float16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def decode_scales(scales, FAST_DECODE: tl.constexpr):
+    """e4m3 scales -> fp16 (exact): the hardware convert on CUDA, integer ops otherwise."""
+    if FAST_DECODE:
+        return scales.to(tl.float16)
+    return _e4m3_to_fp16(scales.to(tl.uint8, bitcast=True))
+
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessor count of ``device``; off CUDA (Triton's interpreter) an H100/H200's 132."""
+    if device.type != "cuda":
+        return 132
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+

@@ -1,0 +1,376 @@
+"""W4A4 NVFP4 GEMM for small M (decode), one launch per call, in Triton.
+
+Contract: ``mm_fp4_decode(a, b, a_scale, b_scale, alpha, out_dtype) -> out [M, N]``, the same as
+``mm_fp4``: a uint8 ``[M, K/2]`` (activation), b uint8 ``[N, K/2]`` (weight, row-major), linear e4m3
+block scales ``[M, K/16]`` / ``[N, K/16]``, alpha a one-element fp32 device tensor read in the
+kernel (never synchronised to the host), ``out = alpha * (q_a * s_a) @ (q_b * s_b)^T`` in
+bf16/fp16/fp32. Inputs are validated by the op layer (contiguous, dtypes, ``K % 16 == 0``). Built for
+M <= 64; M = 128 works too (the benchmark sweep says whether it wins there).
+
+Numerics: both operands are decoded in registers to fp16 ``e2m1 * 2**-14 * s`` (exact; the
+decoders of ``fp4fuse.kernels.triton.mm``), products are exact in fp32 and the MMAs accumulate in fp32;
+the epilogue multiplies by ``2**28`` (exact) and then alpha, and rounds once to ``out_dtype``. With
+split-K the fp32 partials are summed in split order before that epilogue. The result is the float64
+reference (``fp4fuse.nvfp4.format.mm_fp4_reference``) up to fp32 accumulation and one rounding. A NaN
+block scale (e4m3 0x7F/0xFF) makes its 16 values NaN, so every output that reads them is NaN.
+
+Kernel design (``_mm_decode_kernel``):
+
+* Swapped product: a program computes ``acc[BLOCK_N, BLOCK_M] = W_tile @ A_tile^T``, so the weight
+  tile is the MMA's A operand and takes its register layout (on Hopper a wgmma with A in registers:
+  the weight is decoded straight into MMA fragments and never stored decoded), and the small
+  activation tile is the B operand (decoded once per program and step, through shared memory).
+  ``tl.dot`` needs 16 rows or more, so M < 16 is padded: rows past M read row 0 and are not stored.
+* One K step reads ``BLOCK_K / 2`` contiguous code bytes of every row (16-byte loads, pipelined by
+  Triton into shared memory with ``num_stages`` buffers) and ``BLOCK_K / 16`` scale bytes. Each
+  nibble plane (low nibbles = even elements, high = odd) feeds one MMA; inside the step the K order
+  is permuted (``_decoded_tile``) so that the 16 code bytes one MMA fragment needs are contiguous
+  and share two block scales. The permutation is the same for both operands, so the dot product is
+  unchanged. Without it, Triton gathers each fragment from 2-byte shared-memory loads and packs
+  them with byte permutes (about 1.5x the instructions per weight element, SASS of Triton 3.6 for
+  sm_90).
+* The activation is decoded in the kernel, per program and step (``BLOCK_M x BLOCK_K`` values
+  against ``BLOCK_N x BLOCK_K`` weight values), so a call is a single launch.
+* Split-K inside the launch, deterministic: program ``(tile, split)`` covers K steps
+  ``[split * iters_per_split, +iters_per_split)``. With more than one split each program writes
+  its fp32 partial tile to ``workspace.partials[tile, split]``, then (after a CTA barrier) one
+  thread adds 1 to ``workspace.counters[tile]`` with an acq_rel atomic at GPU scope. The program
+  that sees ``split_k - 1`` arrivals before its own is the last one: it reads the partials of all
+  splits (L1 bypassed) and adds them in split order 0, 1, ... -- the same bits whatever order the
+  programs ran in -- applies ``2**28 * alpha``, writes ``out`` and stores 0 to the counter, so the
+  workspace is ready for the next call. No atomics touch ``out``.
+
+Workspace rule: ``workspace=None`` uses a buffer cached per (device, stream) (the launch's current
+stream), grown when a call needs more (never shrunk; replaced buffers stay referenced until
+``release_decode_workspaces()``, so a captured CUDA graph never points at freed memory). Calls on one
+stream are ordered, so they can share it; concurrent streams get their own. While a CUDA graph is
+being captured nothing is allocated into the cache: a large enough cached buffer is used as is,
+otherwise a temporary one is allocated for that launch (its counters are zeroed by a memset captured
+into the graph). Graphs captured on one stream share that stream's buffer, so replay them in order
+(not concurrently), or pass ``workspace`` -- a ``DecodeWorkspace`` from ``empty_decode_workspace``
+(counters must be zero before the first call; every call leaves them zero).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+from fp4fuse.kernels.triton.decode import DECODE_SCALE_UNDO, decode_codes, decode_scales, num_sms
+from fp4fuse.nvfp4.format import BLOCK_SIZE
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DecodeConfig",
+    "DecodeWorkspace",
+    "decode_config_for",
+    "decode_workspace_numel",
+    "empty_decode_workspace",
+    "mm_fp4_decode",
+    "release_decode_workspaces",
+]
+
+
+
+@triton.jit
+def _decoded_tile(q_ptr, s_ptr, q_rows, s_rows, kb0, KB, KG,
+                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FAST_DECODE: tl.constexpr):
+    """One K step of ``R = len(q_rows)`` NVFP4 rows -> (low, high) nibble planes, fp16
+    ``[R, BLOCK_K / 2]``, each value ``e2m1 * 2**-14 * s`` (exact).
+
+    ``q_rows`` / ``s_rows``: int64 offsets of the rows in the codes / scales; the step covers code
+    bytes ``[kb0, kb0 + BLOCK_K / 2)``, masked at ``KB`` bytes (and groups at ``KG``) unless EVEN_K.
+    Column ``k`` of a plane is code byte ``8 * R_ * t + 8 * r + 4 * c + 2 * h + e`` of the step,
+    where ``k = 32 * r + 16 * c + 8 * h + 2 * t + e`` (``R_ = BLOCK_K / 64``, t < 4, c, h, e < 2):
+    one MMA fragment (columns ``2t, 2t+1, 2t+8, 2t+9`` of each 16) then comes from contiguous bytes.
+    Both operands use this order, so their product over K is unchanged."""
+    BKB: tl.constexpr = BLOCK_K // 2
+    G: tl.constexpr = BLOCK_K // 16
+    RR: tl.constexpr = BLOCK_K // 64
+    NR: tl.constexpr = q_rows.shape[0]
+    kb = kb0 + tl.arange(0, BKB)
+    grp = kb0 // 8 + tl.arange(0, G)
+    if EVEN_K:
+        codes = tl.load(q_ptr + q_rows[:, None] + kb[None, :])
+        scales = tl.load(s_ptr + s_rows[:, None] + grp[None, :])
+    else:
+        codes = tl.load(q_ptr + q_rows[:, None] + kb[None, :], mask=(kb < KB)[None, :], other=0)
+        scales = tl.load(s_ptr + s_rows[:, None] + grp[None, :], mask=(grp < KG)[None, :], other=0.0)
+    lo, hi = decode_codes(codes, FAST_DECODE)
+    s = decode_scales(scales, FAST_DECODE)[:, :, None]
+    lo = tl.reshape(tl.reshape(lo, (NR, G, 8)) * s, (NR, 4, RR, 2, 2, 2))
+    hi = tl.reshape(tl.reshape(hi, (NR, G, 8)) * s, (NR, 4, RR, 2, 2, 2))
+    lo = tl.reshape(tl.permute(lo, (0, 2, 3, 4, 1, 5)), (NR, BKB))
+    hi = tl.reshape(tl.permute(hi, (0, 2, 3, 4, 1, 5)), (NR, BKB))
+    return lo, hi
+
+
+@triton.jit
+def _store_output(acc, alpha_ptr, out_ptr, rows_m, cols_n, M, N):
+    """``out[m, n] = acc[n, m] * 2**28 * alpha`` for ``m < M``, ``n < N``, in out's dtype."""
+    alpha = tl.load(alpha_ptr)
+    res = (acc * DECODE_SCALE_UNDO) * alpha
+    offs = rows_m[None, :].to(tl.int64) * N + cols_n[:, None]
+    mask = (rows_m < M)[None, :] & (cols_n < N)[:, None]
+    tl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M", "iters_per_split", "n_split"])
+def _mm_decode_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, alpha_ptr, out_ptr, part_ptr, count_ptr,
+    M, N, KB, KG, iters_per_split, n_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, FAST_DECODE: tl.constexpr,
+):
+    """Program ``(tile, split)``: ``acc[BLOCK_N, BLOCK_M]`` = weight rows of the tile times its
+    activation rows over the split's K steps, then the output (``n_split == 1``, not PARTIAL) or
+    the partial + last-arriver reduction (PARTIAL; module docstring). Tiles are numbered with the
+    M tile fastest, so programs sharing a weight tile run side by side (L2 reuse)."""
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    pid_m = tile % tiles_m
+    pid_n = tile // tiles_m
+    BKB: tl.constexpr = BLOCK_K // 2
+
+    cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    # rows past the matrix read row 0 (in bounds, finite or not) and are never stored
+    w_rows = tl.where(cols_n < N, cols_n, 0).to(tl.int64)
+    a_rows = tl.where(rows_m < M, rows_m, 0).to(tl.int64)
+
+    kb_begin = split * iters_per_split * BKB
+    kb_end = tl.minimum(kb_begin + iters_per_split * BKB, KB)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for kb0 in range(kb_begin, kb_end, BKB):
+        w_lo, w_hi = _decoded_tile(b_ptr, bs_ptr, w_rows * KB, w_rows * KG, kb0, KB, KG,
+                                   BLOCK_K, EVEN_K, FAST_DECODE)
+        x_lo, x_hi = _decoded_tile(a_ptr, as_ptr, a_rows * KB, a_rows * KG, kb0, KB, KG,
+                                   BLOCK_K, EVEN_K, FAST_DECODE)
+        acc = tl.dot(w_lo, tl.trans(x_lo), acc)
+        acc = tl.dot(w_hi, tl.trans(x_hi), acc)
+
+    if not PARTIAL:
+        _store_output(acc, alpha_ptr, out_ptr, rows_m, cols_n, M, N)
+    else:
+        TILE: tl.constexpr = BLOCK_N * BLOCK_M
+        in_tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        tile_base = part_ptr + tile.to(tl.int64) * n_split * TILE
+        tl.store(tile_base + split * TILE + in_tile, acc)
+        # every thread's partial is written before thread 0 releases the arrival
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_split - 1:
+            total = tl.load(tile_base + in_tile, cache_modifier=".cg")
+            for sp in range(1, n_split):
+                total += tl.load(tile_base + sp * TILE + in_tile, cache_modifier=".cg")
+            _store_output(total, alpha_ptr, out_ptr, rows_m, cols_n, M, N)
+            tl.store(count_ptr + tile, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """One launch of ``_mm_decode_kernel``: ``[block_n, block_m]`` (weight rows x activation rows)
+    output tiles, ``block_k`` K elements per step (a multiple of 64), ``split_k`` K ranges per tile
+    (reduced in the same launch), Triton's ``num_warps`` / ``num_stages``, and ``max_registers``
+    per thread (ptxas's ``maxnreg``; None: the compiler's choice)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+    max_registers: int | None = None
+
+
+class DecodeWorkspace(NamedTuple):
+    """Split-K scratch: ``partials`` fp32 and ``counters`` int32 (zero between calls), both
+    contiguous with at least ``decode_workspace_numel`` elements."""
+
+    partials: torch.Tensor
+    counters: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What a launch covers: tiles, effective split count, K steps per split, mask-free K."""
+
+    tiles: int
+    split: int
+    iters_per_split: int
+    even_k: bool
+
+
+def _plan(cfg: DecodeConfig, m: int, n: int, k: int) -> _Plan:
+    """Effective split: at most one per K step, and no split without a K step."""
+    kb = k // 2
+    bkb = cfg.block_k // 2
+    steps = triton.cdiv(kb, bkb)
+    split = max(1, min(cfg.split_k, steps))
+    iters = triton.cdiv(steps, split)
+    split = triton.cdiv(steps, iters)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    return _Plan(tiles=tiles, split=split, iters_per_split=iters, even_k=kb % bkb == 0)
+
+
+def decode_workspace_numel(m: int, n: int, k: int, config: DecodeConfig) -> tuple[int, int]:
+    """``(partials, counters)`` element counts one call needs; ``(0, 0)`` when it does not split."""
+    plan = _plan(config, m, n, k)
+    if plan.split == 1:
+        return 0, 0
+    return plan.tiles * plan.split * config.block_n * config.block_m, plan.tiles
+
+
+def empty_decode_workspace(partials: int, counters: int, device: torch.device) -> DecodeWorkspace:
+    """A new workspace with room for ``partials`` / ``counters`` elements (counters zeroed)."""
+    return DecodeWorkspace(torch.empty(max(partials, 1), dtype=torch.float32, device=device),
+                           torch.zeros(max(counters, 1), dtype=torch.int32, device=device))
+
+
+# (device, stream) -> workspace in use; replaced ones stay referenced (module docstring).
+_WORKSPACES: dict[tuple, DecodeWorkspace] = {}
+_RETIRED: list[DecodeWorkspace] = []
+
+
+def release_decode_workspaces() -> None:
+    """Drop every cached workspace (only when no captured CUDA graph still uses them)."""
+    _WORKSPACES.clear()
+    _RETIRED.clear()
+
+
+def _fits(ws: DecodeWorkspace, partials: int, counters: int) -> bool:
+    return ws.partials.numel() >= partials and ws.counters.numel() >= counters
+
+
+def _cached_workspace(device: torch.device, partials: int, counters: int) -> DecodeWorkspace:
+    """The workspace of ``device``'s current stream, grown (1.5x at least) if too small."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
+    ws = _WORKSPACES.get(key)
+    if ws is not None and _fits(ws, partials, counters):
+        return ws
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        logger.warning("mm_fp4_decode: no large enough workspace cached for the capturing stream; "
+                       "allocating one for this launch (pass workspace= or call once before capture)")
+        return empty_decode_workspace(partials, counters, device)
+    if ws is not None:
+        _RETIRED.append(ws)
+        partials = max(partials, ws.partials.numel() * 3 // 2)
+        counters = max(counters, ws.counters.numel() * 3 // 2)
+    ws = empty_decode_workspace(partials, counters, device)
+    _WORKSPACES[key] = ws
+    return ws
+
+
+#: (block_m, block_n, num_warps) -> (max_registers, programs one multiprocessor holds at once) of
+#: the default tiles, from ptxas's register counts for the sm_90 build (Triton 3.6, 64K registers
+#: per multiprocessor, no spills): a 128-register cap costs no spill for 16 and 32 activation rows
+#: (136 -> 124 and 154 -> 125 registers) and makes room for a 4th program.
+_TILES = {(16, 64, 4): (None, 8), (16, 128, 4): (128, 4), (32, 128, 4): (128, 4), (64, 128, 4): (None, 3),
+          (128, 128, 8): (None, 1)}
+#: At least this many K steps per split: a program spends about ``num_stages - 1`` steps filling
+#: its load pipeline.
+MIN_STEPS_PER_SPLIT = 4
+
+#: Largest M that ``fp4fuse.kernels.triton.mm.mm_fp4_triton`` sends to this kernel.
+DECODE_MAX_M = 64
+MAX_SPLIT = 16
+
+
+def decode_config_for(m: int, n: int, k: int, num_sms: int = 132) -> DecodeConfig:
+    """Launch configuration for an ``[m, k] x [n, k]^T`` product on ``num_sms`` multiprocessors.
+
+    How it was chosen (no GPU was available when it was written; ``benchmarks/bench_ops.py
+    --decode-sweep`` measures it against its neighbours): every candidate tile was compiled for
+    sm_90 with Triton 3.6 and ranked by SASS instructions in the K loop per weight element
+    (the kernel is bound by decode instructions as much as by HBM) and by programs per
+    multiprocessor (registers). Picked, by activation rows: M <= 16 -> 16 x 128 weight rows,
+    4 warps, capped at 128 registers (3.3 instructions per weight element, 4 programs per
+    multiprocessor); M <= 32 -> 32 rows, same (3.5, 4); M <= 64 -> 64 rows (4.0, 3); above -> 128
+    rows, 8 warps (5.5 per weight element of the tile, 1). All use 128 K elements a step (64: 20% more
+    instructions per element; 256: 210 registers) and 3 stages (two steps of loads in flight, about
+    18 KiB per 128-row program).
+
+    Split-K fills one wave: ``split = min(programs that fit / tiles, K steps / MIN_STEPS_PER_SPLIT,
+    MAX_SPLIT)``, and when 128-row weight tiles would leave more than 40% of those slots empty
+    (small N at M <= 16), 64-row tiles (8 programs per multiprocessor) are used instead.
+    No autotuning at run time: a serving engine sees many M."""
+    if m <= 16:
+        block_m, warps = 16, 4
+    elif m <= 32:
+        block_m, warps = 32, 4
+    elif m <= 64:
+        block_m, warps = 64, 4
+    else:
+        block_m, warps = 128, 8
+    steps = triton.cdiv(k // 2, 64)
+    max_split = max(1, min(MAX_SPLIT, steps // MIN_STEPS_PER_SPLIT))
+
+    def filled(block_n: int) -> tuple[int, bool]:
+        slots = num_sms * _TILES[block_m, block_n, warps][1]
+        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+        split = max(1, min(max_split, slots // tiles))
+        return split, tiles * split * 10 >= slots * 6
+
+    block_n = 128
+    split, full = filled(block_n)
+    if not full and (block_m, 64, warps) in _TILES:
+        block_n = 64
+        split, _ = filled(block_n)
+    return DecodeConfig(block_m=block_m, block_n=block_n, block_k=128, split_k=split, num_warps=warps,
+                        num_stages=3, max_registers=_TILES[block_m, block_n, warps][0])
+
+
+def mm_fp4_decode(
+    a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+    alpha: torch.Tensor, out_dtype: torch.dtype, config: DecodeConfig | None = None,
+    workspace: DecodeWorkspace | None = None,
+) -> torch.Tensor:
+    """``alpha * (q_a * s_a) @ (q_b * s_b)^T`` as ``[M, N]`` ``out_dtype`` in one launch (module
+    docstring). ``config``: override of ``decode_config_for`` (sweeps); ``workspace``: split-K
+    scratch to use instead of the per-stream cache (it must hold ``decode_workspace_numel``)."""
+    m, n, k = a.shape[0], b.shape[0], a.shape[1] * 2
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    cfg = config or decode_config_for(m, n, k, num_sms(a.device))
+    if cfg.block_k % 64 or cfg.block_m < 16 or cfg.block_n < 16:
+        raise ValueError(f"mm_fp4_decode: block_k must be a multiple of 64 and block_m, block_n at "
+                         f"least 16; got {cfg}")
+    plan = _plan(cfg, m, n, k)
+    partials, counters = out, out
+    if plan.split > 1:
+        need_p, need_c = decode_workspace_numel(m, n, k, cfg)
+        if workspace is None and torch._guards.detect_fake_mode() is not None:
+            # traced into a graph (fp4fuse.passes.lowering): the graph allocates its own scratch
+            workspace = empty_decode_workspace(need_p, need_c, a.device)
+        elif workspace is None:
+            workspace = _cached_workspace(a.device, need_p, need_c)
+        elif not _fits(workspace, need_p, need_c):
+            raise ValueError(f"mm_fp4_decode: workspace holds {workspace.partials.numel()} partials / "
+                             f"{workspace.counters.numel()} counters; this call needs {need_p} / {need_c}")
+        partials, counters = workspace
+    wrap_triton(_mm_decode_kernel)[(plan.tiles, plan.split)](
+        a, a_scale, b, b_scale, alpha, out, partials, counters,
+        m, n, k // 2, k // BLOCK_SIZE, plan.iters_per_split, plan.split,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        PARTIAL=plan.split > 1, EVEN_K=plan.even_k, FAST_DECODE=a.device.type == "cuda",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_register_cap(cfg, a.device),
+    )
+    return out
+
+
+def _register_cap(cfg: DecodeConfig, device: torch.device) -> dict:
+    """``maxnreg`` launch option when the config sets one (CUDA only: the interpreter has none)."""
+    if cfg.max_registers is None or device.type != "cuda":
+        return {}
+    return {"maxnreg": cfg.max_registers}
