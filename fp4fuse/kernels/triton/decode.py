@@ -32,25 +32,14 @@ def _e4m3_to_fp16(bits):
 # nibble; then prmt places byte i of l/h in the high byte of a 16-bit lane (low byte 0), which is
 # the fp16 pattern of e2m1 * 2**-14. Outputs: $0,$1 = low nibbles of bytes 0..3 as fp16x2,
 # $2,$3 = high nibbles; input $4 = the 4 bytes.
-_DECODE_PTX = tl.constexpr("""
-{
-.reg .b32 a, b, l, h, z;
-mov.b32 z, 0;
-shl.b32 a, $4, 1;
-and.b32 a, a, 0x0E0E0E0E;
-shl.b32 b, $4, 4;
-and.b32 b, b, 0x80808080;
-or.b32 l, a, b;
-shr.b32 a, $4, 3;
-and.b32 a, a, 0x0E0E0E0E;
-and.b32 b, $4, 0x80808080;
-or.b32 h, a, b;
-prmt.b32 $0, z, l, 0x5040;
-prmt.b32 $1, z, l, 0x7060;
-prmt.b32 $2, z, h, 0x5040;
-prmt.b32 $3, z, h, 0x7060;
-}
-""")
+# One line (Inductor copies this global into the modules it compiles, and breaks a multi-line string).
+_DECODE_PTX = tl.constexpr(
+    "{ .reg .b32 a, b, l, h, z; mov.b32 z, 0; "
+    "shl.b32 a, $4, 1; and.b32 a, a, 0x0E0E0E0E; shl.b32 b, $4, 4; and.b32 b, b, 0x80808080; or.b32 l, a, b; "
+    "shr.b32 a, $4, 3; and.b32 a, a, 0x0E0E0E0E; and.b32 b, $4, 0x80808080; or.b32 h, a, b; "
+    "prmt.b32 $0, z, l, 0x5040; prmt.b32 $1, z, l, 0x7060; prmt.b32 $2, z, h, 0x5040; prmt.b32 $3, z, h, 0x7060; }"
+)
+
 
 
 @triton.jit

@@ -38,9 +38,9 @@ import logging
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
 from fp4fuse.kernels.triton.decode import DECODE_SCALE_UNDO, decode_codes, decode_scales, num_sms
+from fp4fuse.kernels.triton.launch import traceable
 from fp4fuse.kernels.triton.mm_decode import DECODE_MAX_M, decode_config_for, mm_fp4_decode
 from fp4fuse.nvfp4.format import BLOCK_SIZE
 
@@ -292,7 +292,7 @@ def mm_fp4_tiled(
     even_k = kg % groups_per_split == 0
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), split)
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=a.device)
-    wrap_triton(_mm_fp4_kernel)[grid](
+    traceable(_mm_fp4_kernel)[grid](
         x_lo, x_hi, b, b_scale, alpha, target, m, n, kg, groups_per_split,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_G=config.block_g,
         GROUP_M=config.group_m, PARTIAL=split > 1, EVEN_K=even_k, FAST_DECODE=a.device.type == "cuda",
@@ -300,7 +300,7 @@ def mm_fp4_tiled(
     )
     if split > 1:
         block = 1024
-        wrap_triton(_splitk_reduce_kernel)[(triton.cdiv(m * n, block),)](
+        traceable(_splitk_reduce_kernel)[(triton.cdiv(m * n, block),)](
             target, alpha, out, m * n, split, BLOCK=block, num_warps=4)
     return out
 
@@ -314,7 +314,7 @@ def decode_fp4_halves(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, t
     if n_blocks == 0:
         return lo, hi
     blocks = 128
-    wrap_triton(_decode_halves_kernel)[(triton.cdiv(n_blocks, blocks),)](
+    traceable(_decode_halves_kernel)[(triton.cdiv(n_blocks, blocks),)](
         q, s, lo, hi, n_blocks, BLOCKS=blocks, FAST_DECODE=q.device.type == "cuda", num_warps=4)
     return lo, hi
 
@@ -336,7 +336,7 @@ def dequantize_fp4_triton(q: torch.Tensor, s: torch.Tensor, config: tuple[int, i
     if n_blocks == 0:
         return out
     blocks, num_warps = config or DEQUANT_LAUNCH
-    wrap_triton(_dequant_kernel)[(triton.cdiv(n_blocks, blocks),)](
+    traceable(_dequant_kernel)[(triton.cdiv(n_blocks, blocks),)](
         q, s.view(torch.uint8), out.view(torch.int32), n_blocks, BLOCKS=blocks, num_warps=num_warps)
     return out
 
@@ -365,7 +365,7 @@ def scale_by_alpha_(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
                          f"{list(alpha.shape)}")
     n = x.numel()
     if n:
-        wrap_triton(_scale_kernel)[(triton.cdiv(n, SCALE_BLOCK),)](x, alpha, n, BLOCK=SCALE_BLOCK, num_warps=4)
+        traceable(_scale_kernel)[(triton.cdiv(n, SCALE_BLOCK),)](x, alpha, n, BLOCK=SCALE_BLOCK, num_warps=4)
     return x
 
 

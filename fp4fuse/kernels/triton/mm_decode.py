@@ -59,9 +59,9 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
 from fp4fuse.kernels.triton.decode import DECODE_SCALE_UNDO, decode_codes, decode_scales, num_sms
+from fp4fuse.kernels.triton.launch import traceable
 from fp4fuse.nvfp4.format import BLOCK_SIZE
 
 logger = logging.getLogger(__name__)
@@ -359,7 +359,7 @@ def mm_fp4_decode(
             raise ValueError(f"mm_fp4_decode: workspace holds {workspace.partials.numel()} partials / "
                              f"{workspace.counters.numel()} counters; this call needs {need_p} / {need_c}")
         partials, counters = workspace
-    wrap_triton(_mm_decode_kernel)[(plan.tiles, plan.split)](
+    traceable(_mm_decode_kernel)[(plan.tiles, plan.split)](
         a, a_scale, b, b_scale, alpha, out, partials, counters,
         m, n, k // 2, k // BLOCK_SIZE, plan.iters_per_split, plan.split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,

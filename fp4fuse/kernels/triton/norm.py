@@ -18,7 +18,8 @@ import logging
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
+
+from fp4fuse.kernels.triton.launch import traceable
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ def _rms_norm_kernel(
 ):
     row = tl.program_id(0).to(tl.int64) * N
     cols = tl.arange(0, BLOCK)
+    eps32 = tl.full((), eps, tl.float32)  # a compiled graph passes the float as fp64; eager launches fp32
     if SINGLE_PASS:
         mask = cols < N
         x = tl.load(x_ptr + row + cols, mask=mask, other=0.0)
@@ -43,7 +45,7 @@ def _rms_norm_kernel(
             x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
             tl.store(res_out_ptr + row + cols, x, mask=mask)
         xf = x.to(tl.float32)
-        inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(tl.sum(xf * xf, axis=0), N * 1.0) + eps))
+        inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(tl.sum(xf * xf, axis=0), N * 1.0) + eps32))
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row + cols, ((xf * inv) * w).to(out_ptr.dtype.element_ty), mask=mask)
     else:
@@ -57,7 +59,7 @@ def _rms_norm_kernel(
                 tl.store(res_out_ptr + row + start + cols, x, mask=mask)
             xf = x.to(tl.float32)
             sq += xf * xf
-        inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(tl.sum(sq, axis=0), N * 1.0) + eps))
+        inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(tl.sum(sq, axis=0), N * 1.0) + eps32))
         # the second pass re-reads this program's own residual_out writes
         tl.debug_barrier()
         src_ptr = res_out_ptr if HAS_RESIDUAL else x_ptr
@@ -80,7 +82,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     if not single:
         block = _TWO_PASS_BLOCK
     num_warps = max(1, min(16, block // 512))
-    wrap_triton(_rms_norm_kernel)[(t,)](
+    traceable(_rms_norm_kernel)[(t,)](
         x, residual if residual is not None else x, weight, out,
         res_out if res_out is not None else out, h, float(eps),
         HAS_RESIDUAL=residual is not None, BLOCK=block, SINGLE_PASS=single, num_warps=num_warps,

@@ -43,8 +43,8 @@ import logging
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
+from fp4fuse.kernels.triton.launch import traceable
 from fp4fuse.nvfp4.format import BLOCK_SIZE
 
 logger = logging.getLogger(__name__)
@@ -236,7 +236,7 @@ def scaled_fp4_quant_triton(
         raise ValueError(f"fp4fuse.scaled_fp4_quant: {m}x{k} has {n_blocks} blocks of 16; the Triton kernel indexes blocks with int32")
     gs = global_scale.reshape(1).to(torch.float32)
     blocks, num_warps, programs = config or quant_launch_config(n_blocks, x.device)
-    wrap_triton(_quant_kernel)[(programs,)](
+    traceable(_quant_kernel)[(programs,)](
         pairs, gs, q, s.view(torch.uint8), n_blocks, triton.cdiv(n_blocks, blocks),
         IN_KIND=int(_INPUT_KIND[x.dtype]), DIVISION=int(division), BLOCKS=blocks,
         FAST_CVT=x.device.type == "cuda", num_warps=num_warps,

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
+
+from fp4fuse.kernels.triton.launch import traceable
 
 __all__ = ["sum_partials_in_order"]
 
@@ -37,6 +38,6 @@ def sum_partials_in_order(partials: torch.Tensor) -> torch.Tensor:
     out = torch.empty(partials.shape[1:], dtype=partials.dtype, device=partials.device)
     n = out.numel()
     if n:
-        wrap_triton(_sum_in_order_kernel)[(triton.cdiv(n, _BLOCK),)](partials, out, n, partials.shape[0], BLOCK=_BLOCK,
+        traceable(_sum_in_order_kernel)[(triton.cdiv(n, _BLOCK),)](partials, out, n, partials.shape[0], BLOCK=_BLOCK,
                                                         num_warps=8)
     return out
