@@ -65,7 +65,10 @@ class Run:
     """One compiled model on every rank: which passes, which model, which token counts.
 
     ``reference``: "eager" compares with the unfused model run eagerly; "compiled" with the model
-    compiled without fusion. ``dynamic``: mark the token dimension dynamic on the first call."""
+    compiled without fusion; "fused" with the same fusion compiled without CUDA graphs.
+    ``dynamic``: mark the token dimension dynamic on the first call. ``cudagraphs``: compile with
+    ``triton.cudagraphs`` and call the model ``calls`` times per token count (warm-up, capture,
+    replays), comparing every call."""
 
     sequence_parallelism: bool = True
     async_tp: bool = False
@@ -74,6 +77,8 @@ class Run:
     tokens: tuple[int, ...] = TOKENS
     dynamic: bool = False
     reference: str = "eager"
+    cudagraphs: bool = False
+    calls: int = 1
 
 
 def _ids(tokens: int, vocab: int, device: torch.device) -> torch.Tensor:
@@ -98,9 +103,12 @@ def _rank_main(run: Run) -> list[dict]:
     fusion = FusionPass(FusionConfig(enable_sequence_parallelism=run.sequence_parallelism,
                                      enable_async_tp=run.async_tp))
     compiled = torch.compile(model, dynamic=False if not run.dynamic else None,
-                             options={"post_grad_custom_post_pass": fusion})
+                             options={"post_grad_custom_post_pass": fusion, "triton.cudagraphs": run.cudagraphs})
     unfused = FusionPass()
-    if run.reference == "compiled" or DEVICE == "cuda":
+    if run.reference == "fused":
+        unfused = FusionPass(fusion.config)
+        reference = torch.compile(model, dynamic=False, options={"post_grad_custom_post_pass": unfused})
+    elif run.reference == "compiled" or DEVICE == "cuda":
         reference = torch.compile(model, dynamic=False, options={"post_grad_custom_post_pass": unfused})
     else:
         reference = model
@@ -111,9 +119,11 @@ def _rank_main(run: Run) -> list[dict]:
             torch._dynamo.mark_dynamic(ids, 0)
         calls, reference_calls = fusion.calls, unfused.calls
         with torch.no_grad():
-            out = compiled(ids)
-            ref = reference(ids)
+            ref = reference(ids).clone()
+            outs = [compiled(ids).clone() for _ in range(run.calls)]
+        out = outs[-1]
         results.append({
+            "all_calls_equal": all(torch.equal(o, ref) for o in outs),
             "tokens": tokens, "compiled_graphs": fusion.calls - calls,
             "reference_graphs": unfused.calls - reference_calls,
             "counts": {k: v for k, v in fusion.last_match_counts.items() if k.startswith(FUSION_KEYS)}
@@ -137,8 +147,9 @@ def run_ranks(run: Run, cache_dir: str) -> list[dict]:
     """Rank 0's results, after checking that every rank fused the same (and, on CPU, matched its
     reference the same way).
     One compile thread per rank: two ranks already share the CI machine's cores."""
-    per_rank = run_on_ranks(_rank_main, WORLD, run, timeout=TIMEOUT_S, backend=BACKEND,
-                            env={"TORCHINDUCTOR_CACHE_DIR": cache_dir, "TORCHINDUCTOR_COMPILE_THREADS": "1"})
+    per_rank = run_on_ranks(_rank_main, WORLD, run, timeout=TIMEOUT_S, backend=BACKEND, hard_exit=run.cudagraphs,
+                            env={"TORCHINDUCTOR_CACHE_DIR": cache_dir, "TORCHINDUCTOR_COMPILE_THREADS": "1",
+                                 **({"FP4FUSE_OVERLAP_MIN_ROWS": "0"} if run.cudagraphs else {})})
     keys = ("counts", "equal")
     for other in per_rank[1:]:
         assert [[r[k] for k in keys] for r in other] == [[r[k] for k in keys] for r in per_rank[0]]
@@ -193,3 +204,15 @@ def test_torch_norm_static_scale_matches_unfused_compile(cache_dir):
     assert result["compiled_graphs"] == 1 and result["reference_graphs"] == 1  # two graphs, not one reused
     assert result["counts"] == expected_counts(LAYERS, async_tp=True, norm="torch_functional", dynamic_scale=False)
     assert_matches_reference(result)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need GPUs (FP4FUSE_E2E_DEVICE=cuda)")
+def test_cuda_graphs_capture_and_replay_the_fused_graph(cache_dir):
+    """SP + AsyncTP with the symmetric-memory overlap forced on (FP4FUSE_OVERLAP_MIN_ROWS=0),
+    compiled with ``triton.cudagraphs``: the first call warms up (the workspace is created and
+    sized there, so capture needs no manual step), the second captures, the third replays; every
+    call equals the same fused graph launched without CUDA graphs, bit for bit."""
+    run = Run(async_tp=True, tokens=(128,), reference="fused", cudagraphs=True, calls=3)
+    (result,) = run_ranks(run, cache_dir)
+    assert result["counts"] == expected_counts(LAYERS, async_tp=True), result
+    assert result["finite"] and result["all_calls_equal"], result
