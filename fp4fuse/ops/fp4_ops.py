@@ -6,6 +6,9 @@ Contracts (docs/design.md):
   one element (encode convention ``448*6/amax``) -> q uint8 ``[M, K/2]``, s e4m3 ``[M, K/16]``.
 * ``mm_fp4(a, b, a_scale, b_scale, alpha, out_dtype) -> out``: a ``[M, K/2]``, b ``[N, K/2]``
   (weight, row-major), linear scales; ``out = alpha * (q_a*s_a) @ (q_b*s_b)^T`` ``[M, N]``.
+  Empty operands are valid: M = 0 or N = 0 gives the empty ``[M, N]``, K = 0 gives ``alpha * 0``.
+* A global scale outside ``(0, inf)`` poisons the quantized tensor (NaN block scales, zero
+  codes): see fp4fuse/nvfp4/format.py. It is not checked on the host (that would sync).
 
 CPU (and any device without a faster backend) runs the pure-torch reference in fp4fuse.nvfp4.format.
 """
@@ -36,6 +39,8 @@ def _(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.
 @scaled_fp4_quant.register_kernel("cuda")
 def _(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     validation.check_quant_inputs(x, global_scale)
+    if x.numel() == 0:  # empty result, whatever the backend
+        return nvfp4.quantize_reference(x, global_scale)
     backend = backend_for(x)
     if backend is Backend.TRITON:
         from fp4fuse.kernels.triton.quant import scaled_fp4_quant_triton
@@ -64,6 +69,8 @@ def _(a, b, a_scale, b_scale, alpha, out_dtype):
 @mm_fp4.register_kernel("cuda")
 def _(a, b, a_scale, b_scale, alpha, out_dtype):
     validation.check_mm_inputs(a, b, a_scale, b_scale, alpha, out_dtype)
+    if a.numel() == 0 or b.numel() == 0:  # M, N or K is 0: no work, whatever the backend
+        return nvfp4.mm_fp4_reference(a, b, a_scale, b_scale, alpha, out_dtype)
     backend = backend_for(a)
     if backend is Backend.TRITON:
         from fp4fuse.kernels.triton.mm import mm_fp4_triton
