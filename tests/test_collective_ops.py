@@ -149,18 +149,17 @@ def _check_cases(out_dtypes: tuple[torch.dtype, ...]) -> int:
     return count
 
 
-def _check_empty_calls() -> int:
+def _check_empty_calls(device: torch.device) -> int:
     """0 rows, N = 0 or both: the empty result of the contract's shape and dtype; the gathered
     activation is still every rank's (empty or not) shard. Returns the number of calls checked."""
     world, group = dist.get_world_size(), _group_name()
-    cpu = torch.device("cpu")
-    alpha = 1.0 / (GS * GS)
+    alpha = (1.0 / (GS * GS)).to(device)
     calls = 0
     for case, (m, n) in enumerate(((0, N), (5, 0), (0, 0)), start=60):
-        t = _case_inputs(m, case, cpu)
-        b, sb = _quantized(n, K, 3000 * case, cpu)
-        b_rs, sb_rs = _quantized(n, K, 4000 * case, cpu)
-        a, sa = _expected_gather(m, case, cpu)
+        t = _case_inputs(m, case, device)
+        b, sb = _quantized(n, K, 3000 * case, device)
+        b_rs, sb_rs = _quantized(n, K, 4000 * case, device)
+        a, sa = _expected_gather(m, case, device)
         for out_dtype in (torch.bfloat16, torch.float32):
             out = ops.fused_all_gather_fp4_matmul(t["a_shard"], t["s_shard"], b, sb, alpha, out_dtype, group)
             assert out.shape == (world * m, n) and out.dtype == out_dtype
@@ -265,7 +264,7 @@ def _check_opcheck() -> int:
 def _gloo_suite(run_opcheck: bool) -> dict[str, object]:
     result: dict[str, object] = {"logged": _check_logs_once()}  # first: the reason is logged once per process
     result["cases"] = _check_cases((torch.bfloat16, torch.float32))
-    result["empty"] = _check_empty_calls()
+    result["empty"] = _check_empty_calls(torch.device("cpu"))
     result["errors"] = _check_errors()
     if run_opcheck:
         result["opcheck"] = _check_opcheck()
@@ -386,11 +385,11 @@ _GPU_ENV = {policy.ENV_MIN_ROWS: "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "
 
 
 def _check_gpu_all_gather(t: dict[str, torch.Tensor], m: int, case: int, out_dtype: torch.dtype,
-                          report: dict[str, list]) -> None:
+                          mismatches: list) -> None:
     """Every schedule: the gathered activation is every rank's shard; the output is within the
     fp32-accumulation bound of the float64 GEMM, and bit for bit the unfused ``mm_fp4`` where the
     docs promise it (decode-gather: one GEMM over all rows; fp32 output: the tiled kernel with the
-    whole GEMM's configuration). Other differences are reported."""
+    whole GEMM's configuration). Other differences are appended to ``mismatches``."""
     from fp4fuse.distributed.symm_mem.policy import AllGatherSchedule
     group, device = _group_name(), t["a_shard"].device
     a, sa = _expected_gather(m, case, device)
@@ -409,7 +408,7 @@ def _check_gpu_all_gather(t: dict[str, torch.Tensor], m: int, case: int, out_dty
         if schedule is AllGatherSchedule.DECODE_GATHER or out_dtype == torch.float32:
             assert torch.equal(out, full), where + ": differs from the unfused GEMM"
         elif not torch.equal(out, full):
-            report["full_gemm_mismatches"].append((where, int((out != full).sum())))
+            mismatches.append((where, int((out != full).sum())))
     os.environ.pop(policy.ENV_AG_SCHEDULE)
 
 
@@ -436,12 +435,14 @@ def _check_gpu_reduce_scatter(t: dict[str, torch.Tensor], m: int, case: int, out
 def _gpu_suite() -> dict[str, object]:
     rank, group = dist.get_rank(), _group_name()
     device = torch.device("cuda", rank)
-    report: dict[str, list] = {"full_gemm_mismatches": []}
+    mismatches: list = []
+    report: dict[str, object] = {"full_gemm_mismatches": mismatches}
     for case, m in enumerate(SHARD_ROWS + (384, 1040)):
         for out_dtype in (torch.bfloat16, torch.float32):
             t = _case_inputs(m, case, device)
-            _check_gpu_all_gather(t, m, case, out_dtype, report)
+            _check_gpu_all_gather(t, m, case, out_dtype, mismatches)
             _check_gpu_reduce_scatter(t, m, case, out_dtype)
+    report["empty"] = _check_empty_calls(device)  # empty operands take the functional path at any threshold
     ws = workspace._REGISTRY[(group, rank)]
     assert isinstance(ws, workspace.SymmWorkspace) and ws.capacity > 0, ws
     report["capacity"] = ws.capacity
@@ -499,7 +500,7 @@ def test_symmetric_memory_pipelines_on_gpus(world):
         pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
     results = run_on_ranks(_gpu_suite, world, backend="nccl", timeout=300, env=_GPU_ENV)
     for r in results:
-        assert r["graph"] == ["first", "always"] and r["capacity"] > 0
+        assert r["graph"] == ["first", "always"] and r["capacity"] > 0 and r["empty"] == 18
         assert r["modes"] == {80: "TILED", 2080: "DEQUANT_CUBLAS"}, r["modes"]
     print("fused vs one full GEMM, differing elements:", results[0]["full_gemm_mismatches"])
     print("row-block GEMM modes (bf16):", results[0]["modes"], "workspace bytes:", results[0]["capacity"])
@@ -512,22 +513,24 @@ def _captured_signature_mismatch() -> None:
     rank, group = dist.get_rank(), _group_name()
     device = torch.device("cuda", rank)
     t = _case_inputs(16, 70, device)
-    b_other, sb_other = _quantized(N + 16, K, 71, device)
-    b, sb = (t["b"], t["sb"]) if rank == 0 else (b_other, sb_other)
-    ops.fused_all_gather_fp4_matmul(t["a_shard"], t["s_shard"], t["b"], t["sb"], t["alpha"], torch.bfloat16,
-                                    group)  # eager warm-up with agreeing shapes
+    b, sb = (t["b"], t["sb"]) if rank == 0 else _quantized(N + 16, K, 71, device)
+
+    def gemm():
+        return ops.fused_all_gather_fp4_matmul(t["a_shard"], t["s_shard"], b, sb, t["alpha"], torch.bfloat16, group)
+    os.environ[groups.ENV_CHECK] = "off"
+    gemm()  # eager warm-up (kernels compiled outside the capture); nothing checked
     torch.cuda.synchronize()
+    os.environ[groups.ENV_CHECK] = "always"
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        ops.fused_all_gather_fp4_matmul(t["a_shard"], t["s_shard"], b, sb, t["alpha"], torch.bfloat16, group)
+        gemm()
     graph.replay()
     torch.cuda.synchronize()  # raises: device-side assertion
 
 
 @pytest.mark.multigpu
 def test_always_check_fails_a_mismatched_captured_graph_on_every_rank():
-    env = {groups.ENV_CHECK: "always", policy.ENV_DISABLE: "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-           "NCCL_NVLS_ENABLE": "0"}
+    env = {policy.ENV_DISABLE: "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0"}
     with pytest.raises(RankError) as info:
         run_on_ranks(_captured_signature_mismatch, 2, backend="nccl", timeout=180, grace=30, env=env)
     failures = info.value.failures

@@ -14,7 +14,9 @@ cross-rank agreement.
      (``fp4fuse.config.rank_uniform_env()``: overlap threshold and switch, all-gather schedule,
      check mode, backend) decide which collectives a call issues, so the ranks all-gather a hash
      of them at the first call on the group; a mismatch names each variable and every rank's
-     value. They are compared as written (stripped, any case): ``1`` and ``true`` differ.
+     value. They are compared as written, stripped and lower-cased: ``1`` and ``true`` differ
+     (comparing before parsing keeps a value only one rank would reject from desynchronizing
+     the ranks: after agreement every rank parses the same text, so all raise or none).
   2. Call signature: op, each tensor's shape / dtype / contiguity / device (same as the first
      argument's or not), ``out_dtype``. Mode ``FP4FUSE_COLLECTIVE_CHECK``:
 
@@ -189,7 +191,7 @@ def agree_on_environment(group_name: str, device: torch.device) -> None:
         raise ValueError(
             f"fp4fuse: the ranks of group {group_name!r} disagree on {'; '.join(parts)}. These variables decide "
             "which collectives each call issues, so every rank must set the same value (or leave it unset "
-            "everywhere); values are compared as written, stripped and in any case.")
+            "everywhere); values are compared stripped and lower-cased, so '1' and 'true' differ.")
     _env_agreed.add(group_name)
 
 

@@ -23,9 +23,10 @@ Two implementations, the same results:
 Empty calls (0 rows, N = 0 or K = 0) are valid and return the empty (or ``alpha * 0``) result of
 the contract's shape and dtype on every path.
 
-Every call first makes sure all ranks agree on shapes and dtypes
-(:func:`~fp4fuse.distributed.groups.check_ranks_agree`): a mismatch is a ``ValueError`` on every
-rank, not a hang.
+Every call starts with :func:`~fp4fuse.distributed.groups.check_ranks_agree`: the ranks agree on
+the rank-uniform environment (first call per group) and, as ``FP4FUSE_COLLECTIVE_CHECK`` says, on
+shapes and dtypes; a mismatch it checks is a ``ValueError`` on every rank, not a hang (that
+module's doc says which calls each mode checks).
 """
 from __future__ import annotations
 
