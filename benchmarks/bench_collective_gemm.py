@@ -25,7 +25,7 @@ the host has issued the call before the GPU starts it) and eager (host launch la
 The host issue time of each call (Python + launches, no sync) is reported too. Overlap efficiency
 ``(t_comm + t_mm - t_fused) / min(t_comm, t_mm)`` is shown where ``min >= 50 us``.
 ``--budget-s`` stops starting new shapes; the markdown is rewritten after every shape, so a run
-cut short still leaves its table.
+cut short still leaves its table. ``FP4FUSE_BENCH_VERBOSE=1`` prints each call's warm-up.
 """
 from __future__ import annotations
 
@@ -42,6 +42,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from fp4fuse.config import env_bool
 
 SHAPES_NK = ((4096, 4096), (14336, 4096), (4096, 14336))
 TOTAL_M = (512, 2048, 8192, 32768)
@@ -120,7 +122,7 @@ def _time_interleaved(fns: dict[str, Callable[[], object]], host_ahead: bool, no
     live: dict[str, Callable[[], object]] = {}
     approx = 0.0
     for label, fn in fns.items():
-        if os.environ.get("FP4FUSE_BENCH_VERBOSE"):
+        if env_bool("FP4FUSE_BENCH_VERBOSE", False):
             print(f"[rank {dist.get_rank()}] warm-up: {label}", flush=True)
         try:
             for _ in range(2):

@@ -28,7 +28,7 @@ import json
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 __all__ = [
     "ENV_VARS", "RUNTIME_ENV_VARS", "FusionConfig", "env_bool", "env_choice", "env_int", "env_log_level",
@@ -201,9 +201,20 @@ def env_int(var: str, default: int, *, minimum: int = 0, environ: Mapping[str, s
     return value
 
 
+@overload
 def env_choice(var: str, choices: type[EnumT], default: EnumT, *,
-               environ: Mapping[str, str] | None = None) -> EnumT:
-    """One of the string values of the enum ``choices`` (any case); unset or empty -> ``default``."""
+               environ: Mapping[str, str] | None = None) -> EnumT: ...
+
+
+@overload
+def env_choice(var: str, choices: type[EnumT], default: None, *,
+               environ: Mapping[str, str] | None = None) -> EnumT | None: ...
+
+
+def env_choice(var: str, choices: type[EnumT], default: EnumT | None, *,
+               environ: Mapping[str, str] | None = None) -> EnumT | None:
+    """One of the string values of the enum ``choices`` (any case); unset or empty -> ``default``
+    (which may be None: "not set, decide otherwise")."""
     raw = _raw(var, environ)
     if raw is None:
         return default

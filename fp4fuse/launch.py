@@ -17,9 +17,11 @@ second call is a fresh process group, as after a restart. The ranks meet through
 
 Failures never hang the test: a rank that raises is reported as :class:`RankError` naming the
 rank, the exception and its remote traceback (the original exception is the ``__cause__`` where it
-pickles); once one rank has failed the others get ``grace`` seconds to finish before they are
-terminated; the whole run is bounded by ``timeout`` seconds (:class:`TimeoutError` names the ranks
-still running).
+pickles); once one rank has failed (recorded its error, even while its process is still exiting,
+or exited without a result) the others get ``grace`` seconds to finish before they are terminated;
+the whole run is bounded by ``timeout`` seconds (:class:`TimeoutError` names the ranks still
+running). A terminated rank keeps what it recorded: only a rank with neither a result nor an
+error is reported as terminated.
 """
 from __future__ import annotations
 
@@ -112,7 +114,10 @@ def run_on_ranks(
 
 
 def _wait(procs: list, result_dir: str, timeout: float, grace: float) -> set[int]:
-    """Wait for the ranks; return those still running when the deadline passed."""
+    """Wait for the ranks; return those still running when the deadline passed.
+
+    A rank has failed once it recorded an error (even while it is still exiting) or exited
+    without a result; the first failure starts the ``grace`` period of the others."""
     deadline = time.monotonic() + timeout
     failed_deadline: float | None = None
     while True:
@@ -121,7 +126,7 @@ def _wait(procs: list, result_dir: str, timeout: float, grace: float) -> set[int
             return set()
         now = time.monotonic()
         if failed_deadline is None and any(
-            _failed(rank, p, result_dir) for rank, p in enumerate(procs) if rank not in alive
+            _failed(rank, p, result_dir, rank in alive) for rank, p in enumerate(procs)
         ):
             failed_deadline = now + grace
         if now >= deadline or (failed_deadline is not None and now >= failed_deadline):
@@ -129,15 +134,22 @@ def _wait(procs: list, result_dir: str, timeout: float, grace: float) -> set[int
         time.sleep(_POLL_S)
 
 
-def _failed(rank: int, proc, result_dir: str) -> bool:
-    return proc.exitcode != 0 or not os.path.exists(_ok_path(result_dir, rank))
+def _failed(rank: int, proc, result_dir: str, alive: bool) -> bool:
+    if os.path.exists(_err_path(result_dir, rank)):
+        return True
+    return not alive and (proc.exitcode != 0 or not os.path.exists(_ok_path(result_dir, rank)))
 
 
 def _collect(procs: list, result_dir: str, unfinished: set[int], timeout: float) -> list[Any]:
-    """Per-rank values; RankError if a rank raised or died, TimeoutError if some only ran late."""
+    """Per-rank values; RankError if a rank raised or died, TimeoutError if some only ran late.
+
+    What a rank recorded wins over how it ended: a rank that wrote its error (or its result) and
+    was terminated while exiting keeps that error (or result). Only a rank terminated with neither
+    is reported as still running."""
     failures: dict[int, str] = {}
     causes: dict[int, BaseException] = {}
     values: list[Any] = []
+    stragglers: list[int] = []
     for rank, proc in enumerate(procs):
         ok, err = _ok_path(result_dir, rank), _err_path(result_dir, rank)
         values.append(torch.load(ok, weights_only=False) if os.path.exists(ok) else None)
@@ -147,15 +159,19 @@ def _collect(procs: list, result_dir: str, unfinished: set[int], timeout: float)
             if report["exception"] is not None:
                 with contextlib.suppress(Exception):
                     causes[rank] = pickle.loads(report["exception"])
-        elif not os.path.exists(ok) and rank not in unfinished:
+        elif os.path.exists(ok):
+            continue
+        elif rank in unfinished:
+            stragglers.append(rank)
+        else:
             failures[rank] = f"exited with code {proc.exitcode} without a result"
     if failures:
         first = min(failures)
-        for rank in unfinished:
+        for rank in stragglers:
             failures[rank] = "still running after another rank failed (terminated)"
         raise RankError(first, failures) from causes.get(first)
-    if unfinished:
-        raise TimeoutError(f"run_on_ranks: ranks {sorted(unfinished)} did not finish within {timeout} s")
+    if stragglers:
+        raise TimeoutError(f"run_on_ranks: ranks {stragglers} did not finish within {timeout} s")
     return values
 
 

@@ -6,6 +6,14 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 FAKE_WORLD_SIZE = 2
 
 
+def pytest_configure(config):
+    """pyproject.toml gives every test a time limit (``timeout``); without pytest-timeout pytest
+    ignores it silently and a hung collective hangs the run, so its absence is an error."""
+    if not config.pluginmanager.hasplugin("timeout"):
+        raise pytest.UsageError("pytest-timeout is not installed, so the per-test time limit in pyproject.toml "
+                                "would be ignored: pip install -e '.[test]'")
+
+
 def pytest_collection_modifyitems(config, items):
     has_cuda = torch.cuda.is_available()
     n_gpus = torch.cuda.device_count() if has_cuda else 0

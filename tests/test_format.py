@@ -5,6 +5,7 @@ import warnings
 import pytest
 import torch
 
+import nvfp4_oracle as oracle
 from fp4fuse.nvfp4 import format as nvfp4
 
 GRID = torch.tensor(nvfp4.E2M1_VALUES)
@@ -116,14 +117,29 @@ def test_values_far_beyond_range_saturate():
     assert deq[0, 0].item() == pytest.approx(6 * 448 / 1000.0)
 
 
-def test_tiny_values_keep_subnormal_block_scales():
-    x = torch.randn(2, 32)
-    x[0, :16] *= 1e-6
-    q, s, gs = _quant(x)
-    deq = nvfp4.dequantize_reference(q, s, gs)
-    # The tiny block is far below amax; it flushes or keeps a subnormal scale, never garbage.
-    assert torch.all((deq[0, :16] - x[0, :16]).abs() <= x[0, :16].abs().max() + 1e-12)
-    assert torch.allclose(deq[1], x[1], rtol=0.3, atol=0.3 * float(x[1].abs().max()))
+def test_tiny_blocks_keep_subnormal_block_scales():
+    """Blocks far below the tensor's amax get subnormal e4m3 scales (exponent field 0, mantissa
+    j: j * 2**-9), rounded to the nearest step; only a block below half a step flushes to 0.
+    Each tiny block's amax is set so that amax / 6 * gs lands on a chosen multiple of 2**-9."""
+    g = torch.Generator().manual_seed(3)
+    steps = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 2.6, 5.4, 7.4, 0.4)
+    expected_bits = [1, 2, 3, 4, 5, 6, 7, 3, 5, 7, 0]
+    x = torch.randn(2, 16 * len(steps), generator=g)
+    x[0, 0] = 40.0  # the tensor's amax
+    gs = nvfp4.global_scale_from_amax(torch.tensor(40.0)).reshape(1)
+    for i, step in enumerate(steps):
+        block = torch.randn(16, generator=g)
+        x[1, 16 * i:16 * (i + 1)] = block / block.abs().max() * (step * 2.0 ** -9 * 6 / gs)
+    q, s = nvfp4.quantize_reference(x, gs)
+    assert oracle.scale_bits(s)[1].tolist() == expected_bits
+    oracle.assert_quantized_by_the_rules(x, gs.item(), q, s)
+    # decoded (independently) to within half the largest e2m1 step of the block's scale
+    decoded = oracle.decode(q, s)[1] / gs.double()
+    scale = oracle.decode_scales(s)[1].repeat_interleave(16) / gs.double()
+    tiny = x[1].double()
+    kept = scale > 0
+    assert bool(((decoded - tiny).abs()[kept] <= scale[kept] * 1.01).all())
+    assert bool((decoded[~kept] == 0).all()) and int(kept.sum()) == 16 * (len(steps) - 1)
 
 
 def test_nan_encodes_as_plus_zero_whatever_its_sign():

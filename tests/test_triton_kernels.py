@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("triton")
 
 import fp4fuse  # noqa: F401
+import nvfp4_oracle as oracle
 from fp4fuse.nvfp4 import format as nvfp4
 from fp4fuse.ops.backend import Backend, backend_for
 from fp4fuse.nvfp4.norms import fused_add_rms_norm_reference, rms_norm_reference
@@ -66,6 +67,44 @@ def test_cuda_quant_bit_equal(dtype, m, k):
     for div in QuantDivision:
         q2, s2 = scaled_fp4_quant_triton(x, gs, division=div)
         assert torch.equal(q2, q) and torch.equal(s2.view(torch.uint8), s.view(torch.uint8)), div
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("value", [0.0, -0.0, -2.5, float("inf"), float("-inf"), float("nan"), 1e30])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_quant_global_scale_rules(value, dtype):
+    """A global scale outside (0, inf) poisons every block (scale 0x7F, codes 0); 1e30 saturates.
+    Checked with the independent oracle (tests/nvfp4_oracle.py), on the op and on every division."""
+    _require_triton_backend()
+    from fp4fuse.kernels.triton.quant import QuantDivision, scaled_fp4_quant_triton
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = _blocks(37, 208, gen, dtype)
+    x[2, 16:32] = 0
+    gs = torch.tensor([value], device="cuda")
+    results = [ops.scaled_fp4_quant(x, gs)] + [scaled_fp4_quant_triton(x, gs, division=d) for d in QuantDivision]
+    for q, s in results:
+        if value == 1e30:
+            oracle.assert_quantized_by_the_rules(x.cpu(), value, q.cpu(), s.cpu())
+        else:
+            assert bool((oracle.scale_bits(s.cpu()) == oracle.E4M3_NAN_BITS).all()) and bool((q == 0).all())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m,n,k", [(0, 5, 32), (4, 0, 32), (0, 0, 48), (3, 5, 0), (300, 0, 64), (0, 300, 64)])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_cuda_empty_operands(m, n, k, out_dtype):
+    """M = 0 or N = 0: the empty [M, N]; K = 0: zeros (an empty sum). Through the op and through
+    the Triton launcher directly."""
+    _require_triton_backend()
+    from fp4fuse.kernels.triton.mm import mm_fp4_triton
+    gs = torch.tensor([2.0], device="cuda")
+    a, sa = ops.scaled_fp4_quant(torch.randn(m, k, device="cuda") + 0.5, gs)
+    b, sb = ops.scaled_fp4_quant(torch.randn(n, k, device="cuda") + 0.5, gs)
+    assert a.shape == (m, k // 2) and sa.shape == (m, k // 16) and a.is_cuda
+    alpha = torch.tensor([0.3], device="cuda")
+    for out in (ops.mm_fp4(a, b, sa, sb, alpha, out_dtype), mm_fp4_triton(a, b, sa, sb, alpha, out_dtype)):
+        assert out.is_cuda and out.dtype == out_dtype
+        assert torch.equal(out.cpu(), torch.zeros(m, n, dtype=out_dtype))
 
 
 @pytest.mark.cuda

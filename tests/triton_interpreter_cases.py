@@ -97,11 +97,39 @@ def case_quant() -> None:
         q, s = triton_quant.scaled_fp4_quant_triton(x, gs, division=div)
         assert torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), f"boundary scales {div.name}"
         assert torch.equal(q, rq), f"boundary codes {div.name}"
+    _check_global_scale_rules(gen)
     tiny = torch.full((1, 32), 3e-38) * torch.randn(1, 32, generator=gen)
     gs = torch.tensor([5e30])
     rq, rs = nvfp4.quantize_reference(tiny, gs)
     q, s = triton_quant.scaled_fp4_quant_triton(tiny, gs)
     assert torch.equal(q, rq) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), "tiny values"
+
+
+def _check_global_scale_rules(gen: torch.Generator) -> None:
+    """The global-scale rules of format.py, stated independently of the reference: a scale
+    outside (0, inf) gives e4m3 NaN (0x7F) for every block scale and code 0 everywhere; 1e30
+    saturates every block with a nonzero element to 448 (0x7E) and every nonzero element to
+    +-6 (magnitude code 7, sign bit 8)."""
+    x = _rand_blocks(5, 80, gen).to(torch.bfloat16)
+    x[2, :16] = 0
+    x[3, 7] = 0
+    nonzero = x != 0
+    for value in (0.0, -0.0, -3.5, float("inf"), float("-inf"), float("nan"), 1e30):
+        gs = torch.tensor([value])
+        for div in triton_quant.QuantDivision:
+            q, s = triton_quant.scaled_fp4_quant_triton(x, gs, division=div)
+            codes = nvfp4.unpack_nibbles(q).long()
+            scale_bits = s.view(torch.uint8).long()
+            where = f"global scale {value} {div.name}"
+            if value == 1e30:
+                block_nonzero = nonzero.reshape(5, 5, 16).any(-1)
+                assert torch.equal(scale_bits, torch.where(block_nonzero, 0x7E, 0)), where
+                expected = torch.where(nonzero, 7 + 8 * (x < 0).long(), 0)
+                assert torch.equal(codes, expected), where
+            else:
+                assert bool((scale_bits == 0x7F).all()) and bool((codes == 0).all()), where
+            rq, rs = nvfp4.quantize_reference(x, gs)
+            assert torch.equal(q, rq) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), where
 
 
 def _quantized(m: int, k: int, gen: torch.Generator):
@@ -111,8 +139,22 @@ def _quantized(m: int, k: int, gen: torch.Generator):
     return q, s, gs
 
 
+def _check_empty_operands(gen: torch.Generator) -> None:
+    """M = 0 or N = 0: the empty [M, N] (tiled and dequantize + cuBLAS paths); K = 0: alpha * 0."""
+    alpha = torch.tensor([0.3])
+    for m, n, k in ((0, 5, 32), (4, 0, 32), (0, 0, 48), (3, 5, 0), (triton_mm.DEQUANT_MIN_M, 0, 32)):
+        a, sa = triton_quant.scaled_fp4_quant_triton(torch.randn(m, k, generator=gen) + 0.5, torch.tensor([2.0]))
+        b, sb = triton_quant.scaled_fp4_quant_triton(torch.randn(n, k, generator=gen) + 0.5, torch.tensor([2.0]))
+        assert a.shape == (m, k // 2) and sa.shape == (m, k // 16), f"quant {m}x{k}"
+        for out_dtype in (torch.bfloat16, torch.float32):
+            out = triton_mm.mm_fp4_triton(a, b, sa, sb, alpha, out_dtype)
+            assert out.dtype == out_dtype and torch.equal(out, torch.zeros(m, n, dtype=out_dtype)), \
+                f"empty mm {m}x{n}x{k} {out_dtype}"
+
+
 def case_mm() -> None:
     gen = torch.Generator().manual_seed(2)
+    _check_empty_operands(gen)
     C = triton_mm.MMConfig
     configs = (C(16, 16, 2, 1, 4, 2), C(32, 16, 4, 2, 4, 2), C(16, 32, 2, 3, 4, 2), C(64, 16, 4, 1, 4, 2))
     for m, n, k in ((3, 5, 48), (1, 5, 16), (130, 37, 64), (17, 70, 160)):

@@ -6,26 +6,55 @@ cross-rank agreement.
 * :func:`all_gather_rows`, :func:`reduce_scatter_rows_fp32`: dim-0 collectives through
   ``_c10d_functional`` (so compiled graphs hold them); float8 travels as uint8 (gloo has no float8
   collectives).
-* Agreement: before a collective op issues its collectives, the group all-gathers the call
-  signature (op, every tensor's shape / dtype / contiguity, ``out_dtype``) and every rank raises
-  the same clear ``ValueError`` if they differ, instead of hanging in (or corrupting) a collective.
-  Mode ``FP4FUSE_COLLECTIVE_CHECK``: ``always`` checks every call (one tiny all-gather plus a host
-  sync: the default off CUDA), ``first`` checks the first call with each signature (the default on
-  CUDA, where a per-call host sync would cost more than the GEMM at small sizes), ``off`` never.
+* Agreement (:func:`check_ranks_agree`, called by every collective op before it issues a
+  collective), so that a mismatch is the same clear ``ValueError`` on every rank instead of a hang,
+  a crash (gloo aborts the process on mismatched sizes) or collectives that pair up wrongly:
+
+  1. Environment, once per group: the rank-uniform run-time variables
+     (``fp4fuse.config.rank_uniform_env()``: overlap threshold and switch, all-gather schedule,
+     check mode, backend) decide which collectives a call issues, so the ranks all-gather a hash
+     of them at the first call on the group; a mismatch names each variable and every rank's
+     value. They are compared as written, stripped and lower-cased: ``1`` and ``true`` differ
+     (comparing before parsing keeps a value only one rank would reject from desynchronizing
+     the ranks: after agreement every rank parses the same text, so all raise or none).
+  2. Call signature: op, each tensor's shape / dtype / contiguity / device (same as the first
+     argument's or not), ``out_dtype``. Mode ``FP4FUSE_COLLECTIVE_CHECK``:
+
+     * ``always`` (the default off CUDA): every call; one tiny all-gather plus a host sync.
+     * ``first`` (the default on CUDA, where a per-call host sync would cost more than the GEMM
+       at small sizes): the first call of each op on each group. The decision keys on the call's
+       ordinal per (group, op), which every rank advances in lockstep (a group's collective ops
+       must be called in the same order on every rank, or their collectives could not pair up
+       at all), never on anything rank-local such as shapes: so either every rank checks or none
+       does. FIRST catches what is wrong from the start: mismatched configuration (world layout,
+       hidden sizes, weight shards, dtypes, ``out_dtype``) and environment. It does not catch a
+       later call whose arguments differ between ranks (for example token counts that diverge in
+       a serving loop): that call's collectives then see different sizes (gloo aborts, NCCL may
+       hang or read garbage). Use ``always`` to find such a bug.
+     * ``off``: never (the environment is still agreed once per group).
+
+  During CUDA-graph capture a host sync is impossible, so a check that falls in a capture (every
+  call under ``always``, the first under ``first`` if no eager warm-up call preceded it, the
+  environment's if the group's first call is captured) runs on the device instead: the ranks
+  all-gather one 64-bit hash and ``torch._assert_async`` compares it, so a mismatch fails as a
+  device-side assertion when the graph runs (it kills the CUDA context, but loudly, where the
+  collectives would otherwise pair up wrongly). Captured shapes are fixed, so checking at capture
+  time covers every replay; under ``always`` the tiny all-gather is part of every replay.
 """
 from __future__ import annotations
 
 import enum
+import hashlib
 
 import torch
 import torch.distributed as dist
 
-from fp4fuse.config import env_choice
+from fp4fuse.config import env_choice, rank_uniform_env
 
 __all__ = [
-    "SignatureCheck", "all_gather_rows", "call_signature", "check_ranks_agree", "check_rows_divisible",
-    "describe_signature", "gather_values", "group_rank_of", "group_size_of", "reduce_scatter_rows_fp32",
-    "resolve_group", "signature_check_mode",
+    "SignatureCheck", "agree_on_environment", "all_gather_rows", "assert_same_on_device", "call_signature",
+    "check_ranks_agree", "check_rows_divisible", "describe_signature", "gather_strings", "gather_values",
+    "group_rank_of", "group_size_of", "reduce_scatter_rows_fp32", "resolve_group", "signature_check_mode",
 ]
 
 _funcol = torch.ops._c10d_functional
@@ -89,7 +118,85 @@ def signature_check_mode(device_type: str = "cuda") -> SignatureCheck:
 
 
 # ----------------------------------------------------------------------------------------------
-# Cross-rank agreement on the call signature
+# Collective helpers of the agreement
+# ----------------------------------------------------------------------------------------------
+def gather_values(group_name: str, values: tuple[int, ...], device: torch.device) -> list[tuple[int, ...]]:
+    """Collective: every rank's ``values`` (same length everywhere), indexed by rank. Host sync."""
+    world = group_size_of(group_name)
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    gathered = _funcol.wait_tensor(_funcol.all_gather_into_tensor(mine, world, group_name))
+    return [tuple(r) for r in gathered.view(world, len(values)).tolist()]
+
+
+def gather_strings(group_name: str, strings: tuple[str, ...], device: torch.device) -> list[tuple[str, ...]]:
+    """Collective: every rank's ``strings`` (the same count everywhere), indexed by rank. Two small
+    all-gathers (lengths, then the padded UTF-8 bytes); host syncs."""
+    encoded = [text.encode("utf-8") for text in strings]
+    lengths = gather_values(group_name, tuple(len(b) for b in encoded), device)
+    width = max(1, max(max(row) for row in lengths))
+    padded = b"".join(b.ljust(width, b"\0") for b in encoded)
+    rows = gather_values(group_name, tuple(padded), device)
+    return [tuple(bytes(row[j * width: j * width + lengths[rank][j]]).decode("utf-8")
+                  for j in range(len(strings)))
+            for rank, row in enumerate(rows)]
+
+
+def assert_same_on_device(group_name: str, value: int, device: torch.device, message: str) -> None:
+    """Collective, no host sync (so CUDA-graph capture can hold it): all-gather one int64 and
+    assert on the device that every rank passed the same ``value``. On CUDA a mismatch is a
+    device-side assertion carrying ``message`` when the stream reaches it; on CPU
+    ``torch._assert_async`` raises ``RuntimeError(message)`` at once."""
+    world = group_size_of(group_name)
+    mine = torch.full((1,), value, dtype=torch.int64, device=device)  # a fill: no host-to-device copy
+    gathered = _funcol.wait_tensor(_funcol.all_gather_into_tensor(mine, world, group_name))
+    torch._assert_async((gathered == mine).all(), message)
+
+
+def _stable_hash(text: str) -> int:
+    """A signed 64-bit hash of ``text``, the same in every process (unlike ``hash()``)."""
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "little", signed=True)
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+# ----------------------------------------------------------------------------------------------
+# Agreement on the environment (once per group)
+# ----------------------------------------------------------------------------------------------
+_env_agreed: set[str] = set()
+
+
+def agree_on_environment(group_name: str, device: torch.device) -> None:
+    """Collective at the first call per group (nothing after): raise the same ``ValueError`` on
+    every rank if the ranks hold different values of a rank-uniform ``FP4FUSE_*`` variable (module
+    doc). A group that failed is checked again at its next call."""
+    if group_name in _env_agreed:
+        return
+    values = rank_uniform_env()
+    if _capturing(device):
+        names = ", ".join(name for name, _ in values)
+        assert_same_on_device(group_name, _stable_hash(repr(values)), device,
+                              f"fp4fuse: the ranks of group {group_name} disagree on one of {names}")
+        _env_agreed.add(group_name)
+        return
+    rows = gather_values(group_name, tuple(_stable_hash(f"{name}={value}") for name, value in values), device)
+    differing = [i for i in range(len(values)) if len({row[i] for row in rows}) > 1]
+    if differing:
+        per_rank = gather_strings(group_name, tuple(values[i][1] for i in differing), device)
+        parts = []
+        for j, i in enumerate(differing):
+            by_rank = ", ".join(f"rank {rank}: {repr(v[j]) if v[j] else 'unset'}" for rank, v in enumerate(per_rank))
+            parts.append(f"{values[i][0]} ({by_rank})")
+        raise ValueError(
+            f"fp4fuse: the ranks of group {group_name!r} disagree on {'; '.join(parts)}. These variables decide "
+            "which collectives each call issues, so every rank must set the same value (or leave it unset "
+            "everywhere); values are compared stripped and lower-cased, so '1' and 'true' differ.")
+    _env_agreed.add(group_name)
+
+
+# ----------------------------------------------------------------------------------------------
+# Agreement on the call signature
 # ----------------------------------------------------------------------------------------------
 _DTYPE_CODES: dict[torch.dtype, int] = {
     dt: i for i, dt in enumerate((
@@ -104,23 +211,25 @@ def _dtype_code(dtype: torch.dtype) -> int:
     return _DTYPE_CODES.get(dtype, len(_DTYPE_CODES))
 
 
-def _tensor_fields(t: torch.Tensor) -> tuple[int, ...]:
-    """(ndim, up to two sizes padded with -1, dtype code, contiguous) of one argument."""
+def _tensor_fields(t: torch.Tensor, first_device: torch.device) -> tuple[int, ...]:
+    """(ndim, up to two sizes padded with -1, dtype code, contiguous, on the first argument's
+    device) of one argument."""
     sizes = tuple(t.shape[:_MAX_DIMS]) + (-1,) * (_MAX_DIMS - min(t.dim(), _MAX_DIMS))
-    return (t.dim(), *sizes, _dtype_code(t.dtype), int(t.is_contiguous()))
+    return (t.dim(), *sizes, _dtype_code(t.dtype), int(t.is_contiguous()), int(t.device == first_device))
 
 
-_FIELDS_PER_TENSOR = 3 + _MAX_DIMS  # ndim, sizes, dtype, contiguous
+_FIELDS_PER_TENSOR = 4 + _MAX_DIMS  # ndim, sizes, dtype, contiguous, same device
 
 
 def call_signature(op_code: int, tensors: tuple[torch.Tensor, ...], out_dtype: torch.dtype) -> tuple[int, ...]:
-    """What every rank must agree on: the op, each tensor's ndim/sizes/dtype/contiguity, out_dtype.
+    """What every rank must agree on: the op, each tensor's ndim/sizes/dtype/contiguity/device
+    (whether it shares the first tensor's), out_dtype.
 
     Built only from metadata, so it is defined even for inputs that local validation would reject
     (ranks agree first, then validate identically)."""
     fields: list[int] = [int(op_code), len(tensors)]
     for t in tensors:
-        fields.extend(_tensor_fields(t))
+        fields.extend(_tensor_fields(t, tensors[0].device))
     fields.append(_dtype_code(out_dtype))
     return tuple(fields)
 
@@ -129,42 +238,40 @@ def describe_signature(sig: tuple[int, ...], names: tuple[str, ...]) -> str:
     parts = []
     for i, name in enumerate(names):
         ndim, *rest = sig[2 + i * _FIELDS_PER_TENSOR: 2 + (i + 1) * _FIELDS_PER_TENSOR]
-        sizes, code, contiguous = rest[:_MAX_DIMS], rest[_MAX_DIMS], rest[_MAX_DIMS + 1]
+        sizes, (code, contiguous, same_device) = rest[:_MAX_DIMS], rest[_MAX_DIMS:]
         shape = [s for s in sizes[:ndim]] + (["..."] if ndim > _MAX_DIMS else [])
         dtype = str(_CODE_DTYPES.get(code, "other")).replace("torch.", "")
-        parts.append(f"{name}{shape} {dtype}{'' if contiguous else ' non-contiguous'}")
+        parts.append(f"{name}{shape} {dtype}{'' if contiguous else ' non-contiguous'}"
+                     f"{'' if same_device else f' on another device than {names[0]}'}")
     out_dtype = str(_CODE_DTYPES.get(sig[-1], "other")).replace("torch.", "")
     return ", ".join(parts) + f", out_dtype={out_dtype}"
 
 
-# (group, op code, out_dtype, (shape, dtype, contiguous) per tensor) of calls every rank agreed on.
-_agreed: set[tuple] = set()
-
-
-def gather_values(group_name: str, values: tuple[int, ...], device: torch.device) -> list[tuple[int, ...]]:
-    """Collective: every rank's ``values`` (same length everywhere), indexed by rank."""
-    world = group_size_of(group_name)
-    mine = torch.tensor(values, dtype=torch.int64, device=device)
-    gathered = _funcol.wait_tensor(_funcol.all_gather_into_tensor(mine, world, group_name))
-    return [tuple(r) for r in gathered.view(world, len(values)).tolist()]
+# (group, op code) -> calls so far in this process: the same on every rank (module doc).
+_call_counts: dict[tuple[str, int], int] = {}
 
 
 def check_ranks_agree(
     op: str, group_name: str, op_code: int, named: dict[str, torch.Tensor], out_dtype: torch.dtype,
 ) -> None:
-    """Raise ``ValueError`` on every rank if the ranks of ``group_name`` called ``op`` with different
-    shapes / dtypes (see the module doc for when this runs). Collective when it runs."""
+    """Agree on the environment (first call per group), then, as the check mode says, on the call
+    signature: raise ``ValueError`` on every rank if the ranks of ``group_name`` called ``op`` with
+    different shapes / dtypes (module doc: when it runs, what FIRST does not catch, CUDA graphs).
+    Collective when it runs; every rank decides the same way whether it runs."""
     tensors = tuple(named.values())
     device = tensors[0].device
+    agree_on_environment(group_name, device)
     mode = signature_check_mode(device.type)
-    if mode is SignatureCheck.OFF:
-        return
-    key = (group_name, op_code, out_dtype, *((t.shape, t.dtype, t.is_contiguous()) for t in tensors))
-    if mode is SignatureCheck.FIRST and key in _agreed:
+    ordinal = _call_counts.get((group_name, op_code), 0)
+    _call_counts[(group_name, op_code)] = ordinal + 1
+    if mode is SignatureCheck.OFF or (mode is SignatureCheck.FIRST and ordinal > 0):
         return
     sig = call_signature(op_code, tensors, out_dtype)
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return  # a host sync is impossible here; capture replays a call that was checked in warm-up
+    if _capturing(device):
+        assert_same_on_device(group_name, _stable_hash(repr(sig)), device,
+                              f"fp4fuse.{op}: the ranks of group {group_name} called it with different arguments "
+                              f"(checked in a CUDA graph, {ENV_CHECK}={mode.value})")
+        return
     rows = gather_values(group_name, sig, device)
     if any(r != sig for r in rows):
         names = tuple(named)
@@ -172,4 +279,3 @@ def check_ranks_agree(
         raise ValueError(
             f"fp4fuse.{op}: the ranks of group {group_name!r} called it with different arguments ({table}). "
             "Every rank must pass the same shapes, dtypes and out_dtype.")
-    _agreed.add(key)

@@ -26,6 +26,14 @@ block scales, which is more accurate for blocks far below the tensor's amax.
 Non-finite input (defined, tested): a NaN anywhere in a 16-element block makes that block's scale
 NaN (the block dequantizes to NaN) and the NaN elements' codes 0; ``+-inf`` saturates, giving block
 scale 448 and code ``+-6``. ``global_scale_from_amax`` maps amax 0 to 1 and a non-finite amax to NaN.
+
+Global scale outside ``(0, inf)`` (defined, tested; every backend): a global scale that is 0,
+negative (``-0.0`` included), ``+-inf`` or NaN poisons the whole tensor: every block scale is NaN
+(e4m3 ``0x7F``) and every code 0, so it dequantizes to NaN everywhere, never to plausible
+numbers. The ops cannot reject such a scale: it lives on the device, and reading it would cost a
+host sync per call (and break CUDA-graph capture). A finite but huge scale is legitimate and
+saturates: with ``gs = 1e30`` every nonzero block gets scale 448 and its elements codes ``+-6``
+(``x * gs`` overflows to ``+-inf``), all-zero blocks scale 0.
 """
 from __future__ import annotations
 
@@ -108,8 +116,13 @@ def global_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
 
 
 def block_scales(block_amax: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    """e4m3 block scales from fp32 block amaxes: ``e4m3(min(amax / 6 * gs, 448))``."""
+    """e4m3 block scales from fp32 block amaxes: ``e4m3(min(amax / 6 * gs, 448))``; every scale is
+    NaN (``0x7F``) unless ``0 < gs < inf`` (module docstring)."""
     s = block_amax / E2M1_MAX * global_scale
+    gs_ok = (global_scale > 0) & torch.isfinite(global_scale)
+    # +NaN explicitly: a NaN computed from the bad scale (0 * inf on x86) may carry the sign bit,
+    # which would encode as 0xFF.
+    s = torch.where(gs_ok, s, torch.full_like(s, float("nan")))
     # clamp_max keeps NaN; torch's cast to e4m3fn does not saturate, so clamp first.
     return torch.clamp(s, max=E4M3_MAX).to(torch.float8_e4m3fn)
 
@@ -117,7 +130,8 @@ def block_scales(block_amax: torch.Tensor, global_scale: torch.Tensor) -> torch.
 def quantize_reference(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x [M, K]`` to ``(q uint8 [M, K/2], s float8_e4m3fn [M, K/16])``.
 
-    No input validation here (the op layer validates); K must be a multiple of 16."""
+    No input validation here (the op layer validates); K must be a multiple of 16. A global
+    scale outside ``(0, inf)`` gives NaN scales and zero codes (module docstring)."""
     m, k = x.shape
     xb = x.float().reshape(m, k // BLOCK_SIZE, BLOCK_SIZE)
     gs = global_scale.float().reshape(())
@@ -127,7 +141,8 @@ def quantize_reference(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[tor
     s = block_scales(amax, gs)
     s32 = s.float().unsqueeze(-1)
     scaled = (xb * gs) / s32
-    scaled = torch.where(s32 == 0, torch.zeros_like(scaled), scaled)
+    dead = (s32 == 0) | torch.isnan(s32)  # all-zero or poisoned block: every code 0
+    scaled = torch.where(dead, torch.zeros_like(scaled), scaled)
     codes = e2m1_encode(scaled).reshape(m, k)
     return pack_nibbles(codes), s
 
@@ -137,9 +152,9 @@ def dequantize_reference(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """``q * s / gs`` as ``[M, K]`` in ``dtype`` (computed in fp32; gs None means 1)."""
-    m = q.shape[0]
-    vals = e2m1_decode(unpack_nibbles(q)).reshape(m, -1, BLOCK_SIZE) * s.float().unsqueeze(-1)
-    out = vals.reshape(m, -1)
+    m, k = q.shape[0], q.shape[1] * 2
+    vals = e2m1_decode(unpack_nibbles(q)).reshape(m, k // BLOCK_SIZE, BLOCK_SIZE) * s.float().unsqueeze(-1)
+    out = vals.reshape(m, k)
     if global_scale is not None:
         out = out / global_scale.float().reshape(())
     return out.to(dtype)

@@ -4,7 +4,11 @@ REFERENCE is the pure-torch code in fp4fuse.nvfp4 (format.py, norms.py) (CPU, an
 a fallback). TRITON is fp4fuse's own Triton code (SM80/SM90 and later). FLASHINFER is flashinfer's
 FP4 path, SM100+ only; it was written to flashinfer 0.7.2's documented API and has never been run
 (no Blackwell GPU was available to the authors). ``FP4FUSE_BACKEND=reference|triton|flashinfer``
-forces a choice on CUDA.
+forces a choice on CUDA (it must be the same on every rank).
+
+A CUDA device below SM80, or without Triton installed, falls back to REFERENCE: correct, but the
+GEMM runs as a float64 matmul of dequantized operands, orders of magnitude slower than a kernel.
+That fallback is logged once per device at WARNING (a forced ``reference`` is not).
 """
 from __future__ import annotations
 
@@ -12,11 +16,19 @@ import enum
 import functools
 import importlib.util
 import logging
-import os
 
 import torch
 
+from fp4fuse.config import env_choice
+
+__all__ = ["ENV_BACKEND", "Backend", "backend_for", "cuda_backend", "forced_backend"]
+
 logger = logging.getLogger(__name__)
+
+ENV_BACKEND = "FP4FUSE_BACKEND"
+#: Compute capability (major) from which fp4fuse's Triton kernels run; SM100+ prefers flashinfer.
+TRITON_MIN_MAJOR = 8
+FLASHINFER_MIN_MAJOR = 10
 
 
 class Backend(enum.Enum):
@@ -40,21 +52,31 @@ def _flashinfer_available() -> bool:
     return True
 
 
+def forced_backend() -> Backend | None:
+    """``FP4FUSE_BACKEND`` as a :class:`Backend`, or None when unset or empty (choose by device)."""
+    return env_choice(ENV_BACKEND, Backend, None)
+
+
 @functools.cache
 def cuda_backend(device_index: int) -> Backend:
-    """Backend for CUDA device ``device_index`` (cached; env override read once)."""
-    forced = os.environ.get("FP4FUSE_BACKEND")
-    if forced:
-        try:
-            return Backend(forced.lower())
-        except ValueError:
-            raise ValueError(
-                f"FP4FUSE_BACKEND={forced!r}: must be one of {[b.value for b in Backend]}") from None
-    major, _ = torch.cuda.get_device_capability(device_index)
-    if major >= 10 and _flashinfer_available():
+    """Backend for CUDA device ``device_index`` (cached per device: the environment and the
+    device are read once; a fallback to REFERENCE is logged at WARNING, once per device)."""
+    forced = forced_backend()
+    if forced is not None:
+        return forced
+    major, minor = torch.cuda.get_device_capability(device_index)
+    if major >= FLASHINFER_MIN_MAJOR and _flashinfer_available():
         return Backend.FLASHINFER
-    if major >= 8 and _triton_available():
+    triton_ok = _triton_available()
+    if major >= TRITON_MIN_MAJOR and triton_ok:
         return Backend.TRITON
+    why = (f"compute capability {major}.{minor} is below {TRITON_MIN_MAJOR}.0" if major < TRITON_MIN_MAJOR
+           else "Triton is not installed")
+    logger.warning(
+        "fp4fuse: CUDA device %d runs the pure-torch reference ops (float64 GEMM of dequantized operands, "
+        "orders of magnitude slower than a kernel): %s. fp4fuse's Triton kernels need SM%d0+ and Triton. "
+        "(Logged once per device; %s=reference silences this.)",
+        device_index, why, TRITON_MIN_MAJOR, ENV_BACKEND)
     return Backend.REFERENCE
 
 

@@ -20,9 +20,13 @@ Two implementations, the same results:
   collectives plus ``mm_fp4``, no overlap; the reason is logged once per group at INFO. Scales
   travel as uint8 views (gloo has no float8 collectives).
 
-Every call first makes sure all ranks agree on shapes and dtypes
-(:func:`~fp4fuse.distributed.groups.check_ranks_agree`): a mismatch is a ``ValueError`` on every
-rank, not a hang.
+Empty calls (0 rows, N = 0 or K = 0) are valid and return the empty (or ``alpha * 0``) result of
+the contract's shape and dtype on every path.
+
+Every call starts with :func:`~fp4fuse.distributed.groups.check_ranks_agree`: the ranks agree on
+the rank-uniform environment (first call per group) and, as ``FP4FUSE_COLLECTIVE_CHECK`` says, on
+shapes and dtypes; a mismatch it checks is a ``ValueError`` on every rank, not a hang (that
+module's doc says which calls each mode checks).
 """
 from __future__ import annotations
 
@@ -95,18 +99,20 @@ def _prepare_reduce_scatter(
     return a.shape[0]
 
 
-def _overlap_workspace(op: str, kind: CollectiveGemmKind, group_name: str, total_rows: int, device: torch.device):
+def _overlap_workspace(op: str, kind: CollectiveGemmKind, group_name: str, total_rows: int, b: torch.Tensor,
+                       device: torch.device):
     """The symmetric workspace to overlap this CUDA call on, or ``None`` (reason logged once).
 
     Every input of the decision is the same on every rank (agreed shapes, env, a collective
-    capability answer), so all ranks take the same path."""
+    capability answer), so all ranks take the same path. An empty call (no rows, an empty
+    weight ``b``: N = 0 or K = 0) runs the functional path, which handles empty tensors."""
     world = group_size_of(group_name)
     if world == 1:
         reason, detail = NoOverlapReason.SINGLE_RANK, ""
     elif policy.overlap_disabled():
         reason, detail = NoOverlapReason.DISABLED, ""
-    elif total_rows == 0:
-        reason, detail = NoOverlapReason.EMPTY, ""
+    elif total_rows == 0 or b.numel() == 0:
+        reason, detail = NoOverlapReason.EMPTY, f"{total_rows} rows, weight {list(b.shape)}"
     elif total_rows < policy.overlap_min_rows(kind, world):
         reason = NoOverlapReason.BELOW_THRESHOLD
         detail = f"{total_rows} rows < {policy.overlap_min_rows(kind, world)} ({policy.ENV_MIN_ROWS})"
@@ -155,7 +161,7 @@ def _(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name):
 def _(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name):
     total = _prepare_all_gather(_AG_OP, CollectiveGemmKind.ALL_GATHER_MATMUL, a_shard, a_scale_shard, b, b_scale,
                                 alpha, out_dtype, group_name)
-    ws = _overlap_workspace(_AG_OP, CollectiveGemmKind.ALL_GATHER_MATMUL, group_name, total, a_shard.device)
+    ws = _overlap_workspace(_AG_OP, CollectiveGemmKind.ALL_GATHER_MATMUL, group_name, total, b, a_shard.device)
     if ws is None:
         return all_gather_fp4_matmul_fallback(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name)[0]
     return _overlapped_all_gather(ws, a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, need_gathered=False).out
@@ -188,7 +194,7 @@ def _(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name):
 def _(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name):
     total = _prepare_all_gather(_AG_GATHERED_OP, CollectiveGemmKind.ALL_GATHER_MATMUL_GATHERED, a_shard, a_scale_shard,
                                 b, b_scale, alpha, out_dtype, group_name)
-    ws = _overlap_workspace(_AG_GATHERED_OP, CollectiveGemmKind.ALL_GATHER_MATMUL_GATHERED, group_name, total,
+    ws = _overlap_workspace(_AG_GATHERED_OP, CollectiveGemmKind.ALL_GATHER_MATMUL_GATHERED, group_name, total, b,
                             a_shard.device)
     if ws is None:
         return all_gather_fp4_matmul_fallback(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name)
@@ -219,7 +225,7 @@ def _(a, b, a_scale, b_scale, alpha, out_dtype, group_name):
 @fused_fp4_matmul_reduce_scatter.register_kernel("cuda")
 def _(a, b, a_scale, b_scale, alpha, out_dtype, group_name):
     total = _prepare_reduce_scatter(a, b, a_scale, b_scale, alpha, out_dtype, group_name)
-    ws = _overlap_workspace(_RS_OP, CollectiveGemmKind.MATMUL_REDUCE_SCATTER, group_name, total, a.device)
+    ws = _overlap_workspace(_RS_OP, CollectiveGemmKind.MATMUL_REDUCE_SCATTER, group_name, total, b, a.device)
     if ws is None:
         return fp4_matmul_reduce_scatter_fallback(a, b, a_scale, b_scale, alpha, out_dtype, group_name)
     gemm = RowBlockGemm(b, b_scale, alpha, out_dtype, a.shape[0] // ws.world_size, total_rows=a.shape[0])

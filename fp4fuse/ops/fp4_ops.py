@@ -6,6 +6,9 @@ Contracts (docs/design.md):
   one element (encode convention ``448*6/amax``) -> q uint8 ``[M, K/2]``, s e4m3 ``[M, K/16]``.
 * ``mm_fp4(a, b, a_scale, b_scale, alpha, out_dtype) -> out``: a ``[M, K/2]``, b ``[N, K/2]``
   (weight, row-major), linear scales; ``out = alpha * (q_a*s_a) @ (q_b*s_b)^T`` ``[M, N]``.
+  Empty operands are valid: M = 0 or N = 0 gives the empty ``[M, N]``, K = 0 gives ``alpha * 0``.
+* A global scale outside ``(0, inf)`` poisons the quantized tensor (NaN block scales, zero
+  codes): see fp4fuse/nvfp4/format.py. It is not checked on the host (that would sync).
 
 CPU (and any device without a faster backend) runs the pure-torch reference in fp4fuse.nvfp4.format;
 CUDA runs what ``fp4fuse.ops.kernel_table`` names for the device's backend.
@@ -16,7 +19,7 @@ import torch
 
 from fp4fuse.nvfp4 import format as nvfp4
 from fp4fuse.ops import validation
-from fp4fuse.ops.backend import backend_for
+from fp4fuse.ops.backend import Backend, backend_for
 from fp4fuse.ops.kernel_table import kernel_for
 
 
@@ -38,7 +41,8 @@ def _(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.
 @scaled_fp4_quant.register_kernel("cuda")
 def _(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     validation.check_quant_inputs(x, global_scale)
-    return kernel_for("scaled_fp4_quant", backend_for(x))(x, global_scale)
+    backend = Backend.REFERENCE if x.numel() == 0 else backend_for(x)  # empty: no kernel launch
+    return kernel_for("scaled_fp4_quant", backend)(x, global_scale)
 
 
 @torch.library.custom_op("fp4fuse::mm_fp4", mutates_args=())
@@ -59,4 +63,6 @@ def _(a, b, a_scale, b_scale, alpha, out_dtype):
 @mm_fp4.register_kernel("cuda")
 def _(a, b, a_scale, b_scale, alpha, out_dtype):
     validation.check_mm_inputs(a, b, a_scale, b_scale, alpha, out_dtype)
-    return kernel_for("mm_fp4", backend_for(a))(a, b, a_scale, b_scale, alpha, out_dtype)
+    # M, N or K is 0: no work, whatever the backend
+    backend = Backend.REFERENCE if a.numel() == 0 or b.numel() == 0 else backend_for(a)
+    return kernel_for("mm_fp4", backend)(a, b, a_scale, b_scale, alpha, out_dtype)

@@ -1,6 +1,8 @@
 """Argument checks shared by every fp4fuse op: each error names the argument and the rule."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from fp4fuse.nvfp4.format import BLOCK_SIZE
@@ -89,13 +91,25 @@ def check_mm_inputs(
     check_same_device(op, {"a": a, "b": b, "a_scale": a_scale, "b_scale": b_scale, "alpha": alpha})
 
 
-def check_norm_inputs(op: str, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> None:
+def check_eps(op: str, eps: float) -> None:
+    """``eps`` of a norm: a finite number >= 0 (NaN or a negative value would make rsqrt NaN)."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        _fail(op, f"eps must be a finite float >= 0, got {eps!r}")
+
+
+def check_norm_inputs(
+    op: str, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+) -> None:
+    """x ``[T, H]`` and weight ``[H]`` bf16/fp16/fp32 (weight in any of them, independently of x),
+    contiguous, one device; ``eps`` finite >= 0; residual (fused add) exactly like x."""
     check_2d(op, "x", x)
     check_dtype(op, "x", x, FLOAT_DTYPES)
     check_contiguous(op, "x", x)
     if weight.dim() != 1 or weight.shape[0] != x.shape[1]:
         _fail(op, f"weight must be 1-D of length hidden = {x.shape[1]}, got shape {tuple(weight.shape)}")
+    check_dtype(op, "weight", weight, FLOAT_DTYPES)
     check_contiguous(op, "weight", weight)
+    check_eps(op, eps)
     named = {"x": x, "weight": weight}
     if residual is not None:
         if residual.shape != x.shape or residual.dtype != x.dtype:

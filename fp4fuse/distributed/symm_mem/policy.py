@@ -72,7 +72,7 @@ class NoOverlapReason(enum.Enum):
     SINGLE_RANK = "the group has one rank"
     DISABLED = f"{ENV_DISABLE}=1"
     BELOW_THRESHOLD = "fewer rows than the overlap threshold"
-    EMPTY = "no rows"
+    EMPTY = "empty operands (no rows, or an empty weight)"
     SYMM_MEM_UNAVAILABLE = "symmetric memory cannot serve the group"
 
 

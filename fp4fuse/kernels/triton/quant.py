@@ -5,7 +5,8 @@ Contract: ``scaled_fp4_quant_triton(x, global_scale) -> (q, s)`` with x ``[M, K]
 ``448 * 6 / amax``); q uint8 ``[M, K/2]`` (element 2j in the low nibble), s float8_e4m3fn ``[M, K/16]``
 (linear). Bit-equal to :func:`fp4fuse.nvfp4.format.quantize_reference`, including its non-finite rules:
 a NaN in a block makes the block scale NaN and all of the block's codes 0, ``+-inf`` saturates to
-scale 448 and code ``+-6``, an all-zero block gives scale 0 and codes 0.
+scale 448 and code ``+-6``, an all-zero block gives scale 0 and codes 0, and a global scale outside
+``(0, inf)`` (0, negative, ``+-inf``, NaN) makes every block scale NaN (``0x7F``) and every code 0.
 
 Arithmetic, in the reference's order, fp32: ``s = e4m3(min(div_rn(amax, 6) * gs, 448))`` (NaN
 propagates; the e4m3 cast rounds to nearest even: the hardware ``cvt.rn.satfinite`` on CUDA, a
@@ -26,8 +27,6 @@ bit-exact integer emulation of torch's cast elsewhere), then each element's code
   kernel drops from 38.7 to 23.4 SASS instructions an element (207 -> 169 us on 16384x8192).
 
 Sign: ``signbit(x) ^ signbit(gs) ^ signbit(s)``, which is the sign bit IEEE gives the quotient.
-An element whose quotient is NaN outside a NaN block (only possible with ``gs = inf`` and
-``x = 0``) gets code 0 here; the CPU reference then takes the sign of the NaN the host produced.
 
 Layout of the work: x is a flat array of 16-element blocks (K is a multiple of 16, rows are
 contiguous), read as pairs of elements packed in one integer (int32 for 16-bit inputs, int64 for
@@ -155,6 +154,7 @@ def _quant_chunk(u, blk, in_range, gs, q_ptr, s_ptr,
     lo, hi = _unpack_pairs(u, IN_KIND)
     amax = tl.reduce(_max_nan(tl.abs(lo), tl.abs(hi)), 1, _max_nan)   # NaN if the block has one
     s = tl.math.div_rn(amax, 6.0) * gs
+    s = tl.where((gs > 0.0) & (gs < float("inf")), s, float("nan"))  # bad gs poisons: +NaN scales
     s = tl.where(s > 448.0, 448.0, s)                             # saturate; NaN stays NaN
     if FAST_CVT:
         s8 = s.to(tl.float8e4nv)                                  # cvt.rn.satfinite: RNE, NaN kept
