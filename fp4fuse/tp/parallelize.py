@@ -89,9 +89,10 @@ def parallelize(model: nn.Module, group: dist.ProcessGroup | None = None, plan: 
     scales = _activation_scales(activation_scales, styles, weight_format)
     _check_heads(model, tp)
     modules = dict(model.named_modules())
+    for name, style in styles.items():  # every check before the first replacement: errors leave the model as it was
+        _check_dims(name, style, modules[name], tp, weight_format)
     for name, style in styles.items():
         linear = modules[name]
-        _check_dims(name, style, linear, tp, weight_format)
         layer_cls = _LAYERS[weight_format, style]
         if weight_format is WeightFormat.NVFP4:
             layer = layer_cls.from_linear(linear, tp, input_global_scale=scales.get(name))
