@@ -154,36 +154,42 @@ def _quantized_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: hf_tiny.fake_quantized_weight(model.get_submodule(name)) for name in hf_tiny.planned()}
 
 
-def _rank_main() -> dict[str, float]:
+KINDS = ("llama", "qwen2")
+
+
+def _rank_main() -> dict[str, torch.Tensor]:
+    """Logits of every parallelized variant; the references are computed once, in the test."""
     singles = [dist.new_group([r]) for r in range(WORLD)]
     tp1 = singles[dist.get_rank()]
-    errors: dict[str, float] = {}
-    for kind in ("llama", "qwen2"):
+    logits: dict[str, torch.Tensor] = {}
+    for kind in KINDS:
         hf = hf_tiny.build(kind)
         scales = hf_tiny.calibrate(hf, hf_tiny.token_ids(3))
-        weights = _quantized_weights(hf)
-        static_ref = hf_tiny.nvfp4_reference(hf, weights, scales, WORLD)
-        dense = parallelize(copy.deepcopy(hf), weight_format=WeightFormat.BF16)
-        static = parallelize(copy.deepcopy(hf), activation_scales=scales)
-        static_tp1 = parallelize(copy.deepcopy(hf), tp1, activation_scales=scales)
-        for batch in (1, 3):
-            ids = hf_tiny.token_ids(batch)
-            ref = hf_tiny.logits(static_ref, ids)
-            errors[f"{kind}/bf16_vs_hf/batch{batch}"] = hf_tiny.rel_error(hf_tiny.logits(dense, ids),
-                                                                          hf_tiny.logits(hf, ids))
-            errors[f"{kind}/nvfp4_static_tp2/batch{batch}"] = hf_tiny.rel_error(hf_tiny.logits(static, ids), ref)
-            errors[f"{kind}/nvfp4_static_tp1/batch{batch}"] = hf_tiny.rel_error(hf_tiny.logits(static_tp1, ids), ref)
-        ids = hf_tiny.token_ids(3)
-        dynamic = parallelize(copy.deepcopy(hf))
-        dynamic_ref = hf_tiny.nvfp4_reference(hf, weights, None, WORLD)
-        errors[f"{kind}/nvfp4_dynamic_tp2/batch3"] = hf_tiny.rel_error(hf_tiny.logits(dynamic, ids),
-                                                                       hf_tiny.logits(dynamic_ref, ids))
-    return errors
+        variants = {"bf16": parallelize(copy.deepcopy(hf), weight_format=WeightFormat.BF16),
+                    "nvfp4_static_tp2": parallelize(copy.deepcopy(hf), activation_scales=scales),
+                    "nvfp4_static_tp1": parallelize(copy.deepcopy(hf), tp1, activation_scales=scales),
+                    "nvfp4_dynamic_tp2": parallelize(copy.deepcopy(hf))}
+        for variant, model in variants.items():
+            for batch in (1, 3):
+                logits[f"{kind}/{variant}/batch{batch}"] = hf_tiny.logits(model, hf_tiny.token_ids(batch))
+    return logits
 
 
 def test_hf_models_at_tp2_equal_their_references():
     results = run_on_ranks(_rank_main, WORLD, timeout=TIMEOUT_S)
-    for rank, errors in enumerate(results):
-        for key, err in errors.items():
-            bound = EXACT_SPLIT_SUM if "/bf16_vs_hf/" in key else QUANTIZED
-            assert err < bound, f"rank {rank}: {key}: relative error {err:.3g} >= {bound} ({errors})"
+    for kind in KINDS:
+        hf = hf_tiny.build(kind)
+        weights = _quantized_weights(hf)
+        references = {"bf16": hf.double(),
+                      "nvfp4_static": hf_tiny.nvfp4_reference(hf, weights, hf_tiny.calibrate(hf, hf_tiny.token_ids(3)),
+                                                              WORLD),
+                      "nvfp4_dynamic": hf_tiny.nvfp4_reference(hf, weights, None, WORLD)}
+        for batch in (1, 3):
+            ids = hf_tiny.token_ids(batch)
+            expected = {name: hf_tiny.logits(ref, ids) for name, ref in references.items()}
+            for rank, logits in enumerate(results):
+                for variant in ("bf16", "nvfp4_static_tp2", "nvfp4_static_tp1", "nvfp4_dynamic_tp2"):
+                    key = f"{kind}/{variant}/batch{batch}"
+                    err = hf_tiny.rel_error(logits[key], expected[variant.removesuffix("_tp2").removesuffix("_tp1")])
+                    bound = EXACT_SPLIT_SUM if variant == "bf16" else QUANTIZED
+                    assert err < bound, f"rank {rank}: {key}: relative error {err:.3g} >= {bound}"

@@ -200,7 +200,7 @@ def _row_checks(group: TPGroup) -> dict[str, bool]:
     rank, checks = group.rank, {}
     w = spec.representable(24, 128, GS, _gen(7)).float()
     bias = torch.randn(24, generator=_gen(8))
-    row = RowParallelNVFP4Linear(w, group, NVFP4Quantizer(), FP32, bias=bias)
+    row = RowParallelNVFP4Linear(w, group, NVFP4Quantizer(), FP32, full_bias=bias)
     for batch in (1, 3):
         x_local = spec.representable(batch * 5, 64, GS, _gen(9 + rank)).float().reshape(batch, 5, 64)
         partials = [_round_product(x, w[:, 64 * r:64 * (r + 1)], FP32) for r, x in enumerate(_gather(x_local))]

@@ -201,16 +201,17 @@ class ColumnParallelNVFP4Linear(NVFP4Linear):
 
 class RowParallelNVFP4Linear(NVFP4Linear):
     """Input features split across the group (``K / size`` a multiple of 16, so no block straddles
-    two ranks); the output is all-reduced (summed) over it, then ``bias`` (unsharded ``[N]``) added."""
+    two ranks); the output is all-reduced (summed) over it, then ``full_bias`` (``[N]``, not
+    sharded) added once."""
 
     def __init__(self, full_weight: torch.Tensor, group: TPGroup, act_quantizer: NVFP4Quantizer,
-                 out_dtype: torch.dtype = torch.bfloat16, *, bias: torch.Tensor | None = None,
+                 out_dtype: torch.dtype = torch.bfloat16, *, full_bias: torch.Tensor | None = None,
                  input_global_scale: float | torch.Tensor | None = None) -> None:
         local_k = group.split(full_weight.shape[1], "input features")
         if local_k % nvfp4.BLOCK_SIZE:
             raise ValueError(f"RowParallelNVFP4Linear: input features per rank = {local_k} must be a multiple of "
                              f"{nvfp4.BLOCK_SIZE} (a 16-element block may not straddle two ranks)")
-        super().__init__(shard(full_weight, 1, group, "input features"), act_quantizer, out_dtype, bias=bias,
+        super().__init__(shard(full_weight, 1, group, "input features"), act_quantizer, out_dtype, bias=full_bias,
                          weight_amax=_amax(full_weight), input_global_scale=input_global_scale)
         self.group = group
 
@@ -223,4 +224,4 @@ class RowParallelNVFP4Linear(NVFP4Linear):
                     input_global_scale: float | torch.Tensor | None = None) -> RowParallelNVFP4Linear:
         """This rank's row-parallel NVFP4 slice of ``linear`` (output in its dtype)."""
         return cls(linear.weight.detach(), group, act_quantizer or NVFP4Quantizer(), linear.weight.dtype,
-                   bias=_bias_of(linear), input_global_scale=input_global_scale)
+                   full_bias=_bias_of(linear), input_global_scale=input_global_scale)
