@@ -40,15 +40,12 @@ Kernel design (``_mm_decode_kernel``):
   programs ran in -- applies ``2**28 * alpha``, writes ``out`` and stores 0 to the counter, so the
   workspace is ready for the next call. No atomics touch ``out``.
 
-Workspace rule: ``workspace=None`` uses a buffer cached per (device, stream) (the launch's current
-stream), grown when a call needs more (never shrunk; replaced buffers stay referenced until
-``release_decode_workspaces()``, so a captured CUDA graph never points at freed memory). Calls on one
-stream are ordered, so they can share it; concurrent streams get their own. While a CUDA graph is
-being captured nothing is allocated into the cache: a large enough cached buffer is used as is,
-otherwise a temporary one is allocated for that launch (its counters are zeroed by a memset captured
-into the graph). Graphs captured on one stream share that stream's buffer, so replay them in order
-(not concurrently), or pass ``workspace`` -- a ``DecodeWorkspace`` from ``empty_decode_workspace``
-(counters must be zero before the first call; every call leaves them zero).
+Workspace rule: ``workspace=None`` allocates the split-K scratch for the call (``torch.empty``
+partials and ``torch.zeros`` counters: one memset). Nothing is cached across calls: CUDA-graph trees
+(``triton.cudagraphs``) require every tensor allocated from a graph's memory pool to be a tracked
+output or freed, which a module-level cache would violate, and a traced launch (fp4fuse's kernel
+lowering) must allocate in the graph anyway. A caller may pass a ``DecodeWorkspace`` from
+``empty_decode_workspace`` (counters zero before the first call; every call leaves them zero).
 """
 from __future__ import annotations
 
@@ -73,7 +70,6 @@ __all__ = [
     "decode_workspace_numel",
     "empty_decode_workspace",
     "mm_fp4_decode",
-    "release_decode_workspaces",
 ]
 
 
@@ -228,45 +224,14 @@ def decode_workspace_numel(m: int, n: int, k: int, config: DecodeConfig) -> tupl
     return plan.tiles * plan.split * config.block_n * config.block_m, plan.tiles
 
 
-def empty_decode_workspace(partials: int, counters: int, device: torch.device) -> DecodeWorkspace:
-    """A new workspace with room for ``partials`` / ``counters`` elements (counters zeroed)."""
-    return DecodeWorkspace(torch.empty(max(partials, 1), dtype=torch.float32, device=device),
-                           torch.zeros(max(counters, 1), dtype=torch.int32, device=device))
-
-
-# (device, stream) -> workspace in use; replaced ones stay referenced (module docstring).
-_WORKSPACES: dict[tuple, DecodeWorkspace] = {}
-_RETIRED: list[DecodeWorkspace] = []
-
-
-def release_decode_workspaces() -> None:
-    """Drop every cached workspace (only when no captured CUDA graph still uses them)."""
-    _WORKSPACES.clear()
-    _RETIRED.clear()
-
-
 def _fits(ws: DecodeWorkspace, partials: int, counters: int) -> bool:
     return ws.partials.numel() >= partials and ws.counters.numel() >= counters
 
 
-def _cached_workspace(device: torch.device, partials: int, counters: int) -> DecodeWorkspace:
-    """The workspace of ``device``'s current stream, grown (1.5x at least) if too small."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device.type, device.index, stream)
-    ws = _WORKSPACES.get(key)
-    if ws is not None and _fits(ws, partials, counters):
-        return ws
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        logger.warning("mm_fp4_decode: no large enough workspace cached for the capturing stream; "
-                       "allocating one for this launch (pass workspace= or call once before capture)")
-        return empty_decode_workspace(partials, counters, device)
-    if ws is not None:
-        _RETIRED.append(ws)
-        partials = max(partials, ws.partials.numel() * 3 // 2)
-        counters = max(counters, ws.counters.numel() * 3 // 2)
-    ws = empty_decode_workspace(partials, counters, device)
-    _WORKSPACES[key] = ws
-    return ws
+def empty_decode_workspace(partials: int, counters: int, device: torch.device) -> DecodeWorkspace:
+    """A new workspace with room for ``partials`` / ``counters`` elements (counters zeroed)."""
+    return DecodeWorkspace(torch.empty(max(partials, 1), dtype=torch.float32, device=device),
+                           torch.zeros(max(counters, 1), dtype=torch.int32, device=device))
 
 
 #: (block_m, block_n, num_warps) -> (max_registers, programs one multiprocessor holds at once) of
@@ -335,7 +300,7 @@ def mm_fp4_decode(
 ) -> torch.Tensor:
     """``alpha * (q_a * s_a) @ (q_b * s_b)^T`` as ``[M, N]`` ``out_dtype`` in one launch (module
     docstring). ``config``: override of ``decode_config_for`` (sweeps); ``workspace``: split-K
-    scratch to use instead of the per-stream cache (it must hold ``decode_workspace_numel``)."""
+    scratch to use instead of a fresh one (it must hold ``decode_workspace_numel``)."""
     m, n, k = a.shape[0], b.shape[0], a.shape[1] * 2
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
@@ -350,11 +315,8 @@ def mm_fp4_decode(
     partials, counters = out, out
     if plan.split > 1:
         need_p, need_c = decode_workspace_numel(m, n, k, cfg)
-        if workspace is None and torch._guards.detect_fake_mode() is not None:
-            # traced into a graph (fp4fuse.passes.lowering): the graph allocates its own scratch
+        if workspace is None:
             workspace = empty_decode_workspace(need_p, need_c, a.device)
-        elif workspace is None:
-            workspace = _cached_workspace(a.device, need_p, need_c)
         elif not _fits(workspace, need_p, need_c):
             raise ValueError(f"mm_fp4_decode: workspace holds {workspace.partials.numel()} partials / "
                              f"{workspace.counters.numel()} counters; this call needs {need_p} / {need_c}")
