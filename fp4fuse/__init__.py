@@ -4,7 +4,8 @@
     cfg = fp4fuse.FusionConfig(enable_sequence_parallelism=True, enable_async_tp=True)
     model = torch.compile(model, options={"post_grad_custom_post_pass": fp4fuse.FusionPass(cfg)})
 
-Importing fp4fuse registers ``torch.ops.fp4fuse.*``; the pass machinery (which imports Inductor)
+Importing fp4fuse registers ``torch.ops.fp4fuse.*`` and makes ``NVFP4Tensor`` loadable with
+``torch.load(weights_only=True)``; the pass machinery (which imports Inductor)
 loads on first use of ``FusionPass`` / ``FusionConfig``.
 """
 from __future__ import annotations
@@ -28,13 +29,13 @@ from fp4fuse.nvfp4.format import (
     swizzle_scales,
     unswizzle_scales,
 )
+# Imported eagerly: it registers NVFP4Tensor for torch.load(weights_only=True) and dcp.load.
+from fp4fuse.nvfp4.tensor import NVFP4Tensor, nvfp4_state_dict_for_dcp
 
 _LAZY = {
     "FusionConfig": "fp4fuse.config",
     "FusionPass": "fp4fuse.passes.manager",
     "reserve_workspace": "fp4fuse.distributed.symm_mem.workspace",
-    "NVFP4Tensor": "fp4fuse.nvfp4.tensor",
-    "nvfp4_state_dict_for_dcp": "fp4fuse.nvfp4.tensor",
 }
 
 __all__ = [

@@ -5,7 +5,7 @@
   128x4 scale swizzle;
 * ``norms``: RMSNorm references;
 * ``quantizer``: amax-reduction groups keyed by integer IDs, ``NVFP4Quantizer``;
-* ``tensor``: ``NVFP4Tensor`` (FSDP2 hooks, DCP payload).
+* ``tensor``: ``NVFP4Tensor`` (FSDP2 hooks, DCP's subclass protocol, frozen-weight autograd).
 
 Nothing here imports fp4fuse's ops, kernels, distributed runtime or passes.
 """

@@ -1,8 +1,13 @@
-"""Distributed checkpointing (DCP) of NVFP4Tensor weights: the raw payload, losslessly.
+"""The NVFP4 payload as plain tensors, for storage formats and readers that cannot hold a subclass.
 
-Design: before ``dcp.save`` / ``dcp.load``, :func:`nvfp4_state_dict_for_dcp` replaces each
-NVFP4Tensor entry ``fqn`` (plain, or a DTensor whose local tensor is an NVFP4Tensor, as FSDP2's
-``state_dict()`` gives) by three plain entries that **alias** its inner tensors:
+``dcp.save(model.state_dict())`` / ``dcp.load(model.state_dict())`` need nothing from this module:
+DCP stores an NVFP4Tensor entry as NVFP4Tensor chunks (``NVFP4Tensor.__get_tensor_shard__``,
+pickled payload, loaded with ``weights_only=True``). That needs fp4fuse to read the checkpoint and
+a storage format that pickles tensors (DCP's default ``FileSystemWriter``).
+:func:`nvfp4_state_dict_for_dcp` is for the others: safetensors (``HuggingFaceStorageWriter``),
+which writes raw tensor bytes, and any reader without fp4fuse. It replaces each NVFP4Tensor entry
+``fqn`` (plain, or a DTensor whose local tensor is an NVFP4Tensor, as FSDP2's ``state_dict()``
+gives) by three plain entries that **alias** its inner tensors:
 
 * ``fqn.qdata``  uint8 ``[N, K/2]``;
 * ``fqn.scale``  uint8 ``[N, K/16]`` (the float8_e4m3fn scales viewed as bytes);
@@ -10,11 +15,9 @@ NVFP4Tensor entry ``fqn`` (plain, or a DTensor whose local tensor is an NVFP4Ten
 
 A DTensor entry sharded on dim 0 (``Shard(0)``) or replicated becomes DTensors of the same mesh and
 placements over qdata and scale, so DCP stores row shards with their global offsets and reshards
-on load (save on 2 ranks, load on 1, or the reverse) with its own planner. Nothing is dequantized:
-``dcp.save`` writes the bytes, and ``dcp.load`` writes the bytes back **in place** into the inner
-tensors of the NVFP4Tensors of the state dict it was given (build the target model first, e.g.
-with ``NVFP4Tensor.from_hp`` of any weight of the right shape). ``dcp.async_save`` takes the same
-converted dict. ``orig_dtype`` and ``amax_group`` are not stored: they come from the target.
+on load with its own planner. ``dcp.load`` of the converted dict writes the bytes back **in place**
+into the inner tensors of the NVFP4Tensors it was built from (every row and the amax, so any
+target works). ``orig_dtype`` and ``amax_group`` are not stored: they come from the target.
 """
 from __future__ import annotations
 
@@ -23,7 +26,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fp4fuse.nvfp4.tensor.op_table import contiguous_strides
 from fp4fuse.nvfp4.tensor.subclass import NVFP4Tensor
@@ -40,7 +42,8 @@ def _payload(t: NVFP4Tensor) -> dict[str, torch.Tensor]:
     return {"qdata": t.qdata, "scale": t.scale.view(torch.uint8), "amax": t.amax}
 
 
-def _dtensor_payload(fqn: str, dt: DTensor) -> dict[str, torch.Tensor]:
+def _dtensor_payload(fqn: str, dt: Any) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     for p in dt.placements:
         if not (isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0)):
             raise NotImplementedError(f"nvfp4_state_dict_for_dcp: {fqn} has placement {p}; NVFP4 "
@@ -59,6 +62,9 @@ def nvfp4_state_dict_for_dcp(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     ``fqn.qdata`` / ``fqn.scale`` / ``fqn.amax`` aliasing its payload (see the module docstring);
     other entries are passed through unchanged. Use the result as the state dict of
     ``dcp.save`` / ``dcp.async_save`` / ``dcp.load``."""
+    # DTensor is imported here, not at module level: importing it costs seconds, and importing
+    # fp4fuse imports this package (to register NVFP4Tensor for weights_only loads).
+    from torch.distributed.tensor import DTensor
     out: dict[str, Any] = {}
     for fqn, value in state_dict.items():
         if isinstance(value, DTensor) and isinstance(value.to_local(), NVFP4Tensor):

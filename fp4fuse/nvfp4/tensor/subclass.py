@@ -15,28 +15,43 @@ ProcessGroup, so the tensor pickles and deep-copies).
 Views. Only views that keep whole 16-element blocks and the row-major order of the payload are
 representable: row ranges (``slice``/``split``/``narrow`` on dim 0), ``view``/``as_strided`` to a
 contiguous shape whose last dim is a multiple of 16 (``view(-1)`` included: the flattened payload
-keeps its order). Views share ``amax`` with their base, so ``base[a:b].copy_(src)`` updates the base.
+keeps its order). Views share ``amax`` with their base; ``view.copy_(src)`` therefore refuses a
+``src`` with another amax unless no other value of the base changes (see ``aten_ops._copy_``).
 
-Matmuls (``t``, ``mm``, ``addmm``; ``F.linear`` and ``matmul`` decompose to these before
-dispatch) dequantize the NVFP4 operands to their ``orig_dtype`` and run the plain op; a module
-that wants the NVFP4 GEMM calls ``torch.ops.fp4fuse.mm_fp4`` with ``qdata`` / ``scale`` / :meth:`NVFP4Tensor.global_scale` itself.
-Any other aten op raises ``NotImplementedError`` naming the op and the argument types.
+Autograd. NVFP4 weights are frozen: ``requires_grad=True`` is refused. ``F.linear(x, weight, b)``
+runs ``fp4fuse.nvfp4.tensor.linear.frozen_weight_linear``: gradients reach ``x`` and ``b``.
+Other matmuls (``t``, ``mm``, ``addmm``) dequantize the NVFP4 operands to their ``orig_dtype``; a
+module that wants the NVFP4 GEMM calls ``torch.ops.fp4fuse.mm_fp4`` with ``qdata`` / ``scale`` /
+:meth:`NVFP4Tensor.global_scale` itself. Any other aten op raises ``NotImplementedError`` naming the
+op and the argument types.
+
+Serialization. ``torch.save`` writes the payload bit for bit; importing fp4fuse registers the
+class with ``torch.serialization.add_safe_globals``, so ``torch.load(..., weights_only=True)``
+(and ``dcp.load``, which uses it) restores it.
 """
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from fp4fuse.nvfp4 import format as nvfp4
 from fp4fuse.nvfp4.quantizer import group_amax, quantize_weight
+from fp4fuse.nvfp4.tensor.linear import frozen_weight_linear
 from fp4fuse.nvfp4.tensor.op_table import OPS, contiguous_strides
+from fp4fuse.nvfp4.tensor.restore import CheckpointRestore, restore_of
 
 __all__ = ["NVFP4Tensor"]
 
 logger = logging.getLogger(__name__)
+
+# Logical elements per payload byte: qdata 2, scale 16; amax is one fp32.
+_QDATA_PER_ELEMENT, _SCALE_PER_ELEMENT = 2, nvfp4.BLOCK_SIZE
+_AMAX_BYTES = 4
 
 
 class NVFP4Tensor(torch.Tensor):
@@ -54,6 +69,9 @@ class NVFP4Tensor(torch.Tensor):
     amax: torch.Tensor
     orig_dtype: torch.dtype
     amax_group: int | None
+    # Set only on the views DCP loads into (__get_tensor_shard__) and on their views: their copy_
+    # follows the load's rules (fp4fuse.nvfp4.tensor.restore). Not state of the tensor's value.
+    _restore: CheckpointRestore | None = None
 
     @staticmethod
     def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
@@ -99,6 +117,14 @@ class NVFP4Tensor(torch.Tensor):
         if unknown:
             raise TypeError(f"NVFP4Tensor._replace: unknown fields {sorted(unknown)}")
         return NVFP4Tensor(**{**self._fields(), **changes})
+
+    def _view(self, **changes: torch.Tensor) -> NVFP4Tensor:
+        """:meth:`_replace` for views (``changes`` are views of this tensor's inner tensors): a
+        view of a DCP restore view is one too."""
+        view = self._replace(**changes)
+        if self._restore is not None:
+            view._restore = self._restore
+        return view
 
     def _map_data(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> NVFP4Tensor:
         return self._replace(**{name: fn(getattr(self, name)) for name in self.tensor_data_names})
@@ -147,6 +173,8 @@ class NVFP4Tensor(torch.Tensor):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``q * s / gs`` as a plain tensor of the logical shape in ``dtype`` (default orig_dtype)."""
+        if self.numel() == 0:
+            return torch.empty(self.shape, dtype=dtype or self.orig_dtype, device=self.device)
         kh = self.qdata.shape[-1]
         q = self.qdata.reshape(-1, kh)
         s = self.scale.reshape(-1, kh * 2 // nvfp4.BLOCK_SIZE)
@@ -155,53 +183,109 @@ class NVFP4Tensor(torch.Tensor):
 
     # -- FSDP2 all-gather extension ------------------------------------------------------------
     #
-    # FSDP2 shards dim 0 (rows); every all-gather input is concatenated on dim 0 across ranks:
+    # FSDP2 shards dim 0 like torch.chunk (P = ceil(N / W) rows per rank, the last ranks fewer or
+    # none) and concatenates every all-gather input on dim 0 across ranks.
     #
-    #        logical [N, K]          qdata uint8 [N, K/2]     scale (as uint8) [N, K/16]
-    #   rank0  rows 0 .. N/W-1   ->  rows 0 .. N/W-1          rows 0 .. N/W-1
-    #   rank1  rows N/W .. 2N/W-1 -> rows N/W .. 2N/W-1       rows N/W .. 2N/W-1
-    #   amax fp32[1]: identical on every rank (from_hp reduced it over amax_group) -> metadata.
+    # Even rows (N = W * P): the payload is gathered as it is (three uint8 inputs), and the
+    # unsharded tensor aliases the gathered buffers, no copy on either side:
     #
-    # Scales travel as uint8 (gloo has no float8 collectives); the all-gathered buffers become
-    # the unsharded tensor's qdata / scale without a copy.
+    #           logical [N, K]    qdata [N, K/2]    scale [N, K/16]    amax [1] (4 bytes)
+    #   rank 0  rows 0 .. P-1     rows 0 .. P-1     rows 0 .. P-1      bytes 0 .. 3
+    #   rank 1  rows P .. 2P-1    rows P .. 2P-1    rows P .. 2P-1     bytes 4 .. 7
+    #
+    # Uneven rows: FSDP2 requires every input to have the padded logical shape [P, K], so each
+    # rank sends one uint8 [P, K] buffer and the unsharded payload is cut out of the gathered
+    # buffers (one copy each way; 9/16 of the buffer is payload). A 1-rank mesh uses it too: there
+    # FSDP2 (torch 2.13, wait_for_unshard) copies only the first all-gather input.
+    #
+    #   rank r (n_r rows): [ qdata n_r*K/2 bytes | scale n_r*K/16 bytes | zeros | amax 4 bytes ]
+    #
+    # The unsharded amax is rank 0's: every non-empty shard holds the same amax (one tensor sharded,
+    # from_hp over amax_group, dcp.load's checks), and rank 0's shard is never empty, while an
+    # empty shard's amax is never loaded by dcp.load. Scales travel as uint8 (gloo has no float8).
 
     def fsdp_pre_all_gather(self, mesh: Any, orig_size: torch.Size, contiguous_orig_stride: Any,
                             module: torch.nn.Module, mp_policy: Any
-                            ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[Any, ...]]:
-        """All-gather inputs ``(qdata, scale.view(uint8))`` and metadata ``(amax, orig_dtype,
-        amax_group)``. Needs a 2-D weight whose rows divide evenly over ``mesh``; FSDP2's
-        mixed-precision ``param_dtype`` does not apply (the unsharded tensor keeps orig_dtype)."""
-        if self.dim() != 2 or len(orig_size) != 2:
-            raise NotImplementedError(f"NVFP4Tensor under FSDP2 supports 2-D weights, got shard "
-                                      f"{tuple(self.shape)} of {tuple(orig_size)}")
-        if orig_size[0] % mesh.size() != 0:
-            # Raised on every rank (not only the padded ones), so no rank waits in the all-gather.
-            raise NotImplementedError(
-                f"NVFP4Tensor under FSDP2 needs even row sharding: {orig_size[0]} rows over "
-                f"{mesh.size()} ranks (FSDP2 would pad the logical shard, which the packed payload "
-                f"cannot express)")
-        metadata = (self.amax.clone(), self.orig_dtype, self.amax_group)
-        return (self.qdata.contiguous(), self.scale.contiguous().view(torch.uint8)), metadata
+                            ) -> tuple[tuple[torch.Tensor, ...], tuple[Any, ...]]:
+        """All-gather inputs (even rows: ``(qdata, scale, amax)`` as uint8; uneven: one packed uint8
+        buffer of the padded shard shape) and metadata ``(packing,)``: None, or what unpacking needs."""
+        world = mesh.size()
+        rows = orig_size[0]
+        amax_u8 = self.amax.reshape(1).view(torch.uint8)
+        if rows % world == 0 and world > 1:
+            scale_u8 = self.scale.contiguous().view(torch.uint8)
+            return (self.qdata.contiguous(), scale_u8, amax_u8.clone()), (None,)
+        packed = torch.zeros((-(-rows // world), *orig_size[1:]), dtype=torch.uint8, device=self.device)
+        flat, n_q = packed.view(-1), self.numel() // _QDATA_PER_ELEMENT
+        flat[:n_q].copy_(self.qdata.reshape(-1))
+        n_s = self.numel() // _SCALE_PER_ELEMENT
+        flat[n_q:n_q + n_s].copy_(self.scale.reshape(-1).view(torch.uint8))
+        flat[-_AMAX_BYTES:].copy_(amax_u8)
+        return (packed,), ((tuple(orig_size), world),)
 
-    def fsdp_post_all_gather(self, all_gather_outputs: tuple[torch.Tensor, ...], metadata: tuple[Any, ...],
-                             param_dtype: torch.dtype, *, out: NVFP4Tensor | None = None
+    def fsdp_post_all_gather(self, all_gather_outputs: tuple[torch.Tensor, ...],
+                             metadata: tuple[Any, ...], param_dtype: torch.dtype, *,
+                             out: NVFP4Tensor | None = None
                              ) -> tuple[NVFP4Tensor, tuple[torch.Tensor, ...]] | None:
-        """Wrap the gathered ``(qdata [N, K/2], scale_u8 [N, K/16])`` as the unsharded tensor.
+        """The unsharded NVFP4Tensor, of logical dtype ``param_dtype`` (FSDP2's mixed-precision
+        ``param_dtype``, else the shard's orig_dtype: the dtype it dequantizes to).
 
         With ``out`` (later iterations) FSDP2 has re-allocated the storage of the inner tensors
-        returned the first time, which alias the gather outputs: only amax is refreshed."""
-        qdata, scale_u8 = all_gather_outputs
-        amax, orig_dtype, amax_group = metadata
-        if out is not None:
-            out.amax.copy_(amax)
-            return None
-        full = NVFP4Tensor(qdata, scale_u8.view(torch.float8_e4m3fn), amax.clone(), orig_dtype,
-                            amax_group)
-        return full, (qdata, scale_u8)
+        returned the first time: even rows alias the new gather outputs (nothing to do), uneven
+        rows are unpacked into them again."""
+        (packing,) = metadata
+        if packing is None:
+            qdata, scale_u8, amaxes = all_gather_outputs
+            if out is not None:
+                return None
+            amax = amaxes[:_AMAX_BYTES].view(torch.float32)
+            inner: tuple[torch.Tensor, ...] = (qdata, scale_u8, amaxes)
+        else:
+            orig_size, _ = packing
+            if out is None:
+                qdata = torch.empty((*orig_size[:-1], orig_size[-1] // _QDATA_PER_ELEMENT),
+                                    dtype=torch.uint8, device=all_gather_outputs[0].device)
+                scale_u8 = torch.empty((*orig_size[:-1], orig_size[-1] // _SCALE_PER_ELEMENT),
+                                       dtype=torch.uint8, device=qdata.device)
+                amax = torch.empty(1, dtype=torch.float32, device=qdata.device)
+            else:
+                qdata, scale_u8, amax = out.qdata, out.scale.view(torch.uint8), out.amax
+            _unpack_gathered(all_gather_outputs[0], packing, qdata, scale_u8, amax)
+            if out is not None:
+                return None
+            inner = (qdata, scale_u8, amax)
+        full = NVFP4Tensor(qdata, scale_u8.view(torch.float8_e4m3fn), amax, param_dtype, self.amax_group)
+        return full, inner
+
+    # -- DCP (torch.distributed.checkpoint) ----------------------------------------------------
+
+    def __get_tensor_shard__(self, index: Any) -> NVFP4Tensor:
+        """The tensor ``dcp.save`` reads a chunk from and ``dcp.load`` copies chunks into (DCP
+        calls it on a plain entry and, through ``DTensor.__get_tensor_shard__``, on the local
+        shard of a DTensor entry; ``index`` names the chunk).
+
+        The chunks DCP stores are this tensor's row ranges: NVFP4Tensors, payload bit for bit,
+        under the logical shape and dtype in the checkpoint's metadata, so DCP's own planner
+        reshards them. The returned view aliases this tensor; loading through it follows
+        ``fp4fuse.nvfp4.tensor.restore`` (the chunks set the one amax consistently)."""
+        view = self._replace()
+        view._restore = restore_of(self)
+        return view
 
     # -- dispatch ------------------------------------------------------------------------------
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.requires_grad_ or func == torch.Tensor.requires_grad.__set__:
+            _refuse_requires_grad(args, kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            if func is F.linear:
+                x, weight, bias = _linear_args(*args, **kwargs)
+                if isinstance(weight, NVFP4Tensor):
+                    return frozen_weight_linear(x, weight, bias)
+            return func(*args, **kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (),
@@ -215,5 +299,43 @@ class NVFP4Tensor(torch.Tensor):
         return handler(func, args, kwargs or {})
 
 
+def _linear_args(input: Any, weight: Any, bias: Any = None) -> tuple[Any, Any, Any]:
+    """``F.linear``'s arguments by name, however they were passed."""
+    return input, weight, bias
+
+
+def _refuse_requires_grad(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """``t.requires_grad_(flag)`` / ``t.requires_grad = flag``: only False is allowed."""
+    flag = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
+    if flag:
+        raise RuntimeError(
+            "NVFP4Tensor: requires_grad=True is not supported: NVFP4 weights are frozen (no "
+            "gradient is computed for them). Wrap them as nn.Parameter(t, requires_grad=False) and "
+            "train adapters beside them (F.linear(x, t) backpropagates to x)")
+
+
+def _unpack_gathered(gathered: torch.Tensor, packing: tuple[tuple[int, ...], int],
+                     qdata: torch.Tensor, scale_u8: torch.Tensor, amax: torch.Tensor) -> None:
+    """Cut every rank's payload out of the gathered packed buffers (layout above) into the
+    contiguous unsharded ``qdata`` / ``scale_u8``; ``amax`` from rank 0's buffer."""
+    orig_size, world = packing
+    rows, row_numel = orig_size[0], math.prod(orig_size[1:])
+    padded_rows = -(-rows // world)
+    per_rank = gathered.view(world, -1)
+    q_out, s_out = qdata.view(-1), scale_u8.view(-1)
+    for rank in range(world):
+        numel = max(0, min(padded_rows, rows - rank * padded_rows)) * row_numel
+        n_q, n_s = numel // _QDATA_PER_ELEMENT, numel // _SCALE_PER_ELEMENT
+        start = rank * padded_rows * row_numel
+        q_out[start // _QDATA_PER_ELEMENT:][:n_q].copy_(per_rank[rank, :n_q])
+        s_out[start // _SCALE_PER_ELEMENT:][:n_s].copy_(per_rank[rank, n_q:n_q + n_s])
+    amax.view(torch.uint8).copy_(per_rank[0, -_AMAX_BYTES:])
+
+
 def _rebuild(fields: dict[str, Any]) -> NVFP4Tensor:
     return NVFP4Tensor(**{**fields, "scale": fields["scale"].view(torch.float8_e4m3fn)})
+
+
+# torch.load(weights_only=True), which dcp.load uses for every chunk, rebuilds only allow-listed
+# globals: the class and the rebuild function its __reduce_ex__ names.
+torch.serialization.add_safe_globals([NVFP4Tensor, _rebuild])
