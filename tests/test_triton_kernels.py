@@ -46,7 +46,7 @@ def _blocks(m: int, k: int, gen: torch.Generator, dtype=torch.bfloat16) -> torch
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("m,k", [(1, 16), (3, 48), (130, 1040), (1000, 4096), (4099, 512)])
+@pytest.mark.parametrize("m,k", [(1, 16), (3, 48), (130, 1040), (7, 4112), (1000, 4096), (4099, 512)])
 def test_cuda_quant_bit_equal(dtype, m, k):
     _require_triton_backend()
     from fp4fuse.ops.triton_quant import QuantDivision, scaled_fp4_quant_triton
@@ -69,21 +69,73 @@ def test_cuda_quant_bit_equal(dtype, m, k):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("gs", [float("nan"), float("inf"), 1e36, 1e-36, 3.0])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_quant_special_global_scales(gs, dtype):
+    """NaN / infinite / huge / tiny global scales, signed zeros and infinities: every division mode
+    bit-equal to the reference (with gs = inf, 0 * inf is a NaN quotient: code +0)."""
+    _require_triton_backend()
+    from fp4fuse.ops.triton_quant import QuantDivision, scaled_fp4_quant_triton
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = _blocks(130, 1040, gen, dtype)
+    x[0, :16] = -0.0
+    x[1, 3] = float("-inf")
+    x[2, 7] = float("nan")
+    x[3, 16:32] = 0.0
+    x[3, 17] = -0.0
+    gs_t = torch.tensor([gs], device="cuda")
+    rq, rs = nvfp4.quantize_reference(x.cpu(), gs_t.cpu())
+    for div in QuantDivision:
+        q, s = scaled_fp4_quant_triton(x, gs_t, division=div)
+        assert torch.equal(s.view(torch.uint8).cpu(), rs.view(torch.uint8)), div
+        assert torch.equal(q.cpu(), rq), div
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("config", [(128, 4, 3), (256, 4, 1000), (256, 8, 5), (512, 4, 7)])
+def test_cuda_quant_launch_configs(config):
+    """Several blocks per thread, persistent grids (several chunks a program), a partial last chunk."""
+    _require_triton_backend()
+    from fp4fuse.ops.triton_quant import QuantDivision, scaled_fp4_quant_triton
+    gen = torch.Generator(device="cuda").manual_seed(sum(config))
+    x = _blocks(4099, 528, gen)
+    gs = nvfp4.global_scale_from_amax(x.float().abs().amax()).reshape(1)
+    rq, rs = nvfp4.quantize_reference(x.cpu(), gs.cpu())
+    for div in QuantDivision:
+        q, s = scaled_fp4_quant_triton(x, gs, division=div, config=config)
+        assert torch.equal(q.cpu(), rq) and torch.equal(s.view(torch.uint8).cpu(), rs.view(torch.uint8)), div
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("mant", range(8))
-def test_cuda_quant_every_mantissa_near_every_boundary(mant):
+@pytest.mark.parametrize("division", ["IEEE_DIV", "THRESHOLD", "FMA_SAT"])
+def test_cuda_quant_every_mantissa_near_every_boundary(mant, division):
     """Block scale s = (8 + mant) / 8 (amax 6 s, gs 1); the other 15 elements of each block run
     through every fp32 mantissa of [s/8, 6 s]: codes equal RNE of the IEEE quotient x / s."""
     _require_triton_backend()
+    from fp4fuse.ops.triton_quant import QuantDivision, scaled_fp4_quant_triton
     s = (8 + mant) / 8
     bits = torch.arange(1 << 23, dtype=torch.int32, device="cuda")
     y = torch.cat([(bits | ((127 + e) << 23)).view(torch.float32) for e in range(-3, 3)]) * s
     y = y.clamp(max=6 * s)
     y = y[: y.numel() // 15 * 15].reshape(-1, 15)
     x = torch.cat([torch.full((y.shape[0], 1), 6 * s, device="cuda"), y], dim=1)
-    q, sc = ops.scaled_fp4_quant(x, torch.tensor([1.0], device="cuda"))
+    q, sc = scaled_fp4_quant_triton(x, torch.tensor([1.0], device="cuda"), division=QuantDivision[division])
     assert torch.all(sc.float() == s)
     # tensor / tensor: torch's CUDA division by a Python scalar multiplies by its reciprocal
     assert torch.equal(nvfp4.unpack_nibbles(q), nvfp4.e2m1_encode(x / torch.full_like(x, s)))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("division", ["THRESHOLD", "FMA_SAT"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_quant_sass_counts(division, dtype):
+    """The SASS counter finds the kernel's loop (what bench_ops.py reports)."""
+    _require_triton_backend()
+    from fp4fuse.ops.triton_quant import QuantDivision, quant_sass_counts
+    counts = quant_sass_counts(QuantDivision[division], dtype)
+    assert 0 < counts["loop"] <= counts["total"]
+    assert 8 < counts["loop_per_element"] < 60
 
 
 @pytest.mark.cuda

@@ -79,10 +79,12 @@ def case_quant() -> None:
                 x[2, 18] = float("-inf")
                 x[1, :16] = 0
                 x[1, 16:32] *= 1e-4
+                x[1, 32:48] = -0.0
             finite = x.float().nan_to_num(0, 0, 0)
             scales = [nvfp4.global_scale_from_amax(finite.abs().amax()).reshape(1), torch.tensor([1e4])]
             if dtype == torch.bfloat16:
-                scales.append(torch.tensor([float("nan")]))
+                # NaN, +inf (0 * inf is a NaN quotient: code +0), overflow of x * gs, all scales 0
+                scales += [torch.tensor([float(v)]) for v in ("nan", "inf", 1e36, 1e-36)]
             for gs in scales:
                 rq, rs = nvfp4.quantize_reference(x, gs)
                 for div in triton_quant.QuantDivision:
@@ -93,15 +95,26 @@ def case_quant() -> None:
     x = _boundary_blocks()
     gs = torch.tensor([1.0])
     rq, rs = nvfp4.quantize_reference(x, gs)
-    for div in triton_quant.QuantDivision:
-        q, s = triton_quant.scaled_fp4_quant_triton(x, gs, division=div)
-        assert torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), f"boundary scales {div.name}"
-        assert torch.equal(q, rq), f"boundary codes {div.name}"
+    for dtype in (torch.float32, torch.bfloat16):
+        # bf16: the boundary values rounded to bf16, which puts many exactly on a decision point
+        xd = x.to(dtype)
+        rq, rs = nvfp4.quantize_reference(xd, gs)
+        for div in triton_quant.QuantDivision:
+            q, s = triton_quant.scaled_fp4_quant_triton(xd, gs, division=div)
+            assert torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), f"boundary scales {dtype} {div.name}"
+            assert torch.equal(q, rq), f"boundary codes {dtype} {div.name}"
+    # several chunks per program (a persistent grid), and a partial last chunk
+    x = _rand_blocks(130, 64, gen).to(torch.bfloat16)
+    gs = nvfp4.global_scale_from_amax(x.float().abs().amax()).reshape(1)
+    rq, rs = nvfp4.quantize_reference(x, gs)
+    q, s = triton_quant.scaled_fp4_quant_triton(x, gs, config=(128, 4, 2))
+    assert torch.equal(q, rq) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), "persistent grid"
     tiny = torch.full((1, 32), 3e-38) * torch.randn(1, 32, generator=gen)
     gs = torch.tensor([5e30])
     rq, rs = nvfp4.quantize_reference(tiny, gs)
-    q, s = triton_quant.scaled_fp4_quant_triton(tiny, gs)
-    assert torch.equal(q, rq) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), "tiny values"
+    for div in triton_quant.QuantDivision:
+        q, s = triton_quant.scaled_fp4_quant_triton(tiny, gs, division=div)
+        assert torch.equal(q, rq) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), f"tiny values {div.name}"
 
 
 def _quantized(m: int, k: int, gen: torch.Generator):
