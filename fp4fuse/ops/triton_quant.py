@@ -45,15 +45,16 @@ e2m1 rounding of the exact z, ties (``z == t``) to even, and any evaluation that
    rule at every decision point (0.25, 1.25, 2.5, 5 round down; 0.75, 1.75, 3.5 round up). The
    roundings are magic-number additions: ``P = fma(a, 4, M)``, ``P = fma(b, 2, P)``, ``P = P + c``
    with ``M = 2**23 + 8 * sign_blk`` (ulp 1), so ``bits(P) = bits(2**23) + code + 8 * sign_blk``.
-3. Packing: the low bytes of those bit patterns are combined with shifted adds (one position's
-   magic carries ``+80`` so that the ``bits(2**23)`` terms cancel mod 2**32); the element sign bits
-   come from the input's sign bytes, gathered with ``prmt`` (sign-replicating byte permute) and
-   XOR-ed into the code words; with ``gs = inf`` they are kept only where the code is nonzero
-   (``0 * inf`` is NaN, code +0).
+3. Packing: ``bits(P_even) + (bits(P_odd) << 4)`` has the code byte of an element pair in its
+   low byte; ``prmt`` gathers four such bytes into a word. The element sign bits come from the
+   input's sign bytes, gathered with ``prmt`` (sign-replicating byte permute) and XOR-ed into the
+   code words; with ``gs = inf`` they are kept only where the code is nonzero (``0 * inf`` is NaN,
+   code +0).
 
 Instruction counts (SASS of the sm_90a build, :func:`quant_sass_counts`): the loop body of the
-16-bit-input kernel is about 23 instructions an element for ``THRESHOLD`` (most on the half-rate
-ALU pipe: compares, selects, logic), about 17 for ``FMA_SAT`` (10 of them FFMA/FMUL/FADD).
+16-bit-input kernel is about 24 instructions an element for ``THRESHOLD``, 18 of them on the
+half-rate ALU pipe (compares, selects, logic), and about 17 for ``FMA_SAT``, 5 of them on the ALU
+pipe and 10.5 on the full-rate FMA pipe (Triton 3.6, sm_90a).
 
 Layout of the work: x is a flat array of 16-element blocks (K is a multiple of 16, rows are
 contiguous); each thread owns one block per chunk, read as 16-byte vectors (2 for 16-bit inputs,
@@ -160,19 +161,19 @@ def _rcp_approx(v, ON_CUDA: tl.constexpr):
 
 
 @triton.jit
-def _prmt(a, b, sel, ON_CUDA: tl.constexpr):
-    """PTX ``prmt.b32`` (default mode): output byte k is byte ``sel[k] & 7`` of ``{b, a}``, all bits
-    set to that byte's sign bit when ``sel[k] & 8``."""
+def _prmt(a, b, SEL: tl.constexpr, ON_CUDA: tl.constexpr):
+    """PTX ``prmt.b32`` (default mode): output byte k is byte ``SEL[k] & 7`` of ``{b, a}``, all bits
+    set to that byte's sign bit when ``SEL[k] & 8``."""
     if ON_CUDA:
-        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel],
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, SEL],
                                          dtype=tl.int32, is_pure=True, pack=1)
     else:
         out = a * 0
         for k in tl.static_range(4):
-            nib = (sel >> (4 * k)) & 15
-            src = tl.where((nib & 4) == 0, a, b)
-            byte = (src >> ((nib & 3) * 8)) & 255
-            byte = tl.where((nib & 8) != 0, tl.where((byte & 128) != 0, 255, 0), byte)
+            nib = (SEL >> (4 * k)) & 15
+            byte = ((a if nib < 4 or 8 <= nib < 12 else b) >> ((nib & 3) * 8)) & 255
+            if nib >= 8:
+                byte = (byte >> 7) * 255
             out = out | (byte << (8 * k))
         return out
 
@@ -318,6 +319,23 @@ def _pack_word(first, second, PAIRED: tl.constexpr):
 
 
 @triton.jit
+def _pack_magic_codes(first, second, PAIRED: tl.constexpr, ON_CUDA: tl.constexpr):
+    """Code word of each row from ``bits(P)`` of ``[B, 4]`` elements (low byte: code | 8 sign_blk),
+    element order as in :func:`_pack_word`: byte i = code(2i) | code(2i+1) << 4, gathered with
+    ``prmt`` (the ``bits(2**23)`` high bytes never enter)."""
+    if PAIRED:
+        c0, c1, c2, c3 = _columns(first + (second << 4))
+    else:
+        f0, f1, f2, f3 = _columns(first)
+        g0, g1, g2, g3 = _columns(second)
+        c0 = f0 + (f1 << 4)
+        c1 = f2 + (f3 << 4)
+        c2 = g0 + (g1 << 4)
+        c3 = g2 + (g3 << 4)
+    return _prmt(_prmt(c0, c1, 0x0040, ON_CUDA), _prmt(c2, c3, 0x0040, ON_CUDA), 0x5410, ON_CUDA)
+
+
+@triton.jit
 def _sign_nibbles_pairs(w, ON_CUDA: tl.constexpr):
     """Word whose nibble 2i / 2i+1 has bit 3 set iff the low / high 16-bit element of column i of
     the packed words ``w`` ``[B, 4]`` is negative (other bits: don't care)."""
@@ -353,13 +371,10 @@ def _code_words(first_a, second_a, first_b, second_b, words_a, words_b, sd, gs,
         r8 = tl.where(dead, 0.0, _rcp_approx(8.0 * s_abs, ON_CUDA))[:, None]
         s8n = (-8.0 * s_abs)[:, None]
         magic = (sign_blk * 8 + _F32_2P23).to(tl.float32, bitcast=True)[:, None]
-        # one element position (5) carries +80: 80 * 16**5 cancels the 2**23 bit patterns mod 2**32
-        col = tl.arange(0, 4)[None, :]
-        magic5 = tl.where(col == (2 if PAIRED else 1), magic + 80.0, magic)
-        w0 = _pack_word(_magic_codes(first_a, gsa, r8, s8n, magic, ON_CUDA),
-                        _magic_codes(second_a, gsa, r8, s8n, magic5, ON_CUDA), PAIRED)
-        w1 = _pack_word(_magic_codes(first_b, gsa, r8, s8n, magic, ON_CUDA),
-                        _magic_codes(second_b, gsa, r8, s8n, magic5, ON_CUDA), PAIRED)
+        w0 = _pack_magic_codes(_magic_codes(first_a, gsa, r8, s8n, magic, ON_CUDA),
+                               _magic_codes(second_a, gsa, r8, s8n, magic, ON_CUDA), PAIRED, ON_CUDA)
+        w1 = _pack_magic_codes(_magic_codes(first_b, gsa, r8, s8n, magic, ON_CUDA),
+                               _magic_codes(second_b, gsa, r8, s8n, magic, ON_CUDA), PAIRED, ON_CUDA)
         if PAIRED:
             z0 = _sign_nibbles_pairs(words_a, ON_CUDA)
             z1 = _sign_nibbles_pairs(words_b, ON_CUDA)
