@@ -24,7 +24,7 @@ ops = torch.ops.fp4fuse
 CASES_SCRIPT = os.path.join(os.path.dirname(__file__), "triton_interpreter_cases.py")
 
 
-@pytest.mark.parametrize("family", ["quant", "mm", "norm"])
+@pytest.mark.parametrize("family", ["quant", "mm", "norm", "norm_quant"])
 def test_kernels_under_triton_interpreter(family):
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, CASES_SCRIPT, family], env=env, capture_output=True,
@@ -229,3 +229,65 @@ def test_cuda_norms(dtype, t, h):
     ref_out, ref_res = fused_add_rms_norm_reference(x, r, w, eps)
     assert torch.equal(res, ref_res)
     assert close(out, ref_out)
+
+
+def _norm_inputs(t: int, h: int, dtype, gen, misaligned: bool = False):
+    spread = torch.rand(t, h // 16, generator=gen, device="cuda").pow(3).repeat_interleave(16, 1) + 1e-3
+    n = t * h
+    offset = 8 // torch.empty((), dtype=dtype).element_size() if misaligned else 0  # 8 bytes off 16-byte alignment
+    buf = torch.empty(n + offset, device="cuda", dtype=dtype)
+    x = buf[offset:].view(t, h)
+    x.copy_(torch.randn(t, h, generator=gen, device="cuda") * spread * 4)
+    r = torch.randn(t, h, generator=gen, device="cuda").to(dtype)
+    w = (torch.rand(h, generator=gen, device="cuda") + 0.5).to(dtype)
+    x[0, :16] = 0.0
+    x[0, 3] = -0.0
+    return x, r, w
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("t,h", [(1, 16), (3, 48), (130, 1040), (7, 4112), (33, 5120), (129, 8192), (3, 20000)])
+@pytest.mark.parametrize("misaligned", [False, True])
+def test_cuda_norm_quant_bit_equal_to_unfused(dtype, t, h, misaligned):
+    """Fused RMSNorm + quantize (with and without the residual add) == the Triton norm kernel followed
+    by the Triton quantization kernel, and == the reference quantizer on that norm output, bit for
+    bit; residual_out == the reference sum; the norm output within one ulp of the reference."""
+    _require_triton_backend()
+    from fp4fuse.ops import triton_norm, triton_norm_quant
+    from fp4fuse.ops.triton_quant import scaled_fp4_quant_triton
+    gen = torch.Generator(device="cuda").manual_seed(t * h + misaligned)
+    x, r, w = _norm_inputs(t, h, dtype, gen, misaligned)
+    eps = 1e-6
+    ref_out = rms_norm_reference(x, w, eps)
+    gs = nvfp4.global_scale_from_amax(ref_out.float().abs().amax()).reshape(1)
+    ulp = torch.finfo(dtype).eps if dtype != torch.float32 else 1e-5
+
+    out = triton_norm.rms_norm_triton(x, w, eps)
+    assert bool(((out.float() - ref_out.float()).abs() <= ulp * ref_out.float().abs() + 1e-30).all())
+    q, s = triton_norm_quant.rms_norm_fp4_quant_triton(x, w, eps, gs)
+    q2, s2 = scaled_fp4_quant_triton(out, gs)
+    assert torch.equal(q, q2) and torch.equal(s.view(torch.uint8), s2.view(torch.uint8))
+    rq, rs = nvfp4.quantize_reference(out.cpu(), gs.cpu())
+    assert torch.equal(q.cpu(), rq) and torch.equal(s.view(torch.uint8).cpu(), rs.view(torch.uint8))
+
+    out, res = triton_norm.fused_add_rms_norm_triton(x, r, w, eps)
+    q, s, res_out = triton_norm_quant.fused_add_rms_norm_fp4_quant_triton(x, r, w, eps, gs)
+    _, ref_res = fused_add_rms_norm_reference(x, r, w, eps)
+    assert torch.equal(res_out, res) and torch.equal(res_out, ref_res)
+    q2, s2 = scaled_fp4_quant_triton(out, gs)
+    assert torch.equal(q, q2) and torch.equal(s.view(torch.uint8), s2.view(torch.uint8))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("gs", [float("nan"), float("inf"), 1e36, 1e-36])
+def test_cuda_norm_quant_special_global_scales(gs):
+    _require_triton_backend()
+    from fp4fuse.ops import triton_norm, triton_norm_quant
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    x, r, w = _norm_inputs(65, 2064, torch.bfloat16, gen)
+    gs_t = torch.tensor([gs], device="cuda")
+    q, s, _ = triton_norm_quant.fused_add_rms_norm_fp4_quant_triton(x, r, w, 1e-6, gs_t)
+    out, _ = triton_norm.fused_add_rms_norm_triton(x, r, w, 1e-6)
+    rq, rs = nvfp4.quantize_reference(out.cpu(), gs_t.cpu())
+    assert torch.equal(q.cpu(), rq) and torch.equal(s.view(torch.uint8).cpu(), rs.view(torch.uint8))

@@ -3,7 +3,7 @@
 Run by tests/test_triton_kernels.py in a subprocess with ``TRITON_INTERPRET=1`` (the variable must
 be set before triton is imported, so these cannot share a process with CUDA tests):
 
-    TRITON_INTERPRET=1 python tests/triton_interpreter_cases.py quant mm norm
+    TRITON_INTERPRET=1 python tests/triton_interpreter_cases.py quant mm norm norm_quant
 
 Each case raises AssertionError with the failing shape; exit status 0 means all passed.
 """
@@ -21,7 +21,7 @@ from triton.runtime import interpreter
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fp4fuse import format as nvfp4
-from fp4fuse.ops import triton_mm, triton_norm, triton_quant
+from fp4fuse.ops import triton_mm, triton_norm, triton_norm_quant, triton_quant
 from fp4fuse.ops.norm_ops import fused_add_rms_norm_reference, rms_norm_reference
 
 
@@ -197,7 +197,51 @@ def case_norm() -> None:
             assert _ulps_ok(out, ref_out, 3), f"fused_add out {dtype} {t}x{h}"
 
 
-CASES = {"quant": case_quant, "mm": case_mm, "norm": case_norm}
+def case_norm_quant() -> None:
+    """Fused norm + quantize == the reference quantizer applied to the Triton norm's output, bit
+    for bit (the interpreter truncates fp32 -> bf16 in both kernels alike; on CUDA,
+    tests/test_triton_kernels.py also compares with the Triton quantization kernel), and the
+    residual sum equals the norm kernel's."""
+    gen = torch.Generator().manual_seed(4)
+    eps = 1e-6
+    cases = ((torch.bfloat16, 3, 48), (torch.bfloat16, 5, 1040), (torch.float16, 2, 4112), (torch.float32, 3, 208),
+             (torch.bfloat16, 2, triton_norm.MAX_SINGLE_PASS + 1040))
+    for dtype, t, h in cases:
+        x = (torch.randn(t, h, generator=gen) * _rand_blocks(t, h, gen, 1.0).abs().clamp(min=1e-3) * 4).to(dtype)
+        r = torch.randn(t, h, generator=gen).to(dtype)
+        w = (torch.rand(h, generator=gen) + 0.5).to(dtype)
+        x[0, 3] = -0.0
+        x[-1, :16] = 0.0
+        gs = nvfp4.global_scale_from_amax(rms_norm_reference(x, w, eps).float().abs().amax()).reshape(1)
+        out = triton_norm.rms_norm_triton(x, w, eps)
+        assert _ulps_ok(out, rms_norm_reference(x, w, eps), 2), f"norm {dtype} {t}x{h}"
+        rq, rs = nvfp4.quantize_reference(out, gs)
+        q, s = triton_norm_quant.rms_norm_fp4_quant_triton(x, w, eps, gs)
+        where = f"rms_norm_fp4_quant {dtype} {t}x{h}"
+        assert torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), where + ": scales differ"
+        assert torch.equal(q, rq), where + ": codes differ"
+        out, res = triton_norm.fused_add_rms_norm_triton(x, r, w, eps)
+        rq, rs = nvfp4.quantize_reference(out, gs)
+        q, s, res_out = triton_norm_quant.fused_add_rms_norm_fp4_quant_triton(x, r, w, eps, gs)
+        where = f"fused_add_rms_norm_fp4_quant {dtype} {t}x{h}"
+        assert torch.equal(res_out, res), where + ": residual differs"
+        assert torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), where + ": scales differ"
+        assert torch.equal(q, rq), where + ": codes differ"
+    # the pure-torch compositions are what they say
+    x = torch.randn(3, 48, generator=gen).to(torch.bfloat16)
+    r = torch.randn(3, 48, generator=gen).to(torch.bfloat16)
+    w = torch.rand(48, generator=gen).to(torch.bfloat16) + 0.5
+    gs = torch.tensor([100.0])
+    q, s = triton_norm_quant.rms_norm_fp4_quant_reference(x, w, eps, gs)
+    rq, rs = nvfp4.quantize_reference(rms_norm_reference(x, w, eps), gs)
+    assert torch.equal(q, rq) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), "reference composition"
+    q, s, res = triton_norm_quant.fused_add_rms_norm_fp4_quant_reference(x, r, w, eps, gs)
+    out, rres = fused_add_rms_norm_reference(x, r, w, eps)
+    rq, rs = nvfp4.quantize_reference(out, gs)
+    assert torch.equal(q, rq) and torch.equal(res, rres), "fused reference composition"
+
+
+CASES = {"quant": case_quant, "mm": case_mm, "norm": case_norm, "norm_quant": case_norm_quant}
 
 
 if __name__ == "__main__":

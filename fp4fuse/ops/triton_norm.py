@@ -21,10 +21,29 @@ import triton.language as tl
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_SINGLE_PASS", "fused_add_rms_norm_triton", "rms_norm_triton"]
+__all__ = ["MAX_SINGLE_PASS", "fused_add_rms_norm_triton", "norm_launch_config", "rms_norm_triton"]
 
 MAX_SINGLE_PASS = 16384
 _TWO_PASS_BLOCK = 4096
+
+
+@triton.jit
+def _inv_rms(sum_sq, N, eps):
+    """``1 / sqrt(sum_sq / N + eps)`` with IEEE division and square root (shared with the fused
+    norm + quantize kernels of triton_norm_quant.py, which must reproduce these bits)."""
+    return tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(sum_sq, N * 1.0) + eps))
+
+
+@triton.jit
+def _normalize_f32(xf, inv, w):
+    """``(x * inv_rms) * weight`` in fp32 (two roundings, never contracted)."""
+    return (xf * inv) * w
+
+
+@triton.jit
+def _normalize(xf, inv, w, out_dtype: tl.constexpr):
+    """:func:`_normalize_f32` rounded once to ``out_dtype``."""
+    return _normalize_f32(xf, inv, w).to(out_dtype)
 
 
 @triton.jit
@@ -42,9 +61,9 @@ def _rms_norm_kernel(
             x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
             tl.store(res_out_ptr + row + cols, x, mask=mask)
         xf = x.to(tl.float32)
-        inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(tl.sum(xf * xf, axis=0), N * 1.0) + eps))
+        inv = _inv_rms(tl.sum(xf * xf, axis=0), N, eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row + cols, ((xf * inv) * w).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + row + cols, _normalize(xf, inv, w, out_ptr.dtype.element_ty), mask=mask)
     else:
         sq = tl.zeros((BLOCK,), dtype=tl.float32)
         for start in range(0, N, BLOCK):
@@ -56,7 +75,7 @@ def _rms_norm_kernel(
                 tl.store(res_out_ptr + row + start + cols, x, mask=mask)
             xf = x.to(tl.float32)
             sq += xf * xf
-        inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(tl.sum(sq, axis=0), N * 1.0) + eps))
+        inv = _inv_rms(tl.sum(sq, axis=0), N, eps)
         # the second pass re-reads this program's own residual_out writes
         tl.debug_barrier()
         src_ptr = res_out_ptr if HAS_RESIDUAL else x_ptr
@@ -64,7 +83,19 @@ def _rms_norm_kernel(
             mask = start + cols < N
             xf = tl.load(src_ptr + row + start + cols, mask=mask, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(out_ptr + row + start + cols, ((xf * inv) * w).to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_ptr + row + start + cols, _normalize(xf, inv, w, out_ptr.dtype.element_ty), mask=mask)
+
+
+def norm_launch_config(h: int) -> tuple[int, bool, int]:
+    """``(BLOCK, SINGLE_PASS, num_warps)`` for rows of ``h`` elements: one program per row, the row in
+    registers up to ``MAX_SINGLE_PASS`` elements, else two passes over ``_TWO_PASS_BLOCK`` chunks.
+    The row sum's order follows from this (and the input's alignment), so the fused norm +
+    quantize kernels use the same configuration."""
+    block = triton.next_power_of_2(h)
+    single = block <= MAX_SINGLE_PASS
+    if not single:
+        block = _TWO_PASS_BLOCK
+    return block, single, max(1, min(16, block // 512))
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -74,11 +105,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     res_out = torch.empty_like(x) if residual is not None else None
     if t == 0 or h == 0:
         return out, res_out
-    block = triton.next_power_of_2(h)
-    single = block <= MAX_SINGLE_PASS
-    if not single:
-        block = _TWO_PASS_BLOCK
-    num_warps = max(1, min(16, block // 512))
+    block, single, num_warps = norm_launch_config(h)
     _rms_norm_kernel[(t,)](
         x, residual if residual is not None else x, weight, out,
         res_out if res_out is not None else out, h, float(eps),

@@ -319,6 +319,43 @@ def _pack_word(first, second, PAIRED: tl.constexpr):
 
 
 @triton.jit
+def _gather_low_bytes(c0, c1, c2, c3, ON_CUDA: tl.constexpr):
+    """Word whose byte i is the low byte of ``ci``."""
+    return _prmt(_prmt(c0, c1, 0x0040, ON_CUDA), _prmt(c2, c3, 0x0040, ON_CUDA), 0x5410, ON_CUDA)
+
+
+@triton.jit
+def _gather_sign_bytes(b0, b1, b2, b3, ON_CUDA: tl.constexpr):
+    """Word whose byte i is 0xFF if the int32 ``bi`` (an fp32 bit pattern) is negative, else 0."""
+    return _prmt(_prmt(b0, b1, 0xFBFB, ON_CUDA), _prmt(b2, b3, 0xFBFB, ON_CUDA), 0x5410, ON_CUDA)
+
+
+@triton.jit
+def _fma_sat_constants(sd, gs, ON_CUDA: tl.constexpr):
+    """Per-block constants of ``FMA_SAT`` from the decoded block scale ``sd`` and gs:
+    ``(|gs|, r8 ~ 1/(8|s|), -8|s|, magic, keep)``. A dead block (scale 0 or NaN) gets ``r8 = 0``, which
+    makes every code 0, and no signs. ``keep``: the sign-bit mask of live blocks, 0 when
+    ``|gs| = inf`` (then only nonzero codes keep their sign, see :func:`_signed_word`)."""
+    gsa = tl.abs(gs)
+    dead = (sd == 0.0) | (sd != sd)  # noqa: PLR0124  (zero or NaN scale: all codes 0)
+    sign_blk = tl.where(dead, 0, _signbit(gs) ^ _signbit(sd))
+    s_abs = tl.where(dead, 1.0, tl.abs(sd))
+    r8 = tl.where(dead, 0.0, _rcp_approx(8.0 * s_abs, ON_CUDA))
+    magic = (sign_blk * 8 + _F32_2P23).to(tl.float32, bitcast=True)
+    keep = tl.where(dead, 0, tl.where(gsa == float("inf"), 0, _SIGN_NIBBLES))
+    return gsa, r8, -8.0 * s_abs, magic, keep
+
+
+@triton.jit
+def _signed_word(w, even_signs, odd_signs, keep):
+    """XOR the element signs into code word ``w`` (nibble 2i / 2i+1 from byte i of ``even_signs`` /
+    ``odd_signs``, sign-filled bytes) where ``keep`` has the sign bit or the code is nonzero-odd
+    (code 7, the only nonzero code with ``|gs| = inf``; ``0 * inf`` is NaN: code +0)."""
+    z = (even_signs & 0x0F0F0F0F) | (odd_signs & -252645136)
+    return w ^ (z & (((w << 3) | keep) & _SIGN_NIBBLES))
+
+
+@triton.jit
 def _pack_magic_codes(first, second, PAIRED: tl.constexpr, ON_CUDA: tl.constexpr):
     """Code word of each row from ``bits(P)`` of ``[B, 4]`` elements (low byte: code | 8 sign_blk),
     element order as in :func:`_pack_word`: byte i = code(2i) | code(2i+1) << 4, gathered with
@@ -332,30 +369,26 @@ def _pack_magic_codes(first, second, PAIRED: tl.constexpr, ON_CUDA: tl.constexpr
         c1 = f2 + (f3 << 4)
         c2 = g0 + (g1 << 4)
         c3 = g2 + (g3 << 4)
-    return _prmt(_prmt(c0, c1, 0x0040, ON_CUDA), _prmt(c2, c3, 0x0040, ON_CUDA), 0x5410, ON_CUDA)
+    return _gather_low_bytes(c0, c1, c2, c3, ON_CUDA)
 
 
 @triton.jit
-def _sign_nibbles_pairs(w, ON_CUDA: tl.constexpr):
-    """Word whose nibble 2i / 2i+1 has bit 3 set iff the low / high 16-bit element of column i of
-    the packed words ``w`` ``[B, 4]`` is negative (other bits: don't care)."""
+def _sign_bytes_pairs(w, ON_CUDA: tl.constexpr):
+    """(even, odd) sign-filled bytes of the packed 16-bit words ``w`` ``[B, 4]``: byte i of ``even`` /
+    ``odd`` is the sign of the low / high element of column i."""
     c0, c1, c2, c3 = _columns(w)
-    a = _prmt(c0, c1, 0xFBD9, ON_CUDA)   # sign-filled bytes: lo(c0), lo(c1), hi(c0), hi(c1)
+    a = _prmt(c0, c1, 0xFBD9, ON_CUDA)   # lo(c0), lo(c1), hi(c0), hi(c1)
     b = _prmt(c2, c3, 0xFBD9, ON_CUDA)
-    even = _prmt(a, b, 0x5410, ON_CUDA)  # lo(c0..c3)
-    odd = _prmt(a, b, 0x7632, ON_CUDA)   # hi(c0..c3)
-    return (even & 0x0F0F0F0F) | (odd & -252645136)
+    return _prmt(a, b, 0x5410, ON_CUDA), _prmt(a, b, 0x7632, ON_CUDA)
 
 
 @triton.jit
-def _sign_nibbles_singles(first, second, ON_CUDA: tl.constexpr):
-    """As :func:`_sign_nibbles_pairs` for fp32 elements: ``first`` -> nibbles 0..3, ``second`` ->
+def _sign_bytes_singles(first, second, ON_CUDA: tl.constexpr):
+    """As :func:`_sign_bytes_pairs` for fp32 elements: ``first`` -> nibbles 0..3, ``second`` ->
     nibbles 4..7."""
     f0, f1, f2, f3 = _columns(first.to(tl.int32, bitcast=True))
     g0, g1, g2, g3 = _columns(second.to(tl.int32, bitcast=True))
-    even = _prmt(_prmt(f0, f2, 0xFBFB, ON_CUDA), _prmt(g0, g2, 0xFBFB, ON_CUDA), 0x5410, ON_CUDA)
-    odd = _prmt(_prmt(f1, f3, 0xFBFB, ON_CUDA), _prmt(g1, g3, 0xFBFB, ON_CUDA), 0x5410, ON_CUDA)
-    return (even & 0x0F0F0F0F) | (odd & -252645136)
+    return _gather_sign_bytes(f0, f2, g0, g2, ON_CUDA), _gather_sign_bytes(f1, f3, g1, g3, ON_CUDA)
 
 
 @triton.jit
@@ -363,36 +396,32 @@ def _code_words(first_a, second_a, first_b, second_b, words_a, words_b, sd, gs,
                 DIVISION: tl.constexpr, PAIRED: tl.constexpr, ON_CUDA: tl.constexpr):
     """The two 32-bit code words of each block (elements 0..7 from ``*_a``, 8..15 from ``*_b``).
     ``words_*``: the packed 16-bit input words (PAIRED) for the sign bits, else unused."""
-    gsa = tl.abs(gs)
-    dead = (sd == 0.0) | (sd != sd)  # noqa: PLR0124  (zero or NaN scale: all codes 0)
-    sign_blk = tl.where(dead, 0, _signbit(gs) ^ _signbit(sd))
     if DIVISION == _DIV_FMA_SAT:
-        s_abs = tl.where(dead, 1.0, tl.abs(sd))
-        r8 = tl.where(dead, 0.0, _rcp_approx(8.0 * s_abs, ON_CUDA))[:, None]
-        s8n = (-8.0 * s_abs)[:, None]
-        magic = (sign_blk * 8 + _F32_2P23).to(tl.float32, bitcast=True)[:, None]
+        gsa, r8, s8n, magic, keep = _fma_sat_constants(sd, gs, ON_CUDA)
+        r8 = r8[:, None]
+        s8n = s8n[:, None]
+        magic = magic[:, None]
         w0 = _pack_magic_codes(_magic_codes(first_a, gsa, r8, s8n, magic, ON_CUDA),
                                _magic_codes(second_a, gsa, r8, s8n, magic, ON_CUDA), PAIRED, ON_CUDA)
         w1 = _pack_magic_codes(_magic_codes(first_b, gsa, r8, s8n, magic, ON_CUDA),
                                _magic_codes(second_b, gsa, r8, s8n, magic, ON_CUDA), PAIRED, ON_CUDA)
         if PAIRED:
-            z0 = _sign_nibbles_pairs(words_a, ON_CUDA)
-            z1 = _sign_nibbles_pairs(words_b, ON_CUDA)
+            even0, odd0 = _sign_bytes_pairs(words_a, ON_CUDA)
+            even1, odd1 = _sign_bytes_pairs(words_b, ON_CUDA)
         else:
-            z0 = _sign_nibbles_singles(first_a, second_a, ON_CUDA)
-            z1 = _sign_nibbles_singles(first_b, second_b, ON_CUDA)
-        # element signs go where the block is live; with |gs| = inf only where the code is
-        # nonzero (code 7: bit 0 set; code 0 from a NaN quotient must stay +0)
-        keep = tl.where(dead, 0, tl.where(gsa == float("inf"), 0, _SIGN_NIBBLES))
-        w0 = w0 ^ (z0 & (((w0 << 3) | keep) & _SIGN_NIBBLES))
-        w1 = w1 ^ (z1 & (((w1 << 3) | keep) & _SIGN_NIBBLES))
+            even0, odd0 = _sign_bytes_singles(first_a, second_a, ON_CUDA)
+            even1, odd1 = _sign_bytes_singles(first_b, second_b, ON_CUDA)
+        w0 = _signed_word(w0, even0, odd0, keep)
+        w1 = _signed_word(w1, even1, odd1, keep)
     else:
+        gsa = tl.abs(gs)
+        dead = (sd == 0.0) | (sd != sd)  # noqa: PLR0124  (zero or NaN scale: all codes 0)
+        sign_blk = tl.where(dead, 0, _signbit(gs) ^ _signbit(sd))[:, None]
         s_abs = tl.where(dead, 1.0, tl.abs(sd))[:, None]
-        sb = sign_blk[:, None]
-        w0 = _pack_word(_nibbles_tree(first_a, gsa, s_abs, sb, DIVISION),
-                        _nibbles_tree(second_a, gsa, s_abs, sb, DIVISION), PAIRED)
-        w1 = _pack_word(_nibbles_tree(first_b, gsa, s_abs, sb, DIVISION),
-                        _nibbles_tree(second_b, gsa, s_abs, sb, DIVISION), PAIRED)
+        w0 = _pack_word(_nibbles_tree(first_a, gsa, s_abs, sign_blk, DIVISION),
+                        _nibbles_tree(second_a, gsa, s_abs, sign_blk, DIVISION), PAIRED)
+        w1 = _pack_word(_nibbles_tree(first_b, gsa, s_abs, sign_blk, DIVISION),
+                        _nibbles_tree(second_b, gsa, s_abs, sign_blk, DIVISION), PAIRED)
         w0 = tl.where(dead, 0, w0)
         w1 = tl.where(dead, 0, w1)
     return w0, w1
@@ -417,10 +446,9 @@ def _unpack_words(w, IN_KIND: tl.constexpr, ON_CUDA: tl.constexpr):
 
 
 @triton.jit
-def _half_words_amax(wa, wb, IN_KIND: tl.constexpr):
-    """Block amax (fp32, NaN if any element is NaN) from the 8 packed words of each block (CUDA)."""
-    m = _max_abs_x2(wa, wb, IN_KIND)
-    c0, c1, c2, c3 = _columns(m)
+def _words_amax(w, IN_KIND: tl.constexpr):
+    """Row amax (fp32, NaN if any element is NaN) of packed bf16x2/f16x2 words ``w`` ``[B, 4]`` (CUDA)."""
+    c0, c1, c2, c3 = _columns(w)
     m = _max_abs_x2(_max_abs_x2(c0, c1, IN_KIND), _max_abs_x2(c2, c3, IN_KIND), IN_KIND)
     if IN_KIND == _KIND_BF16:
         lo = (m << 16).to(tl.float32, bitcast=True)
@@ -482,7 +510,7 @@ def _quant_kernel(
             lo_a, hi_a = _unpack_words(wa, IN_KIND, ON_CUDA)
             lo_b, hi_b = _unpack_words(wb, IN_KIND, ON_CUDA)
             if ON_CUDA:
-                amax = _half_words_amax(wa, wb, IN_KIND)
+                amax = _words_amax(_max_abs_x2(wa, wb, IN_KIND), IN_KIND)
             else:
                 amax = _row_amax(lo_a, hi_a, lo_b, hi_b)
             s_bits, sd = _block_scale(amax, gs, ON_CUDA)
