@@ -149,6 +149,8 @@ def bench_quant(ceil: Ceilings, rows: list[dict]) -> None:
     eps = 1e-6
     ms = bench(functools.partial(torch.ops.fp4fuse.rms_norm, x, w, eps))
     rows.append(_op_row("rms_norm", shape, ms, (2 * m * k * 2) / ceil.copy_gbs / 1e6))
+    ms = bench(functools.partial(triton_norm.rms_norm_amax_triton, x, w, eps))
+    rows.append(_op_row("rms_norm + amax (Triton)", shape, ms, (2 * m * k * 2) / ceil.copy_gbs / 1e6))
     ms = bench(functools.partial(torch.ops.fp4fuse.fused_add_rms_norm, x, r, w, eps))
     rows.append(_op_row("fused_add_rms_norm", shape, ms, (4 * m * k * 2) / ceil.copy_gbs / 1e6))
 

@@ -291,3 +291,23 @@ def test_cuda_norm_quant_special_global_scales(gs):
     out, _ = triton_norm.fused_add_rms_norm_triton(x, r, w, 1e-6)
     rq, rs = nvfp4.quantize_reference(out.cpu(), gs_t.cpu())
     assert torch.equal(q.cpu(), rq) and torch.equal(s.view(torch.uint8).cpu(), rs.view(torch.uint8))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("t,h", [(3, 48), (130, 1040), (33, 5120), (3, 20000)])
+def test_cuda_norm_amax(dtype, t, h):
+    """Norm + amax: the same output as the plain norm kernel, amax = max |out| (NaN propagates)."""
+    _require_triton_backend()
+    from fp4fuse.ops import triton_norm
+    gen = torch.Generator(device="cuda").manual_seed(t + h)
+    x, r, w = _norm_inputs(t, h, dtype, gen)
+    out, amax = triton_norm.rms_norm_amax_triton(x, w, 1e-6)
+    assert torch.equal(out, triton_norm.rms_norm_triton(x, w, 1e-6))
+    assert torch.equal(amax, out.float().abs().amax().reshape(1))
+    out, res, amax = triton_norm.fused_add_rms_norm_amax_triton(x, r, w, 1e-6)
+    ref_out, ref_res = triton_norm.fused_add_rms_norm_triton(x, r, w, 1e-6)
+    assert torch.equal(out, ref_out) and torch.equal(res, ref_res)
+    assert torch.equal(amax, out.float().abs().amax().reshape(1))
+    x[t // 2, h // 3] = float("nan")
+    assert torch.isnan(triton_norm.rms_norm_amax_triton(x, w, 1e-6)[1]).all()

@@ -227,6 +227,18 @@ def case_norm_quant() -> None:
         assert torch.equal(res_out, res), where + ": residual differs"
         assert torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), where + ": scales differ"
         assert torch.equal(q, rq), where + ": codes differ"
+    # norm + amax (for a dynamic global scale): the same output, amax = max |out|, NaN propagates
+    for dtype, t, h in ((torch.bfloat16, 3, 48), (torch.float32, 2, triton_norm.MAX_SINGLE_PASS + 1040)):
+        x = torch.randn(t, h, generator=gen).to(dtype)
+        r = torch.randn(t, h, generator=gen).to(dtype)
+        w = (torch.rand(h, generator=gen) + 0.5).to(dtype)
+        out, amax = triton_norm.rms_norm_amax_triton(x, w, eps)
+        assert torch.equal(out, triton_norm.rms_norm_triton(x, w, eps)), f"norm amax out {dtype} {t}x{h}"
+        assert amax.item() == out.float().abs().amax().item(), f"norm amax {dtype} {t}x{h}"
+        out, res, amax = triton_norm.fused_add_rms_norm_amax_triton(x, r, w, eps)
+        assert amax.item() == out.float().abs().amax().item(), f"fused_add norm amax {dtype} {t}x{h}"
+        x[-1, 5] = float("nan")
+        assert torch.isnan(triton_norm.rms_norm_amax_triton(x, w, eps)[1]).all(), f"norm amax NaN {dtype}"
     # the pure-torch compositions are what they say
     x = torch.randn(3, 48, generator=gen).to(torch.bfloat16)
     r = torch.randn(3, 48, generator=gen).to(torch.bfloat16)

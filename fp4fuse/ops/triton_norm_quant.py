@@ -28,8 +28,10 @@ and Triton's interpreter truncates fp32 -> bf16 where the GPU rounds to nearest.
 
 Global scale. It is an input: the fused op is for static (calibrated) scales. A dynamic scale
 ``448 * 6 / amax(norm_out)`` needs the amax of the whole norm output (all-reduced over the
-tensor-parallel group) before the first element can be quantized, so it stays two passes: norm
-(or fused_add_rms_norm), amax / all-reduce, then ``scaled_fp4_quant``.
+tensor-parallel group) before the first element can be quantized, so it stays two passes:
+``triton_norm.rms_norm_amax_triton`` / ``fused_add_rms_norm_amax_triton`` (the norm kernel that
+also returns ``max |out|``, saving the separate amax read of the output), the all-reduce MAX and
+``global_scale_from_amax``, then ``scaled_fp4_quant`` of the norm output.
 """
 from __future__ import annotations
 
