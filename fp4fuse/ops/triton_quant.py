@@ -51,15 +51,22 @@ e2m1 rounding of the exact z, ties (``z == t``) to even, and any evaluation that
    code words; with ``gs = inf`` they are kept only where the code is nonzero (``0 * inf`` is NaN,
    code +0).
 
-Instruction counts (SASS of the sm_90a build, :func:`quant_sass_counts`): the loop body of the
-16-bit-input kernel is about 24 instructions an element for ``THRESHOLD``, 18 of them on the
-half-rate ALU pipe (compares, selects, logic), and about 17 for ``FMA_SAT``, 5 of them on the ALU
-pipe and 10.5 on the full-rate FMA pipe (Triton 3.6, sm_90a).
+Instruction counts (loop body of the sm_90a SASS from Triton 3.6, bf16 input, per element; see
+:func:`quant_sass_counts`): ``THRESHOLD`` 23.9, 17.5 of them on the half-rate ALU pipe
+(compares, selects, logic), so it is ALU-bound at ~35 issue cycles per warp and element;
+``FMA_SAT`` 16.8, 10.7 on the full-rate FMA pipe and 5.3 on the ALU pipe, so it is issue-bound
+at ~17 cycles; ``IEEE_DIV`` 37.5.
+
+Verification of ``FMA_SAT`` beyond the tests: with exact fp32 FMA semantics on the CPU, every fp32
+y with ``z`` in [1/16, 8) for all 8 scale mantissas, each with ``r8`` correctly rounded and 1 ulp
+below and above (1.25e9 cases), plus 2.4e8 random and near-boundary cases at scale exponents
+-9 .. 8 (infinities, zeros and subnormals included): 0 mismatches with
+``e2m1_encode(RN(y / s))``; the fp64-emulated FMA of the interpreter path, 3.4e8 cases: 0.
 
 Layout of the work: x is a flat array of 16-element blocks (K is a multiple of 16, rows are
 contiguous); each thread owns one block per chunk, read as 16-byte vectors (2 for 16-bit inputs,
-4 for fp32), and writes two 32-bit code words and one scale byte; by default each program does one chunk
-(the kernel also loops over chunks for a persistent grid).
+4 for fp32), and writes two 32-bit code words and one scale byte; by default each program does
+one chunk (the kernel also loops over chunks for a persistent grid).
 """
 from __future__ import annotations
 
@@ -535,7 +542,7 @@ def _launch_args(x: torch.Tensor, global_scale: torch.Tensor, q: torch.Tensor, s
                  division: QuantDivision, config: tuple[int, int, int] | None):
     m, k = x.shape
     n_blocks = m * (k // BLOCK_SIZE)
-    if n_blocks >= 2**31:
+    if n_blocks > 2**31 - 2**20:
         raise ValueError(f"fp4fuse.scaled_fp4_quant: {m}x{k} has {n_blocks} blocks of 16; the Triton kernel indexes blocks with int32")
     x = x.contiguous()
     word_dtype = _WORD_DTYPE[x.dtype]
