@@ -100,7 +100,6 @@ class _InputKind(enum.IntEnum):
 
 
 _KIND_BF16 = tl.constexpr(int(_InputKind.BF16))
-_KIND_FP16 = tl.constexpr(int(_InputKind.FP16))
 _KIND_FP32 = tl.constexpr(int(_InputKind.FP32))
 _DIV_IEEE = tl.constexpr(int(QuantDivision.IEEE_DIV))
 _DIV_FMA_SAT = tl.constexpr(int(QuantDivision.FMA_SAT))
