@@ -7,7 +7,9 @@ every timed call, so weights are read from HBM as in a real decode step):
 
 1. Ceilings: device-to-device copy bandwidth (bytes read + written) and cuBLAS bf16 8192^3 rate.
 2. ``scaled_fp4_quant`` on 16384x8192 bf16 (bytes: read x + write q + s) as % of the copy
-   bandwidth, for both exact division modes; RMSNorm on the same shape.
+   bandwidth, for every exact division mode with its SASS instructions per element; RMSNorm on
+   the same shape; RMSNorm (+ residual add) + quantize fused vs the two Triton kernels back to
+   back. ``run_quant_norm()`` runs only this part.
 3. ``mm_fp4`` at M in {1, 16, 128, 1024, 8192} x (N, K) in {(8192, 8192), (28672, 8192),
    (8192, 28672)} against cuBLAS bf16 ``torch.mm`` on the same shapes and against a naive torch
    dequantize-then-matmul (table lookup + repeat_interleave of the scales + torch.mm), with the
@@ -119,26 +121,74 @@ def measure_ceilings() -> Ceilings:
     return Ceilings(copy_gbs=copy_gbs, mm_tflops=2 * 8192 ** 3 / ms / 1e9)
 
 
+def _op_row(op: str, shape: str, ms: float, floor_ms: float, **extra) -> dict:
+    row = {"op": op, "shape": shape, "ms": ms, "floor_ms": floor_ms, "pct_copy": 100 * floor_ms / ms, **extra}
+    note = "".join(f", {k} {v}" for k, v in extra.items())
+    print(f"{op} {shape}: {ms * 1e3:.1f} us, {row['pct_copy']:.0f}% of copy bandwidth{note}", flush=True)
+    return row
+
+
 def bench_quant(ceil: Ceilings, rows: list[dict]) -> None:
+    """Quantization (every QuantDivision mode, with its SASS instructions per element), the norms, and
+    RMSNorm + quantize fused vs the two Triton kernels back to back. % of copy bandwidth counts the
+    bytes the op must move: read x (+ residual), write q + s (+ residual_out / norm output)."""
+    from fp4fuse.kernels.triton import norm as triton_norm, norm_quant as triton_norm_quant
     m, k = 16384, 8192
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     gs = nvfp4.global_scale_from_amax(x.float().abs().amax()).reshape(1)
-    nbytes = m * k * 2 + m * k // 2 + m * k // 16
-    floor_ms = nbytes / ceil.copy_gbs / 1e6
+    qs_bytes = m * k // 2 + m * k // 16
+    floor_ms = (m * k * 2 + qs_bytes) / ceil.copy_gbs / 1e6
     shape = f"{m}x{k} bf16"
+    first = None
     for div in triton_quant.QuantDivision:
+        counts = triton_quant.quant_sass_counts(div, x.dtype)
         ms = bench(functools.partial(triton_quant.scaled_fp4_quant_triton, x, gs, division=div))
-        rows.append({"op": f"scaled_fp4_quant ({div.name})", "shape": shape, "ms": ms, "floor_ms": floor_ms,
-                     "pct_copy": 100 * floor_ms / ms})
+        q, s = triton_quant.scaled_fp4_quant_triton(x, gs, division=div)
+        first = first or (q, s.view(torch.uint8))
+        same = torch.equal(q, first[0]) and torch.equal(s.view(torch.uint8), first[1])
+        default = ", default" if div == triton_quant.DEFAULT_DIVISION else ""
+        rows.append(_op_row(f"scaled_fp4_quant ({div.name}{default})", shape, ms, floor_ms,
+                            sass_per_element=round(counts["loop_per_element"], 1), sass_loop=counts["loop"],
+                            sass_total=counts["total"], same_bits_as_first_mode=same))
     w = torch.randn(k, device="cuda", dtype=torch.bfloat16)
     r = torch.randn_like(x)
-    ms = bench(functools.partial(torch.ops.fp4fuse.rms_norm, x, w, 1e-6))
-    floor_ms = (2 * m * k * 2) / ceil.copy_gbs / 1e6
-    rows.append({"op": "rms_norm", "shape": shape, "ms": ms, "floor_ms": floor_ms, "pct_copy": 100 * floor_ms / ms})
-    ms = bench(functools.partial(torch.ops.fp4fuse.fused_add_rms_norm, x, r, w, 1e-6))
-    floor_ms = (4 * m * k * 2) / ceil.copy_gbs / 1e6
-    rows.append({"op": "fused_add_rms_norm", "shape": shape, "ms": ms, "floor_ms": floor_ms,
-                 "pct_copy": 100 * floor_ms / ms})
+    eps = 1e-6
+    ms = bench(functools.partial(torch.ops.fp4fuse.rms_norm, x, w, eps))
+    rows.append(_op_row("rms_norm", shape, ms, (2 * m * k * 2) / ceil.copy_gbs / 1e6))
+    ms = bench(functools.partial(triton_norm.rms_norm_amax_triton, x, w, eps))
+    rows.append(_op_row("rms_norm + amax (Triton)", shape, ms, (2 * m * k * 2) / ceil.copy_gbs / 1e6))
+    ms = bench(functools.partial(torch.ops.fp4fuse.fused_add_rms_norm, x, r, w, eps))
+    rows.append(_op_row("fused_add_rms_norm", shape, ms, (4 * m * k * 2) / ceil.copy_gbs / 1e6))
+
+    # RMSNorm + quantize: the floor is the fused op's traffic (the pair also writes and re-reads the norm output)
+    def pair():
+        return triton_quant.scaled_fp4_quant_triton(triton_norm.rms_norm_triton(x, w, eps), gs)
+
+    def add_pair():
+        out, res = triton_norm.fused_add_rms_norm_triton(x, r, w, eps)
+        return (*triton_quant.scaled_fp4_quant_triton(out, gs), res)
+
+    fused = functools.partial(triton_norm_quant.rms_norm_fp4_quant_triton, x, w, eps, gs)
+    add_fused = functools.partial(triton_norm_quant.fused_add_rms_norm_fp4_quant_triton, x, r, w, eps, gs)
+    same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(fused(), pair()))
+    add_same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(add_fused(), add_pair()))
+    floor_ms = (m * k * 2 + qs_bytes) / ceil.copy_gbs / 1e6
+    rows.append(_op_row("rms_norm -> scaled_fp4_quant (2 Triton kernels)", shape, bench(pair), floor_ms))
+    rows.append(_op_row("rms_norm_fp4_quant (fused)", shape, bench(fused), floor_ms, bit_equal_to_pair=same))
+    floor_ms = (3 * m * k * 2 + qs_bytes) / ceil.copy_gbs / 1e6
+    rows.append(_op_row("fused_add_rms_norm -> scaled_fp4_quant (2 Triton kernels)", shape, bench(add_pair), floor_ms))
+    rows.append(_op_row("fused_add_rms_norm_fp4_quant (fused)", shape, bench(add_fused), floor_ms,
+                        bit_equal_to_pair=add_same))
+
+
+def run_quant_norm() -> None:
+    """Only the quantization / norm part (under a minute on an H100):
+    ``PYTHONPATH=. python -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_ops; bench_ops.run_quant_norm()"``"""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; Triton {triton.__version__}", flush=True)
+    ceil = measure_ceilings()
+    print(f"copy {ceil.copy_gbs:.0f} GB/s", flush=True)
+    bench_quant(ceil, [])
 
 
 def _mm_row(ceil: Ceilings, m: int, n: int, k: int, weights: list, w_bf16: list) -> dict:
@@ -236,11 +286,16 @@ def sweep(raw: dict) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     x = torch.randn(16384, 8192, device="cuda", dtype=torch.bfloat16)
     gs = nvfp4.global_scale_from_amax(x.float().abs().amax()).reshape(1)
-    for blocks, warps, per_sm in ((256, 8, 2), (256, 8, 4), (256, 8, 8), (128, 4, 8), (128, 4, 16), (512, 16, 2)):
-        fn = functools.partial(triton_quant.scaled_fp4_quant_triton, x, gs, config=(blocks, warps, per_sm * sms))
-        ms = bench(fn)
-        print(f"sweep quant blocks={blocks} warps={warps} programs/SM={per_sm}: {ms * 1e3:.1f} us", flush=True)
-        out.append({"quant_blocks": blocks, "warps": warps, "programs_per_sm": per_sm, "ms": ms})
+    n_blocks = x.numel() // 16
+    for blocks, warps in ((128, 4), (256, 4), (256, 8), (512, 8)):
+        # one chunk per program (the default), or a persistent grid of per_sm programs per multiprocessor
+        for per_sm in (None, 8, 12, 16):
+            programs = triton.cdiv(n_blocks, blocks) if per_sm is None else per_sm * sms
+            fn = functools.partial(triton_quant.scaled_fp4_quant_triton, x, gs, config=(blocks, warps, programs))
+            ms = bench(fn)
+            print(f"sweep quant blocks={blocks} warps={warps} programs/SM={per_sm or 'all chunks'}: {ms * 1e3:.1f} us",
+                  flush=True)
+            out.append({"quant_blocks": blocks, "warps": warps, "programs_per_sm": per_sm, "ms": ms})
     q, s = quantize(torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16))[:2]
     for blocks, warps in ((256, 8), (512, 8), (1024, 8), (1024, 16), (2048, 16)):
         ms = bench(functools.partial(triton_mm.dequantize_fp4_triton, q, s, config=(blocks, warps)))

@@ -25,7 +25,7 @@ ops = torch.ops.fp4fuse
 CASES_SCRIPT = os.path.join(os.path.dirname(__file__), "triton_interpreter_cases.py")
 
 
-@pytest.mark.parametrize("family", ["quant", "mm", "mm_decode", "norm"])
+@pytest.mark.parametrize("family", ["quant", "mm", "mm_decode", "norm", "norm_quant"])
 def test_kernels_under_triton_interpreter(family):
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, CASES_SCRIPT, family], env=env, capture_output=True,
@@ -47,7 +47,7 @@ def _blocks(m: int, k: int, gen: torch.Generator, dtype=torch.bfloat16) -> torch
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("m,k", [(1, 16), (3, 48), (130, 1040), (1000, 4096), (4099, 512)])
+@pytest.mark.parametrize("m,k", [(1, 16), (3, 48), (130, 1040), (7, 4112), (1000, 4096), (4099, 512)])
 def test_cuda_quant_bit_equal(dtype, m, k):
     _require_triton_backend()
     from fp4fuse.kernels.triton.quant import QuantDivision, scaled_fp4_quant_triton
@@ -108,21 +108,73 @@ def test_cuda_empty_operands(m, n, k, out_dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("gs", [float("nan"), float("inf"), 1e36, 1e-36, 3.0])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_quant_special_global_scales(gs, dtype):
+    """NaN / infinite / huge / tiny global scales, signed zeros and infinities: every division mode
+    bit-equal to the reference (with gs = inf, 0 * inf is a NaN quotient: code +0)."""
+    _require_triton_backend()
+    from fp4fuse.kernels.triton.quant import QuantDivision, scaled_fp4_quant_triton
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = _blocks(130, 1040, gen, dtype)
+    x[0, :16] = -0.0
+    x[1, 3] = float("-inf")
+    x[2, 7] = float("nan")
+    x[3, 16:32] = 0.0
+    x[3, 17] = -0.0
+    gs_t = torch.tensor([gs], device="cuda")
+    rq, rs = nvfp4.quantize_reference(x.cpu(), gs_t.cpu())
+    for div in QuantDivision:
+        q, s = scaled_fp4_quant_triton(x, gs_t, division=div)
+        assert torch.equal(s.view(torch.uint8).cpu(), rs.view(torch.uint8)), div
+        assert torch.equal(q.cpu(), rq), div
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("config", [(128, 4, 3), (256, 4, 1000), (256, 8, 5), (512, 4, 7)])
+def test_cuda_quant_launch_configs(config):
+    """Several blocks per thread, persistent grids (several chunks a program), a partial last chunk."""
+    _require_triton_backend()
+    from fp4fuse.kernels.triton.quant import QuantDivision, scaled_fp4_quant_triton
+    gen = torch.Generator(device="cuda").manual_seed(sum(config))
+    x = _blocks(4099, 528, gen)
+    gs = nvfp4.global_scale_from_amax(x.float().abs().amax()).reshape(1)
+    rq, rs = nvfp4.quantize_reference(x.cpu(), gs.cpu())
+    for div in QuantDivision:
+        q, s = scaled_fp4_quant_triton(x, gs, division=div, config=config)
+        assert torch.equal(q.cpu(), rq) and torch.equal(s.view(torch.uint8).cpu(), rs.view(torch.uint8)), div
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("mant", range(8))
-def test_cuda_quant_every_mantissa_near_every_boundary(mant):
+@pytest.mark.parametrize("division", ["IEEE_DIV", "THRESHOLD", "FMA_SAT"])
+def test_cuda_quant_every_mantissa_near_every_boundary(mant, division):
     """Block scale s = (8 + mant) / 8 (amax 6 s, gs 1); the other 15 elements of each block run
     through every fp32 mantissa of [s/8, 6 s]: codes equal RNE of the IEEE quotient x / s."""
     _require_triton_backend()
+    from fp4fuse.kernels.triton.quant import QuantDivision, scaled_fp4_quant_triton
     s = (8 + mant) / 8
     bits = torch.arange(1 << 23, dtype=torch.int32, device="cuda")
     y = torch.cat([(bits | ((127 + e) << 23)).view(torch.float32) for e in range(-3, 3)]) * s
     y = y.clamp(max=6 * s)
     y = y[: y.numel() // 15 * 15].reshape(-1, 15)
     x = torch.cat([torch.full((y.shape[0], 1), 6 * s, device="cuda"), y], dim=1)
-    q, sc = ops.scaled_fp4_quant(x, torch.tensor([1.0], device="cuda"))
+    q, sc = scaled_fp4_quant_triton(x, torch.tensor([1.0], device="cuda"), division=QuantDivision[division])
     assert torch.all(sc.float() == s)
     # tensor / tensor: torch's CUDA division by a Python scalar multiplies by its reciprocal
     assert torch.equal(nvfp4.unpack_nibbles(q), nvfp4.e2m1_encode(x / torch.full_like(x, s)))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("division", ["THRESHOLD", "FMA_SAT"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_quant_sass_counts(division, dtype):
+    """The SASS counter finds the kernel's loop (what bench_ops.py reports)."""
+    _require_triton_backend()
+    from fp4fuse.kernels.triton.quant import QuantDivision, quant_sass_counts
+    counts = quant_sass_counts(QuantDivision[division], dtype)
+    assert 0 < counts["loop"] <= counts["total"]
+    assert 8 < counts["loop_per_element"] < 60
 
 
 @pytest.mark.cuda
@@ -257,3 +309,85 @@ def test_cuda_norms(dtype, t, h):
     ref_out, ref_res = fused_add_rms_norm_reference(x, r, w, eps)
     assert torch.equal(res, ref_res)
     assert close(out, ref_out)
+
+
+def _norm_inputs(t: int, h: int, dtype, gen, misaligned: bool = False):
+    spread = torch.rand(t, h // 16, generator=gen, device="cuda").pow(3).repeat_interleave(16, 1) + 1e-3
+    n = t * h
+    offset = 8 // torch.empty((), dtype=dtype).element_size() if misaligned else 0  # 8 bytes off 16-byte alignment
+    buf = torch.empty(n + offset, device="cuda", dtype=dtype)
+    x = buf[offset:].view(t, h)
+    x.copy_(torch.randn(t, h, generator=gen, device="cuda") * spread * 4)
+    r = torch.randn(t, h, generator=gen, device="cuda").to(dtype)
+    w = (torch.rand(h, generator=gen, device="cuda") + 0.5).to(dtype)
+    x[0, :16] = 0.0
+    x[0, 3] = -0.0
+    return x, r, w
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("t,h", [(1, 16), (3, 48), (130, 1040), (7, 4112), (33, 5120), (129, 8192), (3, 20000)])
+@pytest.mark.parametrize("misaligned", [False, True])
+def test_cuda_norm_quant_bit_equal_to_unfused(dtype, t, h, misaligned):
+    """Fused RMSNorm + quantize (with and without the residual add) == the Triton norm kernel followed
+    by the Triton quantization kernel, and == the reference quantizer on that norm output, bit for
+    bit; residual_out == the reference sum; the norm output within one ulp of the reference."""
+    _require_triton_backend()
+    from fp4fuse.kernels.triton import norm as triton_norm, triton_norm_quant
+    from fp4fuse.kernels.triton.quant import scaled_fp4_quant_triton
+    gen = torch.Generator(device="cuda").manual_seed(t * h + misaligned)
+    x, r, w = _norm_inputs(t, h, dtype, gen, misaligned)
+    eps = 1e-6
+    ref_out = rms_norm_reference(x, w, eps)
+    gs = nvfp4.global_scale_from_amax(ref_out.float().abs().amax()).reshape(1)
+    ulp = torch.finfo(dtype).eps if dtype != torch.float32 else 1e-5
+
+    out = triton_norm.rms_norm_triton(x, w, eps)
+    assert bool(((out.float() - ref_out.float()).abs() <= ulp * ref_out.float().abs() + 1e-30).all())
+    q, s = triton_norm_quant.rms_norm_fp4_quant_triton(x, w, eps, gs)
+    q2, s2 = scaled_fp4_quant_triton(out, gs)
+    assert torch.equal(q, q2) and torch.equal(s.view(torch.uint8), s2.view(torch.uint8))
+    rq, rs = nvfp4.quantize_reference(out.cpu(), gs.cpu())
+    assert torch.equal(q.cpu(), rq) and torch.equal(s.view(torch.uint8).cpu(), rs.view(torch.uint8))
+
+    out, res = triton_norm.fused_add_rms_norm_triton(x, r, w, eps)
+    q, s, res_out = triton_norm_quant.fused_add_rms_norm_fp4_quant_triton(x, r, w, eps, gs)
+    _, ref_res = fused_add_rms_norm_reference(x, r, w, eps)
+    assert torch.equal(res_out, res) and torch.equal(res_out, ref_res)
+    q2, s2 = scaled_fp4_quant_triton(out, gs)
+    assert torch.equal(q, q2) and torch.equal(s.view(torch.uint8), s2.view(torch.uint8))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("gs", [float("nan"), float("inf"), 1e36, 1e-36])
+def test_cuda_norm_quant_special_global_scales(gs):
+    _require_triton_backend()
+    from fp4fuse.kernels.triton import norm as triton_norm, triton_norm_quant
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    x, r, w = _norm_inputs(65, 2064, torch.bfloat16, gen)
+    gs_t = torch.tensor([gs], device="cuda")
+    q, s, _ = triton_norm_quant.fused_add_rms_norm_fp4_quant_triton(x, r, w, 1e-6, gs_t)
+    out, _ = triton_norm.fused_add_rms_norm_triton(x, r, w, 1e-6)
+    rq, rs = nvfp4.quantize_reference(out.cpu(), gs_t.cpu())
+    assert torch.equal(q.cpu(), rq) and torch.equal(s.view(torch.uint8).cpu(), rs.view(torch.uint8))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("t,h", [(3, 48), (130, 1040), (33, 5120), (3, 20000)])
+def test_cuda_norm_amax(dtype, t, h):
+    """Norm + amax: the same output as the plain norm kernel, amax = max |out| (NaN propagates)."""
+    _require_triton_backend()
+    from fp4fuse.kernels.triton import norm as triton_norm
+    gen = torch.Generator(device="cuda").manual_seed(t + h)
+    x, r, w = _norm_inputs(t, h, dtype, gen)
+    out, amax = triton_norm.rms_norm_amax_triton(x, w, 1e-6)
+    assert torch.equal(out, triton_norm.rms_norm_triton(x, w, 1e-6))
+    assert torch.equal(amax, out.float().abs().amax().reshape(1))
+    out, res, amax = triton_norm.fused_add_rms_norm_amax_triton(x, r, w, 1e-6)
+    ref_out, ref_res = triton_norm.fused_add_rms_norm_triton(x, r, w, 1e-6)
+    assert torch.equal(out, ref_out) and torch.equal(res, ref_res)
+    assert torch.equal(amax, out.float().abs().amax().reshape(1))
+    x[t // 2, h // 3] = float("nan")
+    assert torch.isnan(triton_norm.rms_norm_amax_triton(x, w, 1e-6)[1]).all()

@@ -3,7 +3,7 @@
 Run by tests/test_triton_kernels.py in a subprocess with ``TRITON_INTERPRET=1`` (the variable must
 be set before triton is imported, so these cannot share a process with CUDA tests):
 
-    TRITON_INTERPRET=1 python tests/triton_interpreter_cases.py quant mm mm_decode norm
+    TRITON_INTERPRET=1 python tests/triton_interpreter_cases.py quant mm mm_decode norm norm_quant
 
 Each case raises AssertionError with the failing shape; exit status 0 means all passed.
 """
@@ -21,8 +21,11 @@ from triton.runtime import interpreter
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fp4fuse.nvfp4 import format as nvfp4
-from fp4fuse.kernels.triton import mm as triton_mm, mm_decode, norm as triton_norm, quant as triton_quant
-from fp4fuse.nvfp4.norms import fused_add_rms_norm_reference, rms_norm_reference
+from fp4fuse.kernels.triton import mm as triton_mm, mm_decode, norm as triton_norm, norm_quant as triton_norm_quant
+from fp4fuse.kernels.triton import quant as triton_quant
+from fp4fuse.nvfp4.norms import (
+    fused_add_rms_norm_fp4_quant_reference, fused_add_rms_norm_reference, rms_norm_fp4_quant_reference, rms_norm_reference,
+)
 
 
 def _fix_interpreter_loop_bounds() -> None:
@@ -69,8 +72,11 @@ def _boundary_blocks() -> torch.Tensor:
 
 def case_quant() -> None:
     gen = torch.Generator().manual_seed(1)
+    # the kernel sees a flat array of 16-element blocks: shapes differ only in the partial last chunk
+    shapes = {torch.bfloat16: ((3, 48), (130, 64), (1, 16), (7, 1040)),
+              torch.float16: ((3, 48), (7, 1040)), torch.float32: ((130, 64), (1, 16))}
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        for m, k in ((3, 48), (130, 64), (1, 16), (7, 1040)):
+        for m, k in shapes[dtype]:
             x = _rand_blocks(m, k, gen).to(dtype)
             x[0, 5] = float("nan")
             x[-1, -1] = -0.0
@@ -79,10 +85,12 @@ def case_quant() -> None:
                 x[2, 18] = float("-inf")
                 x[1, :16] = 0
                 x[1, 16:32] *= 1e-4
+                x[1, 32:48] = -0.0
             finite = x.float().nan_to_num(0, 0, 0)
             scales = [nvfp4.global_scale_from_amax(finite.abs().amax()).reshape(1), torch.tensor([1e4])]
-            if dtype == torch.bfloat16:
-                scales.append(torch.tensor([float("nan")]))
+            if dtype == torch.bfloat16 and m == 130:
+                # NaN, +inf (0 * inf is a NaN quotient: code +0), overflow of x * gs, all scales 0
+                scales += [torch.tensor([float(v)]) for v in ("nan", "inf", 1e36, 1e-36)]
             for gs in scales:
                 rq, rs = nvfp4.quantize_reference(x, gs)
                 for div in triton_quant.QuantDivision:
@@ -92,17 +100,31 @@ def case_quant() -> None:
                     assert torch.equal(q, rq), where + ": codes differ"
     x = _boundary_blocks()
     gs = torch.tensor([1.0])
+    for dtype in (torch.float32, torch.bfloat16):
+        # bf16: the boundary values rounded to bf16, which puts many exactly on a decision point
+        xd = x.to(dtype)
+        rq, rs = nvfp4.quantize_reference(xd, gs)
+        for div in triton_quant.QuantDivision:
+            q, s = triton_quant.scaled_fp4_quant_triton(xd, gs, division=div)
+            assert torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), f"boundary scales {dtype} {div.name}"
+            assert torch.equal(q, rq), f"boundary codes {dtype} {div.name}"
+    # several chunks per program (a persistent grid), and a partial last chunk
+    x = _rand_blocks(130, 64, gen).to(torch.bfloat16)
+    gs = nvfp4.global_scale_from_amax(x.float().abs().amax()).reshape(1)
     rq, rs = nvfp4.quantize_reference(x, gs)
     for div in triton_quant.QuantDivision:
         q, s = triton_quant.scaled_fp4_quant_triton(x, gs, division=div)
         assert torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), f"boundary scales {div.name}"
         assert torch.equal(q, rq), f"boundary codes {div.name}"
     _check_global_scale_rules(gen)
+    q, s = triton_quant.scaled_fp4_quant_triton(x, gs, config=(128, 4, 2))
+    assert torch.equal(q, rq) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), "persistent grid"
     tiny = torch.full((1, 32), 3e-38) * torch.randn(1, 32, generator=gen)
     gs = torch.tensor([5e30])
     rq, rs = nvfp4.quantize_reference(tiny, gs)
-    q, s = triton_quant.scaled_fp4_quant_triton(tiny, gs)
-    assert torch.equal(q, rq) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), "tiny values"
+    for div in triton_quant.QuantDivision:
+        q, s = triton_quant.scaled_fp4_quant_triton(tiny, gs, division=div)
+        assert torch.equal(q, rq) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), f"tiny values {div.name}"
 
 
 def _check_global_scale_rules(gen: torch.Generator) -> None:
@@ -274,7 +296,64 @@ def case_norm() -> None:
             assert _ulps_ok(out, ref_out, 3), f"fused_add out {dtype} {t}x{h}"
 
 
-CASES = {"quant": case_quant, "mm": case_mm, "mm_decode": case_mm_decode, "norm": case_norm}
+def case_norm_quant() -> None:
+    """Fused norm + quantize == the reference quantizer applied to the Triton norm's output, bit
+    for bit (the interpreter truncates fp32 -> bf16 in both kernels alike; on CUDA,
+    tests/test_triton_kernels.py also compares with the Triton quantization kernel), and the
+    residual sum equals the norm kernel's."""
+    gen = torch.Generator().manual_seed(4)
+    eps = 1e-6
+    cases = ((torch.bfloat16, 3, 48), (torch.bfloat16, 5, 1040), (torch.float16, 2, 4112), (torch.float32, 3, 208),
+             (torch.bfloat16, 2, triton_norm.MAX_SINGLE_PASS + 1040))
+    for dtype, t, h in cases:
+        x = (torch.randn(t, h, generator=gen) * _rand_blocks(t, h, gen, 1.0).abs().clamp(min=1e-3) * 4).to(dtype)
+        r = torch.randn(t, h, generator=gen).to(dtype)
+        w = (torch.rand(h, generator=gen) + 0.5).to(dtype)
+        x[0, 3] = -0.0
+        x[-1, :16] = 0.0
+        gs = nvfp4.global_scale_from_amax(rms_norm_reference(x, w, eps).float().abs().amax()).reshape(1)
+        out = triton_norm.rms_norm_triton(x, w, eps)
+        assert _ulps_ok(out, rms_norm_reference(x, w, eps), 2), f"norm {dtype} {t}x{h}"
+        rq, rs = nvfp4.quantize_reference(out, gs)
+        q, s = triton_norm_quant.rms_norm_fp4_quant_triton(x, w, eps, gs)
+        where = f"rms_norm_fp4_quant {dtype} {t}x{h}"
+        assert torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), where + ": scales differ"
+        assert torch.equal(q, rq), where + ": codes differ"
+        out, res = triton_norm.fused_add_rms_norm_triton(x, r, w, eps)
+        rq, rs = nvfp4.quantize_reference(out, gs)
+        q, s, res_out = triton_norm_quant.fused_add_rms_norm_fp4_quant_triton(x, r, w, eps, gs)
+        where = f"fused_add_rms_norm_fp4_quant {dtype} {t}x{h}"
+        assert torch.equal(res_out, res), where + ": residual differs"
+        assert torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), where + ": scales differ"
+        assert torch.equal(q, rq), where + ": codes differ"
+    # norm + amax (for a dynamic global scale): the same output, amax = max |out|, NaN propagates
+    for dtype, t, h in ((torch.bfloat16, 3, 48), (torch.float32, 2, triton_norm.MAX_SINGLE_PASS + 1040)):
+        x = torch.randn(t, h, generator=gen).to(dtype)
+        r = torch.randn(t, h, generator=gen).to(dtype)
+        w = (torch.rand(h, generator=gen) + 0.5).to(dtype)
+        out, amax = triton_norm.rms_norm_amax_triton(x, w, eps)
+        assert torch.equal(out, triton_norm.rms_norm_triton(x, w, eps)), f"norm amax out {dtype} {t}x{h}"
+        assert amax.item() == out.float().abs().amax().item(), f"norm amax {dtype} {t}x{h}"
+        out, res, amax = triton_norm.fused_add_rms_norm_amax_triton(x, r, w, eps)
+        assert amax.item() == out.float().abs().amax().item(), f"fused_add norm amax {dtype} {t}x{h}"
+        x[-1, 5] = float("nan")
+        assert torch.isnan(triton_norm.rms_norm_amax_triton(x, w, eps)[1]).all(), f"norm amax NaN {dtype}"
+    # the pure-torch compositions are what they say
+    x = torch.randn(3, 48, generator=gen).to(torch.bfloat16)
+    r = torch.randn(3, 48, generator=gen).to(torch.bfloat16)
+    w = torch.rand(48, generator=gen).to(torch.bfloat16) + 0.5
+    gs = torch.tensor([100.0])
+    q, s = rms_norm_fp4_quant_reference(x, w, eps, gs)
+    rq, rs = nvfp4.quantize_reference(rms_norm_reference(x, w, eps), gs)
+    assert torch.equal(q, rq) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), "reference composition"
+    q, s, res = fused_add_rms_norm_fp4_quant_reference(x, r, w, eps, gs)
+    out, rres = fused_add_rms_norm_reference(x, r, w, eps)
+    rq, rs = nvfp4.quantize_reference(out, gs)
+    assert torch.equal(q, rq) and torch.equal(res, rres), "fused reference composition"
+
+
+CASES = {"quant": case_quant, "mm": case_mm, "mm_decode": case_mm_decode, "norm": case_norm,
+         "norm_quant": case_norm_quant}
 
 
 if __name__ == "__main__":

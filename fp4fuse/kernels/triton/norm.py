@@ -7,6 +7,12 @@ Contracts (fp4fuse/ops/norm_ops.py holds the references):
 * ``fused_add_rms_norm_triton(x, residual, weight, eps) -> (out, residual_out)``:
   ``residual_out = x + residual`` rounded to x's dtype, ``out`` = the norm of that rounded sum.
 
+* ``rms_norm_amax_triton`` / ``fused_add_rms_norm_amax_triton``: the same, plus ``amax``, a
+  one-element fp32 tensor ``max |out|`` over the whole output (NaN if any output is NaN), for a
+  dynamic NVFP4 global scale ``448 * 6 / amax`` without another pass over the output. Each row
+  reduces its own output and does one integer ``atomic_max`` on the fp32 bit pattern (for
+  values >= 0 the bit patterns order like the values, and NaN's lie above inf).
+
 The row statistic uses IEEE ``div_rn`` / ``sqrt_rn`` (one evaluation per row, so exactness is
 free); the per-element order is the reference's ``(x * inv_rms) * weight``. Rows up to
 ``MAX_SINGLE_PASS`` elements stay in registers (one read of x); longer rows take two passes.
@@ -23,20 +29,55 @@ from fp4fuse.kernels.triton.launch import traceable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_SINGLE_PASS", "fused_add_rms_norm_triton", "rms_norm_triton"]
+__all__ = [
+    "MAX_SINGLE_PASS", "fused_add_rms_norm_amax_triton", "fused_add_rms_norm_triton", "norm_launch_config",
+    "rms_norm_amax_triton", "rms_norm_triton",
+]
 
 MAX_SINGLE_PASS = 16384
 _TWO_PASS_BLOCK = 4096
 
 
 @triton.jit
+def _inv_rms(sum_sq, N, eps):
+    """``1 / sqrt(sum_sq / N + eps)`` with IEEE division and square root (shared with the fused
+    norm + quantize kernels of norm_quant.py, which must reproduce these bits). ``eps`` is taken as
+    fp32 whatever the launch passes (eager launches pass fp32, a compiled graph fp64)."""
+    eps32 = tl.full((), eps, tl.float32)
+    return tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(sum_sq, N * 1.0) + eps32))
+
+
+@triton.jit
+def _normalize_f32(xf, inv, w):
+    """``(x * inv_rms) * weight`` in fp32 (two roundings, never contracted)."""
+    return (xf * inv) * w
+
+
+@triton.jit
+def _normalize(xf, inv, w, out_dtype: tl.constexpr):
+    """:func:`_normalize_f32` rounded once to ``out_dtype``."""
+    return _normalize_f32(xf, inv, w).to(out_dtype)
+
+
+@triton.jit
+def _max_abs_nan(v):
+    """``max |v|`` of a 1-D tensor as fp32, NaN if any element is NaN."""
+    return tl.reduce(tl.abs(v.to(tl.float32)), 0, _max_nan)
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, N, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, amax_ptr, N, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr, AMAX: tl.constexpr,
 ):
+    """amax_ptr: int32 view of the fp32 amax (AMAX only; it must hold 0 before the launch)."""
     row = tl.program_id(0).to(tl.int64) * N
     cols = tl.arange(0, BLOCK)
-    eps32 = tl.full((), eps, tl.float32)  # a compiled graph passes the float as fp64; eager launches fp32
     if SINGLE_PASS:
         mask = cols < N
         x = tl.load(x_ptr + row + cols, mask=mask, other=0.0)
@@ -45,9 +86,12 @@ def _rms_norm_kernel(
             x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
             tl.store(res_out_ptr + row + cols, x, mask=mask)
         xf = x.to(tl.float32)
-        inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(tl.sum(xf * xf, axis=0), N * 1.0) + eps32))
+        inv = _inv_rms(tl.sum(xf * xf, axis=0), N, eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row + cols, ((xf * inv) * w).to(out_ptr.dtype.element_ty), mask=mask)
+        out = _normalize(xf, inv, w, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row + cols, out, mask=mask)
+        if AMAX:
+            tl.atomic_max(amax_ptr, _max_abs_nan(out).to(tl.int32, bitcast=True))
     else:
         sq = tl.zeros((BLOCK,), dtype=tl.float32)
         for start in range(0, N, BLOCK):
@@ -59,33 +103,48 @@ def _rms_norm_kernel(
                 tl.store(res_out_ptr + row + start + cols, x, mask=mask)
             xf = x.to(tl.float32)
             sq += xf * xf
-        inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(tl.sum(sq, axis=0), N * 1.0) + eps32))
+        inv = _inv_rms(tl.sum(sq, axis=0), N, eps)
         # the second pass re-reads this program's own residual_out writes
         tl.debug_barrier()
         src_ptr = res_out_ptr if HAS_RESIDUAL else x_ptr
+        amax = 0.0
         for start in range(0, N, BLOCK):
             mask = start + cols < N
             xf = tl.load(src_ptr + row + start + cols, mask=mask, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(out_ptr + row + start + cols, ((xf * inv) * w).to(out_ptr.dtype.element_ty), mask=mask)
+            out = _normalize(xf, inv, w, out_ptr.dtype.element_ty)
+            tl.store(out_ptr + row + start + cols, out, mask=mask)
+            if AMAX:
+                amax = _max_nan(amax, _max_abs_nan(out))
+        if AMAX:
+            tl.atomic_max(amax_ptr, amax.to(tl.int32, bitcast=True))
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def norm_launch_config(h: int) -> tuple[int, bool, int]:
+    """``(BLOCK, SINGLE_PASS, num_warps)`` for rows of ``h`` elements: one program per row, the row in
+    registers up to ``MAX_SINGLE_PASS`` elements, else two passes over ``_TWO_PASS_BLOCK`` chunks.
+    The row sum's order follows from this (and the input's alignment), so the fused norm +
+    quantize kernels use the same configuration."""
+    block = triton.next_power_of_2(h)
+    single = block <= MAX_SINGLE_PASS
+    if not single:
+        block = _TWO_PASS_BLOCK
+    return block, single, max(1, min(16, block // 512))
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+            amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     t, h = x.shape
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else None
     if t == 0 or h == 0:
         return out, res_out
-    block = triton.next_power_of_2(h)
-    single = block <= MAX_SINGLE_PASS
-    if not single:
-        block = _TWO_PASS_BLOCK
-    num_warps = max(1, min(16, block // 512))
+    block, single, num_warps = norm_launch_config(h)
     traceable(_rms_norm_kernel)[(t,)](
         x, residual if residual is not None else x, weight, out,
-        res_out if res_out is not None else out, h, float(eps),
-        HAS_RESIDUAL=residual is not None, BLOCK=block, SINGLE_PASS=single, num_warps=num_warps,
+        res_out if res_out is not None else out, amax.view(torch.int32) if amax is not None else out, h, float(eps),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, SINGLE_PASS=single, AMAX=amax is not None,
+        num_warps=num_warps,
     )
     return out, res_out
 
@@ -102,3 +161,19 @@ def fused_add_rms_norm_triton(
     """``(rms_norm(x + residual), x + residual)``, the sum rounded to x's dtype first."""
     out, res_out = _launch(x, residual, weight, eps)
     return out, res_out
+
+
+def rms_norm_amax_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, amax)``: :func:`rms_norm_triton` and ``max |out|`` as a one-element fp32 tensor."""
+    amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+    out, _ = _launch(x, None, weight, eps, amax)
+    return out, amax
+
+
+def fused_add_rms_norm_amax_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, residual_out, amax)``: :func:`fused_add_rms_norm_triton` and ``max |out|`` (fp32, one element)."""
+    amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+    out, res_out = _launch(x, residual, weight, eps, amax)
+    return out, res_out, amax

@@ -1,0 +1,228 @@
+"""RMSNorm (optionally after a residual add) fused with NVFP4 quantization, one Triton pass.
+
+Contracts (x ``[T, H]`` bf16/fp16/fp32 contiguous, H a multiple of 16, weight ``[H]``, global_scale a
+one-element fp32 device tensor, encode convention ``448 * 6 / amax``):
+
+* ``rms_norm_fp4_quant_triton(x, weight, eps, global_scale) -> (q, s)`` =
+  ``scaled_fp4_quant(rms_norm(x, weight, eps), global_scale)``;
+* ``fused_add_rms_norm_fp4_quant_triton(x, residual, weight, eps, global_scale) -> (q, s, residual_out)``
+  with ``residual_out = x + residual`` rounded to x's dtype and ``(q, s)`` the quantized norm of it.
+
+q uint8 ``[T, H/2]``, s float8_e4m3fn ``[T, H/16]`` as in fp4fuse.nvfp4.format. x (and residual) are read
+once; the norm output is never written: each element is normalized in fp32 and rounded to x's
+dtype in registers, exactly as the norm kernel rounds it before storing, then quantized.
+
+Bit-exactness. The result equals quantizing the output of the unfused Triton norm kernel
+(norm.py) with any exact quantizer (fp4fuse.nvfp4.format.quantize_reference, the Triton
+quantization kernel): this kernel uses the norm kernel's launch configuration
+(``norm_launch_config``: one program per row, same BLOCK and warps), the same loads (so Triton
+gives the row the same register layout) and the same ``tl.sum`` of ``x * x`` over it, i.e. the
+same reduction tree (per-thread partial sums in register order, then the warp and cross-warp
+combines of ``tl.sum`` on that layout), and the shared helpers ``_inv_rms`` / ``_normalize`` for
+the row statistic and the per-element ``(x * inv_rms) * weight``; rows over ``MAX_SINGLE_PASS``
+elements take the same two passes. The quantization is ``QuantDivision.FMA_SAT`` of
+quant.py on the rounded values (the same helpers; every division mode gives the same
+bits). Against the pure-torch composition :func:`fp4fuse.nvfp4.norms.rms_norm_fp4_quant_reference`, the norm output
+itself may differ by one unit in the last place (fp32 sums in another order, see norm.py),
+and Triton's interpreter truncates fp32 -> bf16 where the GPU rounds to nearest.
+
+Global scale. It is an input: the fused op is for static (calibrated) scales. A dynamic scale
+``448 * 6 / amax(norm_out)`` needs the amax of the whole norm output (all-reduced over the
+tensor-parallel group) before the first element can be quantized, so it stays two passes:
+``fp4fuse.kernels.triton.norm.rms_norm_amax_triton`` / ``fused_add_rms_norm_amax_triton`` (the norm kernel that
+also returns ``max |out|``, saving the separate amax read of the output), the all-reduce MAX and
+``global_scale_from_amax``, then ``scaled_fp4_quant`` of the norm output.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import triton
+import triton.language as tl
+
+from fp4fuse.kernels.triton.launch import traceable
+from fp4fuse.kernels.triton.norm import _inv_rms, _normalize_f32, norm_launch_config
+from fp4fuse.kernels.triton.quant import (
+    _INPUT_KIND,
+    _KIND_BF16,
+    _KIND_FP32,
+    _block_scale,
+    _columns,
+    _fma_sat_constants,
+    _magic_codes,
+    _max_nan,
+    _pack_magic_codes,
+    _prmt,
+    _sign_bytes_pairs,
+    _signed_word,
+    _unpack_words,
+    _words_amax,
+)
+from fp4fuse.nvfp4.format import BLOCK_SIZE
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "fused_add_rms_norm_fp4_quant_triton",
+    "rms_norm_fp4_quant_triton",
+]
+
+
+@triton.jit
+def _round_pairs(even, odd, IN_KIND: tl.constexpr, ON_CUDA: tl.constexpr):
+    """fp32 ``(even, odd)`` rounded to x's 16-bit dtype and packed: ``bits(even) | bits(odd) << 16``, int32.
+    CUDA: ``cvt.rn.{bf16,f16}x2.f32``, the conversion Triton uses for the norm kernel's store;
+    elsewhere the same ``.to(dtype)`` as the norm kernel."""
+    if ON_CUDA:
+        if IN_KIND == _KIND_BF16:
+            return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", [odd, even],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", [odd, even],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        dtype = tl.bfloat16 if IN_KIND == _KIND_BF16 else tl.float16
+        lo = even.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        hi = odd.to(dtype).to(tl.int16, bitcast=True).to(tl.int32)
+        return lo | (hi << 16)
+
+
+@triton.jit
+def _per_row(t, NB: tl.constexpr, ROWS: tl.constexpr):
+    """``[NB]`` per-block values -> ``[NB * ROWS]`` (each block's value on each of its rows)."""
+    return tl.reshape(tl.broadcast_to(t[:, None], (NB, ROWS)), (NB * ROWS,))
+
+
+@triton.jit
+def _quant_span(v, row, start, N, gs, q_ptr, s_ptr, SPAN: tl.constexpr, IN_KIND: tl.constexpr,
+                ON_CUDA: tl.constexpr):
+    """Round the normalized fp32 values ``v`` (``[SPAN]``: elements ``start .. start + SPAN`` of row
+    ``row``) to x's dtype and quantize them; blocks at or past N are not stored.
+
+    The span is cut into rows of one thread's 16-byte load (8 elements for 16-bit x, 4 for fp32),
+    so each thread rounds, packs and signs its own elements as the quantization kernel does
+    (``_magic_codes``, ``_pack_magic_codes``, ``_signed_word``) and stores one code word (half word
+    for fp32); the block amax combines the rows of a block, and both threads of a block compute
+    its scale."""
+    NB: tl.constexpr = SPAN // 16
+    blk = tl.arange(0, NB)
+    valid = start + blk * 16 < N
+    if IN_KIND == _KIND_FP32:
+        ROWS: tl.constexpr = 4
+        e = tl.reshape(v, (NB * ROWS, 4))
+        amax = tl.reduce(tl.reshape(tl.reduce(tl.abs(e), 1, _max_nan), (NB, ROWS)), 1, _max_nan)
+    else:
+        ROWS: tl.constexpr = 2
+        even, odd = tl.split(tl.reshape(v, (NB * ROWS, 4, 2)))
+        words = _round_pairs(even, odd, IN_KIND, ON_CUDA)
+        lo, hi = _unpack_words(words, IN_KIND, ON_CUDA)
+        if ON_CUDA:
+            amax_rows = _words_amax(words, IN_KIND)
+        else:
+            amax_rows = tl.reduce(_max_nan(tl.abs(lo), tl.abs(hi)), 1, _max_nan)
+        amax = tl.reduce(tl.reshape(amax_rows, (NB, ROWS)), 1, _max_nan)
+    s_bits, sd = _block_scale(amax, gs, ON_CUDA)
+    tl.store(s_ptr + row * (N // 16) + start // 16 + blk, s_bits, mask=valid)
+
+    gsa, r8, s8n, magic, keep = _fma_sat_constants(_per_row(sd, NB, ROWS), gs, ON_CUDA)
+    r8 = r8[:, None]
+    s8n = s8n[:, None]
+    magic = magic[:, None]
+    r_valid = _per_row(valid, NB, ROWS)
+    r_idx = tl.arange(0, NB * ROWS)
+    if IN_KIND == _KIND_FP32:
+        p0, p1, p2, p3 = _columns(_magic_codes(e, gsa, r8, s8n, magic, ON_CUDA))
+        half = _prmt(p0 + (p1 << 4), p2 + (p3 << 4), 0x0040, ON_CUDA)
+        b0, b1, b2, b3 = _columns(e.to(tl.int32, bitcast=True))
+        half = _signed_word(half, _prmt(b0, b2, 0xFBFB, ON_CUDA), _prmt(b1, b3, 0xFBFB, ON_CUDA), keep)
+        q16 = q_ptr.to(tl.pointer_type(tl.int16))
+        tl.store(q16 + row * (N // 4) + start // 4 + r_idx, half.to(tl.int16), mask=r_valid)
+    else:
+        word = _pack_magic_codes(_magic_codes(lo, gsa, r8, s8n, magic, ON_CUDA),
+                                 _magic_codes(hi, gsa, r8, s8n, magic, ON_CUDA), True, ON_CUDA)
+        even_signs, odd_signs = _sign_bytes_pairs(words, ON_CUDA)
+        word = _signed_word(word, even_signs, odd_signs, keep)
+        tl.store(q_ptr + row * (N // 8) + start // 8 + r_idx, word, mask=r_valid)
+
+
+@triton.jit
+def _norm_quant_kernel(
+    x_ptr, res_ptr, w_ptr, res_out_ptr, gs_ptr, q_ptr, s_ptr, N, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr, IN_KIND: tl.constexpr,
+    ON_CUDA: tl.constexpr,
+):
+    """One program per row; the norm part is norm._rms_norm_kernel's, statement for statement,
+    with the output store replaced by the quantization. q_ptr: int32 code words; s_ptr: uint8
+    scales; IN_KIND: x's dtype (quant._InputKind)."""
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid * N
+    cols = tl.arange(0, BLOCK)
+    gs = tl.load(gs_ptr)
+    if SINGLE_PASS:
+        mask = cols < N
+        x = tl.load(x_ptr + row + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + row + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            tl.store(res_out_ptr + row + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        inv = _inv_rms(tl.sum(xf * xf, axis=0), N, eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        _quant_span(_normalize_f32(xf, inv, w), pid, 0, N, gs, q_ptr, s_ptr, BLOCK, IN_KIND, ON_CUDA)
+    else:
+        sq = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, N, BLOCK):
+            mask = start + cols < N
+            x = tl.load(x_ptr + row + start + cols, mask=mask, other=0.0)
+            if HAS_RESIDUAL:
+                r = tl.load(res_ptr + row + start + cols, mask=mask, other=0.0)
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                tl.store(res_out_ptr + row + start + cols, x, mask=mask)
+            xf = x.to(tl.float32)
+            sq += xf * xf
+        inv = _inv_rms(tl.sum(sq, axis=0), N, eps)
+        # the second pass re-reads this program's own residual_out writes
+        tl.debug_barrier()
+        src_ptr = res_out_ptr if HAS_RESIDUAL else x_ptr
+        for start in range(0, N, BLOCK):
+            mask = start + cols < N
+            xf = tl.load(src_ptr + row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+            _quant_span(_normalize_f32(xf, inv, w), pid, start, N, gs, q_ptr, s_ptr, BLOCK, IN_KIND, ON_CUDA)
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+            global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    t, h = x.shape
+    if h % BLOCK_SIZE:
+        raise ValueError(f"fp4fuse: rms_norm + fp4 quant needs a hidden size divisible by {BLOCK_SIZE}, got {h}")
+    q = torch.empty((t, h // 2), dtype=torch.uint8, device=x.device)
+    s = torch.empty((t, h // BLOCK_SIZE), dtype=torch.float8_e4m3fn, device=x.device)
+    res_out = torch.empty_like(x) if residual is not None else None
+    if t == 0 or h == 0:
+        return q, s, res_out
+    block, single, num_warps = norm_launch_config(h)
+    traceable(_norm_quant_kernel)[(t,)](
+        x, residual if residual is not None else x, weight, res_out if res_out is not None else x,
+        global_scale.reshape(1).to(torch.float32), q.view(torch.int32), s.view(torch.uint8), h, float(eps),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, SINGLE_PASS=single, IN_KIND=int(_INPUT_KIND[x.dtype]),
+        ON_CUDA=x.device.type == "cuda", num_warps=num_warps,
+    )
+    return q, s, res_out
+
+
+def rms_norm_fp4_quant_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, global_scale: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 quantization of RMSNorm of each row of contiguous ``x [T, H]`` (validated by the caller)."""
+    q, s, _ = _launch(x, None, weight, eps, global_scale)
+    return q, s
+
+
+def fused_add_rms_norm_fp4_quant_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, global_scale: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, s, x + residual)``: NVFP4 quantization of the norm of ``x + residual`` (rounded to x's dtype)."""
+    q, s, res_out = _launch(x, residual, weight, eps, global_scale)
+    return q, s, res_out
