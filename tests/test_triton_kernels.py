@@ -334,7 +334,7 @@ def test_cuda_norm_quant_bit_equal_to_unfused(dtype, t, h, misaligned):
     by the Triton quantization kernel, and == the reference quantizer on that norm output, bit for
     bit; residual_out == the reference sum; the norm output within one ulp of the reference."""
     _require_triton_backend()
-    from fp4fuse.kernels.triton import norm as triton_norm, triton_norm_quant
+    from fp4fuse.kernels.triton import norm as triton_norm, norm_quant as triton_norm_quant
     from fp4fuse.kernels.triton.quant import scaled_fp4_quant_triton
     gen = torch.Generator(device="cuda").manual_seed(t * h + misaligned)
     x, r, w = _norm_inputs(t, h, dtype, gen, misaligned)
@@ -363,7 +363,7 @@ def test_cuda_norm_quant_bit_equal_to_unfused(dtype, t, h, misaligned):
 @pytest.mark.parametrize("gs", [float("nan"), float("inf"), 1e36, 1e-36])
 def test_cuda_norm_quant_special_global_scales(gs):
     _require_triton_backend()
-    from fp4fuse.kernels.triton import norm as triton_norm, triton_norm_quant
+    from fp4fuse.kernels.triton import norm as triton_norm, norm_quant as triton_norm_quant
     gen = torch.Generator(device="cuda").manual_seed(11)
     x, r, w = _norm_inputs(65, 2064, torch.bfloat16, gen)
     gs_t = torch.tensor([gs], device="cuda")
