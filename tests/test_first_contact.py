@@ -1,19 +1,98 @@
-"""No warning from fp4fuse's own pattern tracing (what a new user sees first)."""
+"""What a new user sees: log lines when a level is asked for (and only then, and once), and no warning
+from fp4fuse's own pattern tracing."""
 from __future__ import annotations
 
+import logging
+import os
+import subprocess
+import sys
+import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fp4fuse.config import FusionConfig
+from fp4fuse.passes import FusionPass
+from fp4fuse.passes.log_handler import PACKAGE_LOGGER, UnconfiguredStderrHandler
 from fp4fuse.passes.sequence_parallel import SequenceParallelismPass
 from fp4fuse.patterns.base import aot_trace
+from test_fusion_pass import traced
 from test_sp_patterns import three_layers, torch_functional_norm
+
+REPO = Path(__file__).resolve().parent.parent
+SUMMARY = "fp4fuse: replaced 2 patterns: async_tp.all_gather_mm_fp4=1, async_tp.mm_fp4_reduce_scatter=1"
 
 # a 2-rank fake process group (tests/conftest.py): graphs with collectives trace without ranks
 pytestmark = pytest.mark.usefixtures("fake_group")
+
+
+# --------------------------------------------------------------------------- logging
+
+
+@pytest.fixture
+def package_logger():
+    """The ``fp4fuse`` logger, its level and handlers restored afterwards."""
+    logger = logging.getLogger(PACKAGE_LOGGER)
+    level, handlers = logger.level, list(logger.handlers)
+    logger.handlers = [h for h in handlers if not isinstance(h, UnconfiguredStderrHandler)]
+    yield logger
+    logger.setLevel(level)
+    logger.handlers = handlers
+
+
+def _run_pass(config: FusionConfig) -> None:
+    FusionPass(config)(traced().graph)
+
+
+def test_a_level_attaches_one_handler_that_writes_while_logging_is_unconfigured(package_logger, capsys, monkeypatch):
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # as in a script that never configured logging
+    _run_pass(FusionConfig(enable_async_tp=True))
+    assert capsys.readouterr().err == ""  # no level asked for: fp4fuse stays quiet
+    assert not any(isinstance(h, UnconfiguredStderrHandler) for h in package_logger.handlers)
+
+    _run_pass(FusionConfig(enable_async_tp=True, log_level="INFO"))
+    _run_pass(FusionConfig(enable_async_tp=True, log_level="INFO"))
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and all(line.startswith(f"INFO fp4fuse.passes.manager: {SUMMARY}") for line in lines)
+    assert sum(isinstance(h, UnconfiguredStderrHandler) for h in package_logger.handlers) == 1
+
+
+def test_handler_is_silent_once_the_application_configures_logging(package_logger, capsys, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="fp4fuse.passes.manager")  # pytest's handler on the root logger
+    _run_pass(FusionConfig(enable_async_tp=True, log_level="INFO"))
+    assert capsys.readouterr().err == ""
+    assert [r.getMessage() for r in caplog.records if r.name == "fp4fuse.passes.manager"][0].startswith(SUMMARY)
+
+
+def test_environment_level_reaches_stderr_of_a_fresh_interpreter_once():
+    """A fresh interpreter (no pytest handlers): nothing without FP4FUSE_LOG_LEVEL; with it, one line
+    per graph on stderr; after logging.basicConfig still one line per graph (the root handler's)."""
+    script = textwrap.dedent("""
+        import logging, os, sys, torch
+        from fp4fuse.config import FusionConfig
+        from fp4fuse.passes import FusionPass
+        graph = lambda: torch.fx.symbolic_trace(lambda x: x + 1).graph
+        FusionPass(FusionConfig.from_env())(graph())
+        print("--- level set", file=sys.stderr, flush=True)
+        os.environ["FP4FUSE_LOG_LEVEL"] = "info"
+        FusionPass(FusionConfig.from_env())(graph())
+        print("--- logging configured", file=sys.stderr, flush=True)
+        logging.basicConfig(format="root: %(message)s")
+        FusionPass(FusionConfig.from_env())(graph())
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "FP4FUSE_LOG_LEVEL"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    unset, level_set, configured = done.stderr.split("--- ")
+    summary = "fp4fuse: replaced 0 patterns (0 skipped, 0 no-op views removed, 0 op calls lowered to kernels)"
+    assert unset == ""
+    assert level_set.splitlines()[1:] == [f"INFO fp4fuse.passes.manager: {summary}"]
+    assert configured.splitlines()[1:] == [f"root: {summary}"]
 
 
 # --------------------------------------------------------------------------- warnings

@@ -24,7 +24,8 @@ the passes again: the counts then stay as they were.
 
 Logging (logger ``fp4fuse.passes.manager``): one INFO line per call,
 ``fp4fuse: replaced N patterns: key=count, ...``; each skipped match is a DEBUG line from its
-pass's logger (``fp4fuse.passes.<module>``) with the reason.
+pass's logger (``fp4fuse.passes.<module>``) with the reason. ``FusionConfig.log_level`` makes these
+lines visible without configuring ``logging`` (fp4fuse.passes.log_handler).
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ from fp4fuse.config import FusionConfig
 from fp4fuse.passes.async_tp import AsyncTPPass
 from fp4fuse.passes.base import GraphPass, process_group_fingerprint
 from fp4fuse.passes.cleanup import NoOpViewCleanupPass
+from fp4fuse.passes.log_handler import apply_log_level
 from fp4fuse.passes.lowering import KernelLoweringPass
 from fp4fuse.passes.sequence_parallel import SequenceParallelismPass
 from fp4fuse.patterns.base import Skip
@@ -67,7 +69,7 @@ class FusionPass(CustomGraphPass):
     def __init__(self, config: FusionConfig | None = None) -> None:
         self.config = config if config is not None else FusionConfig()
         if self.config.log_level_number is not None:
-            logging.getLogger("fp4fuse").setLevel(self.config.log_level_number)
+            apply_log_level(self.config.log_level_number)
         self.passes: list[GraphPass] = [NoOpViewCleanupPass(self.config)]
         if self.config.enable_sequence_parallelism:
             self.passes.append(SequenceParallelismPass(self.config))
