@@ -1,5 +1,5 @@
-"""What a new user sees: log lines when a level is asked for (and only then, and once), and no warning
-from fp4fuse's own pattern tracing."""
+"""What a new user sees: log lines when a level is asked for (and only then, and once), fusion
+counts of a graph served from the FX graph cache, and no warning from fp4fuse's own tracing."""
 from __future__ import annotations
 
 import logging
@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
+from torch._inductor.utils import fresh_cache
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fp4fuse.config import FusionConfig
@@ -19,7 +21,7 @@ from fp4fuse.passes import FusionPass
 from fp4fuse.passes.log_handler import PACKAGE_LOGGER, UnconfiguredStderrHandler
 from fp4fuse.passes.sequence_parallel import SequenceParallelismPass
 from fp4fuse.patterns.base import aot_trace
-from test_fusion_pass import traced
+from test_fusion_pass import BOTH, ag_mm_rs, real_inputs, traced
 from test_sp_patterns import three_layers, torch_functional_norm
 
 REPO = Path(__file__).resolve().parent.parent
@@ -93,6 +95,51 @@ def test_environment_level_reaches_stderr_of_a_fresh_interpreter_once():
     assert unset == ""
     assert level_set.splitlines()[1:] == [f"INFO fp4fuse.passes.manager: {summary}"]
     assert configured.splitlines()[1:] == [f"root: {summary}"]
+
+
+# --------------------------------------------------------------------------- FX graph cache
+
+
+def _compile_and_run(fusion: FusionPass) -> None:
+    torch._dynamo.reset()
+    compiled = torch.compile(ag_mm_rs, fullgraph=True, options={"post_grad_custom_post_pass": fusion})
+    compiled(*real_inputs())
+
+
+def test_graph_served_from_the_fx_cache_reports_the_counts_recorded_at_compile_time(caplog):
+    caplog.set_level(logging.INFO, logger="fp4fuse.passes.manager")
+    with fresh_cache():
+        first = FusionPass(FusionConfig(enable_async_tp=True))
+        _compile_and_run(first)
+        assert first.calls == 1 and first.match_counts == BOTH and first.cached_graphs == 0
+
+        counters.clear()  # as in a fresh process
+        caplog.clear()
+        second = FusionPass(FusionConfig(enable_async_tp=True))
+        _compile_and_run(second)
+        assert counters["inductor"]["fxgraph_cache_hit"] == 1 and second.calls == 0  # the passes did not run
+        # logged by the end of the compile, before anything reads the counts
+        assert [r.getMessage() for r in caplog.records] == [
+            "fp4fuse: served 1 graph(s) from the FX graph cache (the passes did not run again): 2 fusions "
+            "recorded at compile time: async_tp.all_gather_mm_fp4=1, async_tp.mm_fp4_reduce_scatter=1 "
+            "(0 skipped, 0 no-op views removed, 0 op calls lowered to kernels)"]
+        assert second.match_counts == BOTH and second.fusion_counts == BOTH
+        assert second.cached_match_counts == BOTH and second.cached_graphs == 1
+
+        other = FusionPass(FusionConfig(enable_async_tp=True, min_tokens=10 ** 6))  # another cache key
+        _compile_and_run(other)
+        assert other.calls == 1 and other.cached_graphs == 0 and other.match_counts == {}
+    assert first.cached_graphs == 0  # a hit is counted for the pass that was compiling, not for every pass
+
+
+def test_recording_adds_nothing_to_the_graph():
+    """The counts travel in Inductor's counters, not in the graph: a pass that fuses nothing leaves
+    the graph's code as it was, so a compiled call costs nothing extra."""
+    gm = traced()
+    code = gm.code
+    FusionPass(FusionConfig(lower_kernels=False))(gm.graph)
+    gm.recompile()
+    assert gm.code == code
 
 
 # --------------------------------------------------------------------------- warnings
