@@ -19,12 +19,19 @@ Caching: ``uuid()`` is composed, not scraped: the config's ``hash_key()``, each 
 ``uuid()`` (its name and the source of its module, patterns and ops), and this module's source,
 so Inductor's FX graph cache stays on and never serves a graph compiled under other settings or
 other code. A pass that bakes process-group state into its rewrites (``reads_process_groups``)
-adds this process's rank and group layout. A graph served from the FX graph cache does not run
-the passes again: the counts then stay as they were.
+adds this process's rank and group layout.
 
-Logging (logger ``fp4fuse.passes.manager``): one INFO line per call,
-``fp4fuse: replaced N patterns: key=count, ...``; each skipped match is a DEBUG line from its
-pass's logger (``fp4fuse.passes.<module>``) with the reason.
+A graph served from the FX graph cache does not run the passes again; the counts recorded when it
+was compiled travel with its cache entry (fp4fuse.passes.cache_record) and are added to
+``match_counts`` (and to ``cached_match_counts`` / ``cached_graphs``), so a second run of a
+script reports what fused in the first.
+
+Logging (logger ``fp4fuse.passes.manager``): one INFO line per graph,
+``fp4fuse: replaced N patterns: key=count, ... (...)`` when the passes ran, or
+``fp4fuse: served G graph(s) from the FX graph cache: N fusions recorded at compile time: ...``;
+each skipped match is a DEBUG line from its pass's logger (``fp4fuse.passes.<module>``) with the
+reason. ``FusionConfig.log_level`` makes these lines visible without configuring ``logging``
+(fp4fuse.passes.log_handler).
 """
 from __future__ import annotations
 
@@ -38,19 +45,37 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from fp4fuse.config import FusionConfig
+from fp4fuse.passes import cache_record
 from fp4fuse.passes.async_tp import AsyncTPPass
 from fp4fuse.passes.base import GraphPass, process_group_fingerprint
 from fp4fuse.passes.cleanup import NoOpViewCleanupPass
+from fp4fuse.passes.log_handler import apply_log_level
 from fp4fuse.passes.lowering import KernelLoweringPass
 from fp4fuse.passes.sequence_parallel import SequenceParallelismPass
 from fp4fuse.patterns.base import Skip
 
-__all__ = ["FusionPass"]
+__all__ = ["FusionPass", "is_fusion"]
 
 logger = logging.getLogger(__name__)
 
 # Pattern-key prefixes of the passes that fuse nothing: cleanup and kernel lowering.
-_NOT_FUSIONS = (f"{NoOpViewCleanupPass.name}.", f"{KernelLoweringPass.name}.")
+_CLEANUP = f"{NoOpViewCleanupPass.name}."
+_LOWERING = f"{KernelLoweringPass.name}."
+
+
+def is_fusion(key: str) -> bool:
+    """Whether pattern key ``key`` counts a fusion (not a no-op view removed, not an op lowered)."""
+    return not key.startswith((_CLEANUP, _LOWERING))
+
+
+def _summary(counts: dict[str, int]) -> tuple[int, str, int, int]:
+    """(fusions, ``": key=n, ..."`` of the fusions, no-op views removed, op calls lowered)."""
+    fused = {k: v for k, v in counts.items() if is_fusion(k)}
+    detail = ", ".join(f"{k}={v}" for k, v in sorted(fused.items()))
+    removed = sum(v for k, v in counts.items() if k.startswith(_CLEANUP))
+    lowered = sum(v for k, v in counts.items() if k.startswith(_LOWERING))
+    return sum(fused.values()), f": {detail}" if detail else "", removed, lowered
+
 
 class FusionPass(CustomGraphPass):
     """Runs fp4fuse's passes in order on a post-grad graph; see the module docstring.
@@ -58,16 +83,21 @@ class FusionPass(CustomGraphPass):
     Attributes:
         config: the (normalized) configuration.
         passes: the enabled passes, in the order they run.
-        match_counts: per-pattern counts summed over every call (``"pass.pattern" -> n``).
-        last_match_counts: per-pattern counts of the last call (patterns that fired).
-        last_skips: the matches the last call left alone, with reasons.
-        calls: how many graphs the pipeline has run on.
+        match_counts: per-pattern counts (``"pass.pattern" -> n``) of every graph compiled under
+            this pass: graphs the passes ran on, plus graphs served from the FX graph cache (their
+            counts recorded at compile time).
+        fusion_counts: ``match_counts`` without the passes that fuse nothing (see :func:`is_fusion`).
+        cached_match_counts, cached_graphs: the part of ``match_counts`` served from the FX graph
+            cache, and how many graphs that was.
+        last_match_counts: per-pattern counts of the last graph the passes ran on.
+        last_skips: the matches the last run left alone, with reasons.
+        calls: how many graphs the passes ran on (cache hits not included).
     """
 
     def __init__(self, config: FusionConfig | None = None) -> None:
         self.config = config if config is not None else FusionConfig()
         if self.config.log_level_number is not None:
-            logging.getLogger("fp4fuse").setLevel(self.config.log_level_number)
+            apply_log_level(self.config.log_level_number)
         self.passes: list[GraphPass] = [NoOpViewCleanupPass(self.config)]
         if self.config.enable_sequence_parallelism:
             self.passes.append(SequenceParallelismPass(self.config))
@@ -75,7 +105,9 @@ class FusionPass(CustomGraphPass):
             self.passes.append(AsyncTPPass(self.config))
         if self.config.lower_kernels:
             self.passes.append(KernelLoweringPass(self.config))
-        self.match_counts: collections.Counter[str] = collections.Counter()
+        self._run_counts: collections.Counter[str] = collections.Counter()
+        self._cached_counts: collections.Counter[str] = collections.Counter()
+        self._cached_graphs = 0
         self.last_match_counts: dict[str, int] = {}
         self.last_skips: list[Skip] = []
         self.calls = 0
@@ -83,6 +115,25 @@ class FusionPass(CustomGraphPass):
     @property
     def pass_names(self) -> list[str]:
         return [p.name for p in self.passes]
+
+    @property
+    def match_counts(self) -> collections.Counter[str]:
+        cache_record.close_lookup()
+        return self._run_counts + self._cached_counts
+
+    @property
+    def fusion_counts(self) -> dict[str, int]:
+        return {k: v for k, v in self.match_counts.items() if is_fusion(k)}
+
+    @property
+    def cached_match_counts(self) -> collections.Counter[str]:
+        cache_record.close_lookup()
+        return collections.Counter(self._cached_counts)
+
+    @property
+    def cached_graphs(self) -> int:
+        cache_record.close_lookup()
+        return self._cached_graphs
 
     def __call__(self, graph: fx.Graph) -> None:
         counts: dict[str, int] = {}
@@ -94,17 +145,33 @@ class FusionPass(CustomGraphPass):
         self.calls += 1
         self.last_match_counts = {k: v for k, v in counts.items() if v}
         self.last_skips = skips
-        self.match_counts.update(self.last_match_counts)
-        fused = {k: v for k, v in self.last_match_counts.items() if not k.startswith(_NOT_FUSIONS)}
-        detail = ", ".join(f"{k}={v}" for k, v in sorted(fused.items()))
-        lowered = sum(v for k, v in self.last_match_counts.items() if k.startswith(f"{KernelLoweringPass.name}."))
+        self._run_counts.update(self.last_match_counts)
+        cache_record.record_compiled(self._uuid(), self.last_match_counts, len(skips))
+        fused, detail, removed, lowered = _summary(self.last_match_counts)
         logger.info("fp4fuse: replaced %d patterns%s (%d skipped, %d no-op views removed, %d op calls "
-                    "lowered to kernels)", sum(fused.values()), f": {detail}" if detail else "", len(skips),
-                    sum(self.last_match_counts.values()) - sum(fused.values()) - lowered, lowered)
+                    "lowered to kernels)", fused, detail, len(skips), removed, lowered)
+
+    def served_from_cache(self, record: cache_record.CompileRecord) -> None:
+        """Inductor served ``record.graphs`` graphs compiled under this pass's uuid from the FX
+        graph cache (called by fp4fuse.passes.cache_record): count and log them."""
+        self._cached_graphs += record.graphs
+        self._cached_counts.update(record.counts)
+        fused, detail, removed, lowered = _summary(record.counts)
+        logger.info("fp4fuse: served %d graph(s) from the FX graph cache (the passes did not run again): %d "
+                    "fusions recorded at compile time%s (%d skipped, %d no-op views removed, %d op calls lowered "
+                    "to kernels)", record.graphs, fused, detail, record.skipped, removed, lowered)
 
     def uuid(self) -> str:
         """sha256 over the config's ``hash_key()``, each pass's ``uuid()`` in pipeline order, this
-        module's source and, where a pass needs it, the process-group layout."""
+        module's source and, where a pass needs it, the process-group layout.
+
+        Inductor calls it for every FX-graph-cache lookup: each call opens a cache lookup
+        (fp4fuse.passes.cache_record), so counts of a graph the cache serves reach this pass."""
+        uuid = self._uuid()
+        cache_record.open_lookup(self, uuid)
+        return uuid
+
+    def _uuid(self) -> str:
         hasher = hashlib.sha256(self.config.hash_key().encode())
         for graph_pass in self.passes:
             hasher.update(graph_pass.uuid().encode())

@@ -25,6 +25,7 @@ import enum
 import inspect
 import logging
 import operator
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
@@ -349,12 +350,32 @@ def registration_mode() -> Iterator[FakeTensorMode]:
         yield mode
 
 
+#: Warnings torch raises while fp4fuse traces a pattern or a replacement that are about eager
+#: kernels, not about the traced graph. ``F.rms_norm`` with an input and a weight of different
+#: dtypes (a bf16 model with fp32 norm weights) warns "Mismatch dtype between input and weight ...
+#: Cannot dispatch to fused implementation": eager torch then runs the unfused norm. A traced
+#: pattern dispatches no kernel (Inductor generates the norm's code), so the warning says nothing
+#: about the user's model -- and the user's own ``F.rms_norm`` call still warns where it is made.
+_EAGER_KERNEL_NOTES = ("Mismatch dtype between input and weight",)
+
+
+@contextlib.contextmanager
+def _without_eager_kernel_notes() -> Iterator[None]:
+    with warnings.catch_warnings():
+        for message in _EAGER_KERNEL_NOTES:
+            warnings.filterwarnings("ignore", message=message, category=UserWarning)
+        yield
+
+
 def _with_signature(method: Callable[..., Any], names: list[str]) -> Callable[..., Any]:
     """A plain function of positional parameters ``names`` calling ``method`` (register_replacement
-    reads the argument names from the signature and does not accept every bound method)."""
+    reads the argument names from the signature and does not accept every bound method), traced
+    by the pattern matcher at registration and at every match without the warnings of
+    ``_EAGER_KERNEL_NOTES``."""
 
     def fn(*args: Any) -> Any:
-        return method(*args)
+        with _without_eager_kernel_notes():
+            return method(*args)
 
     fn.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
