@@ -17,11 +17,10 @@ signbit(s)`` (the sign IEEE gives the quotient). Three exact implementations
 
 * ``IEEE_DIV``: ``tl.math.div_rn(y, s)``, then the round-to-nearest-even thresholds of format.py
   on the quotient (a compare tree on the ALU pipe).
-* ``THRESHOLD``: compare ``y`` with ``t * s`` for the seven e2m1 decision points t (same tree).
 * ``FMA_SAT`` (default): nearly all per-element work on the FP32 (FMA) pipe, see below.
 
-Why comparing the *exact* quotient with the decision points is right (``THRESHOLD`` and
-``FMA_SAT`` rely on it): every e4m3 value is ``s = 2**e * d`` with ``d = (8 + m) / 8 < 2``, so for a
+Why comparing the *exact* quotient with the decision points is right (``FMA_SAT``
+relies on it): every e4m3 value is ``s = 2**e * d`` with ``d = (8 + m) / 8 < 2``, so for a
 decision point t, ``t * s`` is exact in fp32, and an fp32 ``y != t * s`` is at least
 ``ulp(y) >= ulp(t) * 2**e`` away from it, i.e. ``|z - t| >= ulp(t) / d > ulp(t) / 2``: the reference's
 rounded quotient ``RN(z)`` lands on t only when ``z == t``. Hence ``e2m1_rne(RN(z))`` equals the
@@ -51,11 +50,10 @@ e2m1 rounding of the exact z, ties (``z == t``) to even, and any evaluation that
    code words; with ``gs = inf`` they are kept only where the code is nonzero (``0 * inf`` is NaN,
    code +0).
 
-Instruction counts (loop body of the sm_90a SASS from Triton 3.6, bf16 input, per element; see
-:func:`quant_sass_counts`): ``THRESHOLD`` 23.9, 17.5 of them on the half-rate ALU pipe
-(compares, selects, logic), so it is ALU-bound at ~35 issue cycles per warp and element;
-``FMA_SAT`` 16.8, 10.7 on the full-rate FMA pipe and 5.3 on the ALU pipe, so it is issue-bound
-at ~17 cycles; ``IEEE_DIV`` 37.5.
+Why ``FMA_SAT`` is fast: nearly all of its per-element work runs on the full-rate FMA pipe, where a
+compare-and-select tree (``IEEE_DIV``, and an earlier threshold-compare mode that failed its GPU
+test and was removed) runs on the half-rate ALU pipe; :func:`quant_sass_counts` counts the SASS
+instructions per element of each mode (numbers: benchmarks/results/).
 
 Verification of ``FMA_SAT`` beyond the tests: with exact fp32 FMA semantics on the CPU, every fp32
 y with ``z`` in [1/16, 8) for all 8 scale mantissas, each with ``r8`` correctly rounded and 1 ulp
@@ -90,8 +88,7 @@ class QuantDivision(enum.IntEnum):
     """How the kernel evaluates ``e2m1_rne((x * gs) / s)``; all are bit-equal to the reference."""
 
     IEEE_DIV = 0
-    THRESHOLD = 1
-    FMA_SAT = 2
+    FMA_SAT = 1
 
 
 class _InputKind(enum.IntEnum):
@@ -102,7 +99,6 @@ class _InputKind(enum.IntEnum):
 
 _KIND_BF16 = tl.constexpr(int(_InputKind.BF16))
 _KIND_FP32 = tl.constexpr(int(_InputKind.FP32))
-_DIV_IEEE = tl.constexpr(int(QuantDivision.IEEE_DIV))
 _DIV_FMA_SAT = tl.constexpr(int(QuantDivision.FMA_SAT))
 
 _INPUT_KIND = {torch.bfloat16: _InputKind.BF16, torch.float16: _InputKind.FP16, torch.float32: _InputKind.FP32}
@@ -266,32 +262,25 @@ def _block_scale(amax, gs, ON_CUDA: tl.constexpr):
 # ------------------------------------------------------------------------------ per element
 
 @triton.jit
-def _e2m1_magnitude(y, s, DIVISION: tl.constexpr):
+def _e2m1_magnitude(y, s):
     """e2m1 magnitude code (0..7, int32) of ``RN(y / s)`` for y >= 0 (inf allowed), s > 0 finite.
 
     Decision points as in format.py: inclusive at 0.75, 1.75, 3.5 (ties go to the even code
     above), strict at 0.25, 1.25, 2.5, 5 (ties go to the even code below). The seven points are
     searched as a binary tree (one compare per code bit): the inclusive ones are exactly the
     upper two levels and the strict ones the leaves, so each level keeps its tie rule."""
-    if DIVISION == _DIV_IEEE:
-        v = tl.math.div_rn(y, s)
-        scale = 1.0
-    else:
-        v = y
-        scale = s
-    bit2 = v >= 1.75 * scale
-    bit1 = v >= tl.where(bit2, 3.5 * scale, 0.75 * scale)
-    leaf_hi = tl.where(bit1, 5.0 * scale, 2.5 * scale)
-    leaf_lo = tl.where(bit1, 1.25 * scale, 0.25 * scale)
-    bit0 = v > tl.where(bit2, leaf_hi, leaf_lo)
+    v = tl.math.div_rn(y, s)
+    bit2 = v >= 1.75
+    bit1 = v >= tl.where(bit2, 3.5, 0.75)
+    bit0 = v > tl.where(bit2, tl.where(bit1, 5.0, 2.5), tl.where(bit1, 1.25, 0.25))
     return (bit2.to(tl.int32) << 2) | (bit1.to(tl.int32) << 1) | bit0.to(tl.int32)
 
 
 @triton.jit
-def _nibbles_tree(x, gsa, s_abs, sign_blk, DIVISION: tl.constexpr):
-    """IEEE_DIV / THRESHOLD: full 4-bit codes (sign included) of the elements x, int32."""
+def _nibbles_tree(x, gsa, s_abs, sign_blk):
+    """IEEE_DIV: full 4-bit codes (sign included) of the elements x, int32."""
     y = tl.abs(x) * gsa
-    mag = _e2m1_magnitude(y, s_abs, DIVISION)
+    mag = _e2m1_magnitude(y, s_abs)
     sign = (_signbit(x) ^ sign_blk) & (y == y).to(tl.int32)  # noqa: PLR0124  (NaN quotient: +0)
     return mag | (sign << 3)
 
@@ -426,10 +415,10 @@ def _code_words(first_a, second_a, first_b, second_b, words_a, words_b, sd, gs,
         dead = (sd == 0.0) | (sd != sd)  # noqa: PLR0124  (zero or NaN scale: all codes 0)
         sign_blk = tl.where(dead, 0, _signbit(gs) ^ _signbit(sd))[:, None]
         s_abs = tl.where(dead, 1.0, tl.abs(sd))[:, None]
-        w0 = _pack_word(_nibbles_tree(first_a, gsa, s_abs, sign_blk, DIVISION),
-                        _nibbles_tree(second_a, gsa, s_abs, sign_blk, DIVISION), PAIRED)
-        w1 = _pack_word(_nibbles_tree(first_b, gsa, s_abs, sign_blk, DIVISION),
-                        _nibbles_tree(second_b, gsa, s_abs, sign_blk, DIVISION), PAIRED)
+        w0 = _pack_word(_nibbles_tree(first_a, gsa, s_abs, sign_blk),
+                        _nibbles_tree(second_a, gsa, s_abs, sign_blk), PAIRED)
+        w1 = _pack_word(_nibbles_tree(first_b, gsa, s_abs, sign_blk),
+                        _nibbles_tree(second_b, gsa, s_abs, sign_blk), PAIRED)
         w0 = tl.where(dead, 0, w0)
         w1 = tl.where(dead, 0, w1)
     return w0, w1
