@@ -37,6 +37,7 @@ __all__ = [
     "amax_group",
     "amax_group_id",
     "group_amax",
+    "quantize_weight",
     "register_amax_group",
 ]
 
@@ -152,6 +153,27 @@ def group_amax(x: torch.Tensor, group_id: int | None) -> torch.Tensor:
         amax = torch.ops._c10d_functional.all_reduce(amax, "max", group_name)
         amax = torch.ops._c10d_functional.wait_tensor(amax)
     return amax
+
+
+def quantize_weight(w: torch.Tensor, amax: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize a weight ``w [..., K]`` (K a multiple of 16) once, with the global scale of ``amax``.
+
+    Returns ``(q, s, gs)``: q uint8 ``[..., K/2]``, s float8_e4m3fn ``[..., K/16]`` (linear),
+    gs fp32 ``[1]`` = ``448 * 6 / amax`` (encode convention; amax 0 -> 1). ``amax`` None uses
+    ``max |w|`` of ``w`` itself; a shard of a larger weight passes the full weight's amax, so every
+    shard is quantized exactly as the same rows / 16-aligned columns of the full weight would be.
+    The one weight quantizer of fp4fuse: ``NVFP4Tensor.from_hp`` and the TP linears call it."""
+    if w.dim() < 1 or w.shape[-1] % nvfp4.BLOCK_SIZE != 0:
+        raise ValueError(f"quantize_weight: the last dim of w must be a multiple of {nvfp4.BLOCK_SIZE}, "
+                         f"got shape {tuple(w.shape)}")
+    if amax is None:
+        amax = group_amax(w, None)
+    gs = nvfp4.global_scale_from_amax(amax.reshape(1))
+    k = w.shape[-1]
+    q, s = torch.ops.fp4fuse.scaled_fp4_quant(w.reshape(-1, k).contiguous(), gs)
+    lead = tuple(w.shape[:-1])
+    return q.reshape(*lead, k // 2), s.reshape(*lead, k // nvfp4.BLOCK_SIZE), gs
 
 
 @dataclasses.dataclass(frozen=True)

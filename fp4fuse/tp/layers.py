@@ -54,16 +54,36 @@ class RMSNorm(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding rows split across the group; each rank looks up its rows (zeros elsewhere) and
-    the partial results are summed with a functional all_reduce (exact: one non-zero term)."""
+    the partial results are summed with a functional all_reduce (exact: one non-zero term).
+
+    Token ids must lie in ``[0, num_embeddings)``, as for ``F.embedding``; ids are replicated, so
+    every rank checks the same ids before the all_reduce and all ranks fail alike. Eager on CPU an
+    id out of range raises ``IndexError`` naming it (``F.embedding``'s error type). Under
+    ``torch.compile`` (also ``fullgraph=True``) and on CUDA the check is ``torch._assert_async``, a
+    graph op with no host sync: a ``RuntimeError`` with the same message on CPU, a device-side
+    assert on CUDA -- what ``F.embedding`` itself raises there (a data-dependent ``IndexError``
+    would need a graph break or a host sync per call)."""
 
     def __init__(self, full_weight: torch.Tensor, group: TPGroup) -> None:
         super().__init__()
         self.weight = nn.Parameter(shard(full_weight, 0, group, "vocab size"), requires_grad=False)
         self.group = group
+        self.num_embeddings = full_weight.shape[0]
         self.vocab_start = group.rank * self.weight.shape[0]
         self.vocab_end = self.vocab_start + self.weight.shape[0]
 
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        valid = (ids >= 0) & (ids < self.num_embeddings)
+        message = f"VocabParallelEmbedding: token ids must be in [0, {self.num_embeddings})"
+        if ids.device.type == "cpu" and not torch.compiler.is_compiling():
+            if not bool(valid.all()):
+                bad = ids[~valid]
+                raise IndexError(f"{message}; got {bad.numel()} out of range, e.g. {int(bad[0])}")
+        else:
+            torch._assert_async(valid.all(), message)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self._check_ids(ids)
         local = (ids >= self.vocab_start) & (ids < self.vocab_end)
         rows = torch.where(local, ids - self.vocab_start, torch.zeros_like(ids))
         out = F.embedding(rows, self.weight)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from fp4fuse.nvfp4 import format as nvfp4
-from fp4fuse.nvfp4.quantizer import group_amax
+from fp4fuse.nvfp4.quantizer import group_amax, quantize_weight
 from fp4fuse.nvfp4.tensor.op_table import OPS, contiguous_strides
 
 __all__ = ["NVFP4Tensor"]
@@ -138,12 +138,8 @@ class NVFP4Tensor(torch.Tensor):
             raise ValueError(f"NVFP4Tensor.from_hp: the last dim must be a multiple of "
                              f"{nvfp4.BLOCK_SIZE}, got shape {tuple(w.shape)}")
         amax = group_amax(w, amax_group)
-        gs = nvfp4.global_scale_from_amax(amax)
-        k = w.shape[-1]
-        q, s = torch.ops.fp4fuse.scaled_fp4_quant(w.reshape(-1, k).contiguous(), gs)
-        lead = tuple(w.shape[:-1])
-        return cls(q.reshape(*lead, k // 2), s.reshape(*lead, k // nvfp4.BLOCK_SIZE), amax,
-                   w.dtype, amax_group)
+        q, s, _ = quantize_weight(w, amax)
+        return cls(q, s, amax, w.dtype, amax_group)
 
     def global_scale(self) -> torch.Tensor:
         """The encode-convention global scale ``448 * 6 / amax``: fp32 ``[1]``."""

@@ -1,0 +1,70 @@
+"""Column- and row-parallel linears in the model's own dtype (no quantization).
+
+The same TP structure as the NVFP4 linears of fp4fuse.tp.linear, with ``F.linear``: the baseline
+that NVFP4 is measured against (``parallelize(..., weight_format=WeightFormat.BF16)``).
+
+* ``ColumnParallelLinear``: ``weight`` ``[N/size, K]`` and ``bias`` ``[N/size]`` (this rank's output
+  rows); input replicated, output this rank's features.
+* ``RowParallelLinear``: ``weight`` ``[N, K/size]`` (this rank's input columns), ``bias`` ``[N]``
+  unsharded; partial products summed with a functional ``all_reduce``, bias added once after it.
+
+Parameters are frozen (``requires_grad=False``): these layers serve inference, as the NVFP4 ones.
+Inputs ``[..., K]`` run as 2-D rows (fp4fuse.tp.rows).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp4fuse.tp.parallel import TPGroup, shard
+from fp4fuse.tp.rows import from_rows, row_parallel_sum, to_rows
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+
+
+def _frozen(t: torch.Tensor | None) -> nn.Parameter | None:
+    return None if t is None else nn.Parameter(t.detach().contiguous(), requires_grad=False)
+
+
+class _ShardedLinear(nn.Module):
+    """``weight`` and ``bias`` already sliced for this rank."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: TPGroup) -> None:
+        super().__init__()
+        self.weight = _frozen(weight)
+        self.bias = _frozen(bias)
+        self.group = group
+        self.out_features, self.in_features = weight.shape
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"tp={self.group.rank}/{self.group.size}")
+
+
+class ColumnParallelLinear(_ShardedLinear):
+    """Output features split across the group: ``y_local = x @ W_local^T + b_local``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows, lead = to_rows(x)
+        return from_rows(F.linear(rows, self.weight, self.bias), lead)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: TPGroup) -> ColumnParallelLinear:
+        """This rank's column-parallel slice of ``linear``."""
+        bias = None if linear.bias is None else shard(linear.bias.detach(), 0, group, "output features")
+        return cls(shard(linear.weight.detach(), 0, group, "output features"), bias, group)
+
+
+class RowParallelLinear(_ShardedLinear):
+    """Input features split across the group: ``y = all_reduce_sum(x_local @ W_local^T) + b``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows, lead = to_rows(x)
+        return row_parallel_sum(F.linear(rows, self.weight), self.group, self.bias, lead)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: TPGroup) -> RowParallelLinear:
+        """This rank's row-parallel slice of ``linear``."""
+        bias = None if linear.bias is None else linear.bias.detach()
+        return cls(shard(linear.weight.detach(), 1, group, "input features"), bias, group)

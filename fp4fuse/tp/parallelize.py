@@ -1,0 +1,155 @@
+"""``parallelize``: put an existing model (e.g. a Hugging Face ``LlamaForCausalLM``) on tensor
+parallelism with NVFP4 (or unquantized) linears, in place.
+
+    import torch.distributed as dist
+    from fp4fuse.tp import parallelize
+    dist.init_process_group("nccl")
+    model = parallelize(AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda())
+    #   every nn.Linear named by model.config.base_model_tp_plan is now a column- or
+    #   row-parallel NVFP4 linear holding this rank's shard
+
+What changes: each planned ``nn.Linear`` is replaced by a column- or row-parallel linear built
+from its weight and bias (fp4fuse.tp.linear for NVFP4, fp4fuse.tp.dense for the model's dtype);
+nothing else is touched. Embeddings, norms and the LM head stay replicated. Attention keeps
+working because Hugging Face attention infers its head count from the projection width
+(``view(*input_shape, -1, head_dim)``): q/k/v hold ``heads / size`` whole heads on each rank, which
+``parallelize`` checks against ``config.num_attention_heads`` / ``num_key_value_heads``.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fp4fuse.nvfp4 import format as nvfp4
+from fp4fuse.tp.dense import ColumnParallelLinear, RowParallelLinear
+from fp4fuse.tp.linear import ColumnParallelNVFP4Linear, RowParallelNVFP4Linear, global_scale_tensor
+from fp4fuse.tp.parallel import TPGroup
+from fp4fuse.tp.plan import ParallelStyle, resolve_plan
+
+__all__ = ["WeightFormat", "parallelize"]
+
+logger = logging.getLogger(__name__)
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class WeightFormat(enum.Enum):
+    """What the parallel linears hold.
+
+    ``NVFP4``: weights quantized once to NVFP4 (full-weight global scale), activations quantized
+    per call (dynamic global scale by default, static from ``activation_scales``), ``mm_fp4``.
+    ``BF16``: unquantized weights in the model's own dtype (bf16 for a bf16 model) and ``F.linear``:
+    the same TP structure, the baseline for NVFP4."""
+
+    NVFP4 = "nvfp4"
+    BF16 = "bf16"
+
+
+_LAYERS = {
+    (WeightFormat.NVFP4, ParallelStyle.COLWISE): ColumnParallelNVFP4Linear,
+    (WeightFormat.NVFP4, ParallelStyle.ROWWISE): RowParallelNVFP4Linear,
+    (WeightFormat.BF16, ParallelStyle.COLWISE): ColumnParallelLinear,
+    (WeightFormat.BF16, ParallelStyle.ROWWISE): RowParallelLinear,
+}
+
+
+def parallelize(model: nn.Module, group: dist.ProcessGroup | None = None, plan: Mapping[str, object] | None = None,
+                *, weight_format: WeightFormat = WeightFormat.NVFP4,
+                activation_scales: Mapping[str, float | torch.Tensor] | None = None) -> nn.Module:
+    """Replace the ``nn.Linear`` modules named by ``plan`` with tensor-parallel linears; return ``model``.
+
+    ``group``: the TP process group (default: the default group); call on every rank of it.
+    ``plan``: ``{module pattern: "colwise" | "rowwise"}`` (fp4fuse.tp.plan; ``*`` matches one name
+    component); default ``model.config.base_model_tp_plan``. Patterns match full module names or
+    names relative to a Hugging Face base model (``layers.*`` finds ``model.layers.*`` in a
+    ``*ForCausalLM``). Column-parallel linears shard output features and bias; row-parallel ones
+    shard input features, all-reduce the output (functional collectives) and add the bias once.
+    Inputs may have any leading dimensions.
+    ``weight_format``: ``WeightFormat.NVFP4`` or ``WeightFormat.BF16`` (see :class:`WeightFormat`).
+    ``activation_scales``: None (dynamic activation scales) or ``{full module name: global scale}``
+    for NVFP4 linears, each an encode-convention scale ``448 * 6 / amax`` (float or one-element
+    tensor; finite, > 0) held by its layer as the buffer ``input_global_scale``: model state, in the
+    state_dict and a tensor input of compiled graphs. Names not in the plan are an error.
+
+    Raises ``ValueError`` naming the module for a dimension that does not split (features not
+    divisible by the TP size; NVFP4 needs 16 | K and 16 | K / size for row-parallel), a head count
+    that does not split, and for any plan the rules of fp4fuse.tp.plan reject.
+    """
+    if not isinstance(weight_format, WeightFormat):
+        raise TypeError(f"parallelize: weight_format must be a WeightFormat, got {weight_format!r}")
+    tp = TPGroup.from_process_group(group)
+    if plan is None:
+        plan = _config_plan(model)
+    styles = resolve_plan(model, plan)
+    scales = _activation_scales(activation_scales, styles, weight_format)
+    _check_heads(model, tp)
+    modules = dict(model.named_modules())
+    for name, style in styles.items():  # every check before the first replacement: errors leave the model as it was
+        _check_dims(name, style, modules[name], tp, weight_format)
+    for name, style in styles.items():
+        linear = modules[name]
+        layer_cls = _LAYERS[weight_format, style]
+        if weight_format is WeightFormat.NVFP4:
+            layer = layer_cls.from_linear(linear, tp, input_global_scale=scales.get(name))
+        else:
+            layer = layer_cls.from_linear(linear, tp)
+        parent, _, child = name.rpartition(".")
+        setattr(modules[parent] if parent else model, child, layer)
+    logger.info("parallelize: %d linears on TP=%d (rank %d, %s): %d column-parallel, %d row-parallel, "
+                "%d static activation scales", len(styles), tp.size, tp.rank, weight_format.value,
+                sum(s is ParallelStyle.COLWISE for s in styles.values()),
+                sum(s is ParallelStyle.ROWWISE for s in styles.values()), len(scales))
+    return model
+
+
+def _config_plan(model: nn.Module) -> Mapping[str, object]:
+    plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
+    if not plan:
+        raise ValueError(f"parallelize: no plan given and {type(model).__name__} has no "
+                         f"config.base_model_tp_plan; pass plan={{'layers.*.q_proj': 'colwise', ...}}")
+    return plan
+
+
+def _activation_scales(scales: Mapping[str, float | torch.Tensor] | None, styles: dict[str, ParallelStyle],
+                       weight_format: WeightFormat) -> dict[str, torch.Tensor]:
+    if not scales:
+        return {}
+    if weight_format is not WeightFormat.NVFP4:
+        raise ValueError(f"parallelize: activation_scales quantize NVFP4 activations; weight_format "
+                         f"{weight_format} has none")
+    unknown = sorted(set(scales) - set(styles))
+    if unknown:
+        raise ValueError(f"parallelize: activation_scales names {unknown}, which the plan does not parallelize; "
+                         f"keys are full module names such as {next(iter(styles))!r}")
+    return {name: global_scale_tensor(value, f"activation_scales[{name!r}]") for name, value in scales.items()}
+
+
+def _check_dims(name: str, style: ParallelStyle, linear: nn.Linear, tp: TPGroup, weight_format: WeightFormat) -> None:
+    def fail(rule: str) -> None:
+        raise ValueError(f"parallelize: {name} ({style.value}, weight {list(linear.weight.shape)}): {rule}")
+
+    split_dim, what = (linear.out_features, "out_features") if style is ParallelStyle.COLWISE else (
+        linear.in_features, "in_features")
+    if split_dim % tp.size:
+        fail(f"{what} = {split_dim} is not divisible by the tensor-parallel size {tp.size}")
+    if weight_format is WeightFormat.NVFP4:
+        if linear.weight.dtype not in _FLOAT_DTYPES:
+            fail(f"NVFP4 needs a bf16, fp16 or fp32 weight, got {linear.weight.dtype}")
+        local_k = linear.in_features // tp.size if style is ParallelStyle.ROWWISE else linear.in_features
+        if local_k % nvfp4.BLOCK_SIZE:
+            fail(f"NVFP4 needs input features per rank ({local_k}) to be a multiple of {nvfp4.BLOCK_SIZE}")
+
+
+def _check_heads(model: nn.Module, tp: TPGroup) -> None:
+    """Column-parallel q/k/v must hold whole heads: HF attention infers heads from the width."""
+    config = getattr(model, "config", None)
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, field, None)
+        if isinstance(heads, int) and heads % tp.size:
+            raise ValueError(f"parallelize: config.{field} = {heads} is not divisible by the tensor-parallel "
+                             f"size {tp.size}; column-parallel attention projections would split a head")

@@ -1,0 +1,89 @@
+"""Hugging Face-style tensor-parallel plans: which ``nn.Linear`` modules split how.
+
+A plan maps module-name patterns to a style::
+
+    {"layers.*.self_attn.q_proj": "colwise", ..., "layers.*.mlp.down_proj": "rowwise"}
+
+``*`` matches one dotted name component (a layer index), the rest matches literally, and a pattern
+names whole modules (``fullmatch``). Patterns are matched against each module's name in the model
+and, for a Hugging Face ``*ForCausalLM`` whose base model sits under a prefix (``model.``), against
+the name relative to that base model, so ``model.config.base_model_tp_plan`` works on the causal-LM
+wrapper as on the base model. ``resolve_plan`` returns full names (as ``model.named_modules()``
+spells them).
+
+Every pattern must match at least one ``nn.Linear`` and nothing else, every module at most one
+style, and the style must be one fp4fuse implements; anything else is a ``ValueError`` naming the
+pattern, the module and the rule (a plan that half applies would shard q but not k and compute
+garbage, not fail).
+"""
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping
+
+from torch import nn
+
+__all__ = ["ParallelStyle", "base_model_prefix", "resolve_plan"]
+
+
+class ParallelStyle(enum.Enum):
+    """How a linear is split: ``COLWISE`` shards output features (and bias); ``ROWWISE`` shards
+    input features and all-reduces the output (bias added once)."""
+
+    COLWISE = "colwise"
+    ROWWISE = "rowwise"
+
+
+def _style(value: object, pattern: str, module: str) -> ParallelStyle:
+    if isinstance(value, ParallelStyle):
+        return value
+    try:
+        return ParallelStyle(value)
+    except ValueError:
+        supported = ", ".join(repr(s.value) for s in ParallelStyle)
+        raise ValueError(f"parallelize: plan entry {pattern!r} gives module {module!r} the style {value!r}; "
+                         f"fp4fuse supports {supported}") from None
+
+
+def _regex(pattern: str) -> re.Pattern[str]:
+    return re.compile(r"[^.]+".join(re.escape(part) for part in pattern.split("*")))
+
+
+def base_model_prefix(model: nn.Module) -> str:
+    """The dotted prefix of a Hugging Face model's base model (``"model."`` for a
+    ``LlamaForCausalLM``), or ``""`` when ``model`` is its own base model or no HF model."""
+    base = getattr(model, "base_model", model)
+    if base is model or not isinstance(base, nn.Module):
+        return ""
+    for name, module in model.named_modules():
+        if module is base:
+            return f"{name}."
+    return ""
+
+
+def resolve_plan(model: nn.Module, plan: Mapping[str, object]) -> dict[str, ParallelStyle]:
+    """``{full module name: style}`` for every ``nn.Linear`` that ``plan`` names, in module order."""
+    if not isinstance(plan, Mapping) or not plan:
+        raise ValueError(f"parallelize: the plan must be a non-empty mapping of module patterns to styles, got {plan!r}")
+    prefix = base_model_prefix(model)
+    modules = dict(model.named_modules())
+    matched: dict[str, tuple[str, ParallelStyle]] = {}
+    for pattern, value in plan.items():
+        regex = _regex(pattern)
+        names = [n for n in modules if regex.fullmatch(n) or (prefix and n.startswith(prefix)
+                                                             and regex.fullmatch(n[len(prefix):]))]
+        if not names:
+            where = f" or under the base model prefix {prefix!r}" if prefix else ""
+            raise ValueError(f"parallelize: plan entry {pattern!r} matches no module of {type(model).__name__}"
+                             f"{where}")
+        for name in names:
+            style = _style(value, pattern, name)
+            if not isinstance(modules[name], nn.Linear):
+                raise ValueError(f"parallelize: plan entry {pattern!r} names {name!r}, a "
+                                 f"{type(modules[name]).__name__}; only nn.Linear modules can be split")
+            if name in matched and matched[name][1] is not style:
+                raise ValueError(f"parallelize: module {name!r} is {matched[name][1].value} by plan entry "
+                                 f"{matched[name][0]!r} and {style.value} by {pattern!r}")
+            matched[name] = (pattern, style)
+    return {name: matched[name][1] for name in modules if name in matched}

@@ -1,0 +1,125 @@
+"""Tiny Hugging Face models with random weights, and an NVFP4 reference of them in float64, for the
+parallelize and checkpoint tests (which import transformers; the helpers here import it lazily so
+that a module collecting without transformers can skip).
+
+Model: 2 layers, hidden 96, intermediate 160, 6 heads of 16 (2 KV heads), vocab 100: every split
+at TP=2 is whole heads and 16-aligned, and no size is a power of two. ``initializer_range`` 0.1 (HF's
+0.02 gives logits too small to compare relatively); Qwen2's q/k/v biases are drawn N(0, 0.5) so
+that they matter.
+
+Reference: the same HF model in float64 whose planned linears are replaced by
+:class:`FakeQuantLinear`: the weight as NVFP4 decodes it (given in float64), the input quantized and
+decoded with the format table (nvfp4_spec) -- a static global scale, or a dynamic one from the
+amax of each of ``chunks`` column blocks (a row-parallel layer at TP=``chunks`` quantizes each rank's
+slice with its own amax) -- products in float64, bias added after the sum.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+import nvfp4_spec as spec
+
+LAYERS = 2
+VOCAB = 100
+COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def build(kind: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
+    """A ``LlamaForCausalLM`` (``kind="llama"``) or ``Qwen2ForCausalLM`` (``"qwen2"``), eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    sizes = dict(vocab_size=VOCAB, hidden_size=96, intermediate_size=160, num_hidden_layers=LAYERS,
+                 num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1)
+    torch.manual_seed(seed)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**sizes))
+    elif kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**sizes))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0.0, 0.5)
+    else:
+        raise ValueError(f"unknown model kind {kind!r}")
+    return model.to(dtype).eval()
+
+
+def planned(prefix: str = "model.") -> dict[str, int]:
+    """``{full module name: chunks}`` of the planned linears, written from the HF plan by hand:
+    1 for column-parallel, 0 for row-parallel (the caller substitutes the TP size)."""
+    names = {}
+    for i in range(LAYERS):
+        names.update({f"{prefix}layers.{i}.{n}": 1 for n in COLWISE})
+        names.update({f"{prefix}layers.{i}.{n}": 0 for n in ROWWISE})
+    return names
+
+
+def token_ids(batch: int, seq: int = 7, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def calibrate(model: nn.Module, ids: torch.Tensor) -> dict[str, float]:
+    """Static activation scales ``448 * 6 / amax`` of every planned linear's input on ``ids``."""
+    amax: dict[str, float] = {}
+    hooks = [model.get_submodule(name).register_forward_pre_hook(
+        lambda _m, args, name=name: amax.__setitem__(name, max(amax.get(name, 0.0), float(args[0].abs().max()))))
+        for name in planned()]
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    return {name: float(spec.encode_gs(a)) for name, a in amax.items()}
+
+
+def fake_quantized_weight(linear: nn.Linear) -> torch.Tensor:
+    """``linear.weight`` quantized with its own amax and decoded (float64)."""
+    w = linear.weight.detach()
+    return spec.fake_quantize(w.float(), spec.encode_gs(w.double().abs().max()))
+
+
+class FakeQuantLinear(nn.Module):
+    """float64 NVFP4 reference of a linear: ``sum_c q(x_c) @ w_c^T + b`` (see the module docstring)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, input_scale: float | None, chunks: int) -> None:
+        super().__init__()
+        self.weight, self.bias = weight.double(), None if bias is None else bias.detach().double()
+        self.input_scale, self.chunks = input_scale, chunks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        k = rows.shape[1] // self.chunks
+        out = torch.zeros(rows.shape[0], self.weight.shape[0], dtype=torch.float64)
+        for c in range(self.chunks):
+            xc = rows[:, c * k:(c + 1) * k]
+            gs = self.input_scale if self.input_scale is not None else spec.encode_gs(xc.float().abs().max())
+            out += spec.fake_quantize(xc, gs) @ self.weight[:, c * k:(c + 1) * k].t()
+        if self.bias is not None:
+            out += self.bias
+        return out.reshape(*x.shape[:-1], -1)
+
+
+def nvfp4_reference(model: nn.Module, weights: dict[str, torch.Tensor], input_scales: dict[str, float] | None,
+                    tp: int) -> nn.Module:
+    """A float64 copy of ``model`` whose planned linears are :class:`FakeQuantLinear` with the
+    given decoded ``weights``; static ``input_scales`` or (None) dynamic scales per TP slice."""
+    ref = copy.deepcopy(model).double()
+    for name, chunks in planned().items():
+        linear = ref.get_submodule(name)
+        static = None if input_scales is None else input_scales[name]
+        parent, _, child = name.rpartition(".")
+        setattr(ref.get_submodule(parent), child,
+                FakeQuantLinear(weights[name], linear.bias, static, 1 if static is not None else chunks or tp))
+    return ref
+
+
+def logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits.double()
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` (Frobenius, float64)."""
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
