@@ -31,8 +31,8 @@ from collections.abc import Mapping
 from typing import Any, TypeVar, overload
 
 __all__ = [
-    "ENV_VARS", "RUNTIME_ENV_VARS", "FusionConfig", "env_bool", "env_choice", "env_int", "env_log_level",
-    "rank_uniform_env",
+    "ENV_VARS", "RUNTIME_ENV_VARS", "FusionConfig", "RankCheck", "env_bool", "env_choice", "env_int",
+    "env_log_level", "rank_uniform_env",
 ]
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -44,11 +44,29 @@ ENV_VARS: dict[str, str] = {
     "enable_bf16_async_tp": "FP4FUSE_ENABLE_BF16_ASYNC_TP",
     "min_tokens": "FP4FUSE_MIN_TOKENS",
     "lower_kernels": "FP4FUSE_LOWER_KERNELS",
+    "rank_check": "FP4FUSE_RANK_CHECK",
     "log_level": "FP4FUSE_LOG_LEVEL",
 }
 
 # Fields that do not change any compiled graph (left out of hash_key()).
 _NON_GRAPH_FIELDS = frozenset({"log_level"})
+
+
+class RankCheck(enum.Enum):
+    """When a compiled graph compares, across the tensor-parallel group, the model state its
+    sequence-parallel rewrites rely on being the same on every rank (norm weights, static global
+    scales: parameters and buffers); see ``fp4fuse.distributed.rank_check``.
+
+    ``FIRST``: on the first call of the compiled graph (and again for other model-state objects);
+    per-call graph inputs (activations) are not trusted, so rewrites that need them uniform are
+    skipped. ``ALWAYS``: on every call, per-call graph inputs included, which the rewrites may then
+    rely on. ``OFF``: no check; model state is trusted as replicated (the user's promise),
+    per-call graph inputs are not.
+    """
+
+    FIRST = "first"
+    ALWAYS = "always"
+    OFF = "off"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +89,8 @@ class FusionConfig:
         lower_kernels: replace fp4fuse's op calls on CUDA by the Triton launches they run, so the
             compiled graph launches kernels without a Python op call per kernel
             (KernelLoweringPass, the last pass; on by default, also when no fusion is enabled).
+        rank_check: when compiled graphs verify that the model state their rewrites rely on is
+            the same on every rank (:class:`RankCheck`, or its string value; default ``first``).
         log_level: if set, the level given to the ``fp4fuse`` logger when a ``FusionPass`` is
             built (``"DEBUG"`` shows every skipped match and its reason). ``None`` leaves logging
             configuration alone. Not part of ``hash_key()``.
@@ -81,6 +101,7 @@ class FusionConfig:
     enable_bf16_async_tp: bool = False
     min_tokens: int = 0
     lower_kernels: bool = True
+    rank_check: RankCheck = RankCheck.FIRST
     log_level: str | None = None
 
     def __post_init__(self) -> None:
@@ -91,6 +112,13 @@ class FusionConfig:
             raise TypeError(f"FusionConfig.min_tokens must be an int, got {self.min_tokens!r}")
         if self.min_tokens < 0:
             raise ValueError(f"FusionConfig.min_tokens must be >= 0, got {self.min_tokens}")
+        if not isinstance(self.rank_check, RankCheck):
+            allowed = ", ".join(m.value for m in RankCheck)
+            try:
+                object.__setattr__(self, "rank_check", RankCheck(str(self.rank_check).lower()))
+            except ValueError:
+                raise ValueError(f"FusionConfig.rank_check must be a RankCheck or one of {allowed}, "
+                                 f"got {self.rank_check!r}") from None
         if self.log_level is not None:
             level = str(self.log_level).upper()
             if level not in _LOG_LEVELS:
@@ -107,7 +135,8 @@ class FusionConfig:
         return None if self.log_level is None else logging.getLevelName(self.log_level)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field; enums as their values (JSON-ready)."""
+        return {k: v.value if isinstance(v, enum.Enum) else v for k, v in dataclasses.asdict(self).items()}
 
     def to_json(self) -> str:
         """All fields, sorted keys, no whitespace: stable across processes and Python versions."""
@@ -124,9 +153,9 @@ class FusionConfig:
         """Build a config from ``FP4FUSE_*`` variables (see ``ENV_VARS``); unset ones keep defaults.
 
         Booleans accept 1/0, true/false, yes/no, on/off (any case); ``FP4FUSE_MIN_TOKENS`` an
-        integer >= 0; ``FP4FUSE_LOG_LEVEL`` a logging level name. An invalid value raises
-        ``ValueError`` naming the variable and the accepted values. Keyword ``overrides`` win
-        over the environment.
+        integer >= 0; ``FP4FUSE_RANK_CHECK`` one of first, always, off; ``FP4FUSE_LOG_LEVEL`` a
+        logging level name. An invalid value raises ``ValueError`` naming the variable and the
+        accepted values. Keyword ``overrides`` win over the environment.
         """
         values: dict[str, Any] = {}
         for field, var in ENV_VARS.items():
@@ -134,6 +163,8 @@ class FusionConfig:
                 continue
             if field == "min_tokens":
                 values[field] = env_int(var, 0, environ=environ)
+            elif field == "rank_check":
+                values[field] = env_choice(var, RankCheck, RankCheck.FIRST, environ=environ)
             elif field == "log_level":
                 values[field] = env_log_level(var, environ=environ)
             else:

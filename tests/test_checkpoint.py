@@ -228,16 +228,19 @@ def test_bad_checkpoints_are_clear_errors(tmp_path, overrides, error):
         load_checkpoint(_Tiny(), _tiny_file(tmp_path, **overrides))
 
 
-def test_a_linear_loads_its_payload_bitwise(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_linear_loads_its_payload_bitwise(tmp_path, device):
     path = _tiny_file(tmp_path)
     stored = _read_all(path)
-    model = _Tiny()
-    report = load_checkpoint(model, path)
+    with torch.device(device):
+        model = _Tiny()
+    report = load_checkpoint(model, path)   # tensors on meta are replaced, on CPU
     assert report.nvfp4_linears == ["proj"] and report.static_input_scales == ["proj"] and report.tensors == ["norm.weight"]
     assert torch.equal(model.proj.weight_q, stored["proj.weight_packed"])
     assert torch.equal(model.proj.weight_scale.view(torch.uint8), stored["proj.weight_scale"].view(torch.uint8))
     assert torch.equal(model.proj.weight_global_scale, stored["proj.weight_global_scale"])
     assert torch.equal(model.proj.input_global_scale, torch.tensor([50.0]))
+    assert torch.equal(model.norm.weight, stored["norm.weight"]) and model.norm.weight.device.type == "cpu"
 
 
 @pytest.mark.parametrize("ratios, exact", [((1.0, 1.0, 1.0), True), ((1.0, 4.0, 2.0), True), ((1.0, 1.7, 1.3), False)],

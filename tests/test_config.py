@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from fp4fuse.config import ENV_VARS, FusionConfig
+from fp4fuse.config import ENV_VARS, FusionConfig, RankCheck
 
 
 def test_defaults_run_no_fusion():
@@ -103,9 +103,22 @@ def test_hash_key_stable_and_distinct():
     )}
     assert len(keys) == 6
     assert a.to_json() == ('{"enable_async_tp":true,"enable_bf16_async_tp":false,'
-                           '"enable_sequence_parallelism":true,"log_level":null,"lower_kernels":true,"min_tokens":64}')
+                           '"enable_sequence_parallelism":true,"log_level":null,"lower_kernels":true,'
+                           '"min_tokens":64,"rank_check":"first"}')
 
 
 def test_lower_kernels_defaults_on_and_reads_the_env():
     assert FusionConfig().lower_kernels and FusionConfig.from_env({}).lower_kernels
     assert not FusionConfig.from_env({"FP4FUSE_LOWER_KERNELS": "off"}).lower_kernels
+
+
+def test_rank_check_mode():
+    assert FusionConfig().rank_check is RankCheck.FIRST
+    assert FusionConfig(rank_check="Always").rank_check is RankCheck.ALWAYS
+    assert FusionConfig.from_env({"FP4FUSE_RANK_CHECK": "off"}).rank_check is RankCheck.OFF
+    keys = {FusionConfig(rank_check=m).hash_key() for m in RankCheck}
+    assert len(keys) == len(RankCheck)  # each mode compiles a different graph
+    with pytest.raises(ValueError, match="rank_check must be a RankCheck or one of first, always, off"):
+        FusionConfig(rank_check="sometimes")
+    with pytest.raises(ValueError, match="FP4FUSE_RANK_CHECK='never' is not valid; accepted values: first, always, off"):
+        FusionConfig.from_env({"FP4FUSE_RANK_CHECK": "never"})

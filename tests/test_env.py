@@ -9,7 +9,7 @@ from typing import Any, Callable
 import pytest
 
 import fp4fuse
-from fp4fuse.config import ENV_VARS, RUNTIME_ENV_VARS, FusionConfig
+from fp4fuse.config import ENV_VARS, RUNTIME_ENV_VARS, FusionConfig, RankCheck
 from fp4fuse.distributed import groups
 from fp4fuse.distributed.symm_mem import policy, workspace
 from fp4fuse.ops import backend
@@ -25,6 +25,7 @@ READERS: dict[str, tuple[Callable[[], Any], Any]] = {
     "FP4FUSE_MIN_TOKENS": (lambda: FusionConfig.from_env().min_tokens, 0),
     "FP4FUSE_LOG_LEVEL": (lambda: FusionConfig.from_env().log_level, None),
     "FP4FUSE_LOWER_KERNELS": (lambda: FusionConfig.from_env().lower_kernels, True),
+    "FP4FUSE_RANK_CHECK": (lambda: FusionConfig.from_env().rank_check, RankCheck.FIRST),
     "FP4FUSE_OVERLAP_MIN_ROWS": (lambda: policy.overlap_min_rows(policy.CollectiveGemmKind.ALL_GATHER_MATMUL, 2),
                                  policy.DEFAULT_ALL_GATHER_MIN_ROWS),
     "FP4FUSE_DISABLE_OVERLAP": (policy.overlap_disabled, False),
@@ -43,6 +44,7 @@ BAD_VALUES: dict[str, list[tuple[str, tuple[str, ...]]]] = {
     "FP4FUSE_MIN_TOKENS": [("-3", ("an integer >= 0",)), ("1e3", ("an integer >= 0",))],
     "FP4FUSE_LOG_LEVEL": [("verbose", ("DEBUG, INFO, WARNING, ERROR, CRITICAL",))],
     "FP4FUSE_LOWER_KERNELS": [("sometimes", BOOL_ACCEPTED)],
+    "FP4FUSE_RANK_CHECK": [("never", ("first, always, off",))],
     "FP4FUSE_OVERLAP_MIN_ROWS": [("abc", ("an integer >= 0",)), ("-1", ("an integer >= 0",)),
                                  ("2.5", ("an integer >= 0",))],
     "FP4FUSE_DISABLE_OVERLAP": [("abc", BOOL_ACCEPTED), ("-1", BOOL_ACCEPTED)],

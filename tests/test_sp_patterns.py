@@ -3,11 +3,14 @@ the ops before and after, and the logged reason for every match left alone.
 
 Graphs are traced with ``fp4fuse.patterns.base.aot_trace`` (AOT autograd + Inductor decompositions, the
 form of a post-grad graph); ``test_patterns_match_inductor_post_grad_graphs`` checks that the
-same patterns match graphs Inductor itself hands to a post-grad pass.
+same patterns match graphs Inductor itself hands to a post-grad pass. A traced graph's inputs are
+all per-call inputs unless a test marks some as model state (``state=``: AOT autograd's parameter
+descriptor, as graphs of modules carry it), which is what the rank-uniformity proofs trust.
 """
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 
 import pytest
@@ -19,8 +22,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 import fp4fuse  # noqa: F401  (registers torch.ops.fp4fuse.*)
+from torch._functorch._aot_autograd.descriptors import BufferAOTInput, ParamAOTInput
+
 from fp4fuse.nvfp4.quantizer import NVFP4Quantizer, register_amax_group
-from fp4fuse.config import FusionConfig
+from fp4fuse.config import FusionConfig, RankCheck
 from fp4fuse.ops import sp_ops  # noqa: F401  (registers fp4fuse::shard_rows)
 from fp4fuse.passes.sequence_parallel import SequenceParallelismPass
 from fp4fuse.patterns.base import aot_trace
@@ -42,6 +47,12 @@ pytestmark = pytest.mark.usefixtures("fake_group")
 def sp_pass() -> SequenceParallelismPass:
     """One pass for the module: patterns are registered once per group and family."""
     return SequenceParallelismPass(FusionConfig(enable_sequence_parallelism=True))
+
+
+@pytest.fixture(scope="module")
+def always_pass() -> SequenceParallelismPass:
+    """rank_check='always': per-call graph inputs are verified on every call, so they may be relied on."""
+    return SequenceParallelismPass(FusionConfig(enable_sequence_parallelism=True, rank_check="always"))
 
 
 def group() -> str:
@@ -96,6 +107,11 @@ def static_quant(x):
     return fp4.scaled_fp4_quant(x, torch.full((1,), 3.0, device=x.device))
 
 
+def rows_quant(x):
+    """A linear's view of ``[..., K]``: ``[tokens, K]`` rows, quantized with a constant scale."""
+    return static_quant(x.reshape(-1, x.shape[-1]))
+
+
 def three_layers(norm, quant=static_quant, **norm_kwargs):
     """embedding all_reduce -> first norm -> quant; o_proj all_reduce -> middle norm -> quant;
     down all_reduce -> last norm (bf16). The quantized activations feed the next "GEMM" input."""
@@ -109,15 +125,39 @@ def three_layers(norm, quant=static_quant, **norm_kwargs):
     return fn
 
 
-def trace(fn, shapes, dtype=BF16, mode: FakeTensorMode | None = None) -> torch.fx.GraphModule:
+def as_model_state(gm: torch.fx.GraphModule, state: dict[int, str]) -> torch.fx.GraphModule:
+    """Mark inputs ``position -> name`` as parameters (``*.weight``) or buffers (anything else),
+    the way AOT autograd describes the inputs of a module's graph."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    for position, name in state.items():
+        desc = ParamAOTInput if name.endswith("weight") else BufferAOTInput
+        placeholders[position].meta["desc"] = desc(name)
+    return gm
+
+
+def trace(fn, shapes, dtype=BF16, mode: FakeTensorMode | None = None,
+          state: dict[int, str] | None = None, fp32: tuple[int, ...] = ()) -> torch.fx.GraphModule:
+    """``fn`` traced on fake inputs of ``shapes`` (``dtype``; float32 at positions ``fp32``)."""
     mode = mode or FakeTensorMode()
     with mode:
-        args = [torch.empty(s, dtype=dtype) for s in shapes]
-    return aot_trace(fn, args)
+        args = [torch.empty(s, dtype=torch.float32 if i in fp32 else dtype) for i, s in enumerate(shapes)]
+    return as_model_state(aot_trace(fn, args), state or {})
 
 
-def layer_shapes(tokens: int = 8):
-    return [(tokens, H)] * 3 + [(H,)] * 3
+#: the norm weights of ``three_layers`` (arguments 3-5) as the parameters of a model
+NORM_WEIGHTS = {3: "layers.0.input_norm.weight", 4: "layers.0.post_norm.weight", 5: "norm.weight"}
+
+
+def layer_shapes(tokens: int = 8, lead: tuple[int, ...] = ()):
+    return [(*lead, tokens, H)] * 3 + [(H,)] * 3
+
+
+def fake_value_of_output(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
+    return [n.meta["val"] for n in gm.graph.find_nodes(op="output")[0].args[0]]
+
+
+def rank_checks(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return gm.graph.find_nodes(op="call_function", target=fp4.check_rank_uniform.default)
 
 
 def ops(gm: torch.fx.GraphModule) -> collections.Counter:
@@ -143,7 +183,7 @@ def counts(sp: SequenceParallelismPass) -> dict[str, int]:
 
 
 def test_fp4fuse_norms_first_middle_last_static_scale(sp_pass):
-    gm = trace(three_layers(fp4fuse_norm), layer_shapes())
+    gm = trace(three_layers(fp4fuse_norm), layer_shapes(), state=NORM_WEIGHTS)
     before = ops(gm)
     assert before[fc.all_reduce.default] == 3 and before[fc.all_gather_into_tensor.default] == 0
 
@@ -161,7 +201,7 @@ def test_fp4fuse_norms_first_middle_last_static_scale(sp_pass):
 
 
 def test_quantize_happens_before_the_gather(sp_pass):
-    gm = trace(three_layers(fp4fuse_norm), layer_shapes(tokens=8))
+    gm = trace(three_layers(fp4fuse_norm), layer_shapes(tokens=8), state=NORM_WEIGHTS)
     run(sp_pass, gm)
     for quant in gm.graph.find_nodes(op="call_function", target=fp4.scaled_fp4_quant.default):
         assert quant.meta["val"][0].shape == (4, H // 2)  # 8 tokens over 2 ranks: quantizes a shard
@@ -176,20 +216,20 @@ def test_quantize_happens_before_the_gather(sp_pass):
 @pytest.mark.parametrize("form", ["torch_functional", "torch_manual", "torch_fp32"])
 @pytest.mark.parametrize("residual_first", [False, True])
 def test_torch_norm_forms(sp_pass, form, residual_first):
-    gm = trace(three_layers(NORMS[form], residual_first=residual_first), layer_shapes())
+    gm = trace(three_layers(NORMS[form], residual_first=residual_first), layer_shapes(), state=NORM_WEIGHTS)
     assert run(sp_pass, gm) == 5
     assert counts(sp_pass) == {f"first.{form}": 1, f"middle.{form}": 1, f"last.{form}": 1, "quant_before_gather": 2}
     assert ops(gm)[fc.all_reduce.default] == 0
 
 
 def test_torch_norm_fp32_activations(sp_pass):
-    gm = trace(three_layers(torch_functional_norm), layer_shapes(), dtype=torch.float32)
+    gm = trace(three_layers(torch_functional_norm), layer_shapes(), state=NORM_WEIGHTS, dtype=torch.float32)
     assert run(sp_pass, gm) == 5
     assert counts(sp_pass)["middle.torch_functional"] == 1
 
 
 def test_any_epsilon_and_it_is_kept(sp_pass):
-    gm = trace(three_layers(fp4fuse_norm, eps=3e-4), layer_shapes())
+    gm = trace(three_layers(fp4fuse_norm, eps=3e-4), layer_shapes(), state=NORM_WEIGHTS)
     run(sp_pass, gm)
     norms = gm.graph.find_nodes(op="call_function", target=fp4.fused_add_rms_norm.default)
     assert len(norms) == 2 and {n.args[3] for n in norms} == {3e-4}
@@ -197,7 +237,7 @@ def test_any_epsilon_and_it_is_kept(sp_pass):
 
 def test_dynamic_scale_gets_a_group_amax(sp_pass):
     quant = NVFP4Quantizer().quantize
-    gm = trace(three_layers(fp4fuse_norm, quant=quant), layer_shapes())
+    gm = trace(three_layers(fp4fuse_norm, quant=quant), layer_shapes(), state=NORM_WEIGHTS)
     assert reduce_ops(gm) == ["sum"] * 3
     run(sp_pass, gm)
     assert counts(sp_pass) == {"first.fp4fuse": 1, "middle.fp4fuse": 1, "last.fp4fuse": 1,
@@ -215,24 +255,108 @@ def test_dynamic_scale_gets_a_group_amax(sp_pass):
 def test_dynamic_scale_with_amax_group(sp_pass):
     group_id = register_amax_group()
     quant = NVFP4Quantizer(amax_group=group_id).quantize
-    gm = trace(three_layers(fp4fuse_norm, quant=quant), layer_shapes())
+    gm = trace(three_layers(fp4fuse_norm, quant=quant), layer_shapes(), state=NORM_WEIGHTS)
     run(sp_pass, gm)
     assert counts(sp_pass)["quant_before_gather.dynamic_scale"] == 2
     # the quantizer's own all-reduce MAX stays (now over identical values); the SP one is added
     assert sorted(reduce_ops(gm)) == ["max"] * 4
 
 
-def test_residual_from_a_graph_input_is_sharded_at_run_time(sp_pass):
-    def fn(x, residual, w, w2):
-        out, total = fp4fuse_norm(all_reduce(x), w, residual)
-        return out, total
-    gm = trace(fn, [(8, H), (8, H), (H,), (H,)])
-    run(sp_pass, gm)
-    assert counts(sp_pass) == {"middle.fp4fuse": 1}
+def residual_from_input(x, residual, w):
+    out, total = fp4fuse_norm(all_reduce(x), w, residual)
+    return out, total
+
+
+def test_residual_from_a_graph_input_is_trusted_only_when_checked_every_call(sp_pass, always_pass, caplog):
+    """A residual passed to the graph (e.g. after a graph break) changes every call: the default
+    mode leaves the norm alone, ``always`` shards it and verifies the residual on every call."""
+    caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
+    gm = trace(residual_from_input, [(8, H), (8, H), (H,)], state={2: "norm.weight"})
+    assert run(sp_pass, gm) == 0 and rank_checks(gm) == []
+    assert_skipped(sp_pass, caplog, "the residual arg1_1 may differ across ranks: it depends on arg1_1, a per-call "
+                   "graph input", "middle.fp4fuse")
+
+    gm = trace(residual_from_input, [(8, H), (8, H), (H,)], state={2: "norm.weight"})
+    run(always_pass, gm)
+    assert counts(always_pass) == {"middle.fp4fuse": 1}
+    x, residual, weight = gm.graph.find_nodes(op="placeholder")
     shards = gm.graph.find_nodes(op="call_function", target=fp4.shard_rows.default)
-    assert len(shards) == 1 and shards[0].args == (gm.graph.find_nodes(op="placeholder")[1], group())
+    assert len(shards) == 1 and shards[0].args == (residual, group())
     # nothing rank-specific was baked in: no slice of the residual by a constant offset
     assert not gm.graph.find_nodes(op="call_function", target=aten.slice.Tensor)
+    (check,) = rank_checks(gm)
+    assert check.args[:2] == ([weight], [residual])  # model state on the first call, the residual every call
+    assert check.args[2].split("\n") == ["arg2_1 (norm.weight)", "arg1_1"] and check.args[3] == group()
+    assert check.prev is residual or check.prev.op == "placeholder"  # right after the inputs
+    assert [s.labels for s in always_pass.rank_checks] == [["arg2_1 (norm.weight)", "arg1_1"]]
+
+
+def test_rank_check_lists_the_model_state_the_rewrites_rely_on(sp_pass):
+    gm = trace(three_layers(fp4fuse_norm), layer_shapes(), state=NORM_WEIGHTS)
+    run(sp_pass, gm)
+    (check,) = rank_checks(gm)
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    assert check.args[0] == placeholders[3:] and check.args[1] == []
+    assert check.args[2].split("\n") == [f"arg{i}_1 ({NORM_WEIGHTS[i]})" for i in (3, 4, 5)]
+    first_call = next(n for n in gm.graph.nodes if n.op == "call_function")
+    assert first_call is check  # before every collective of the graph
+    assert len(check.users) == 0 and check.is_impure()  # kept by dead-code elimination
+    gm.graph.eliminate_dead_code()
+    assert rank_checks(gm) == [check]
+
+
+# --------------------------------------------------------------------------- 3-D activations
+
+
+def hf_layers(norm):
+    """Hugging Face's residual stream on ``[batch, seq, hidden]``: a row-parallel linear all-reduces
+    its ``[tokens, hidden]`` rows and views them back; ``residual + hidden`` in the model dtype."""
+    def fn(e, p1, p2, w1, w2):
+        lead = e.shape[:-1]
+        h = all_reduce(e)                                  # a vocab-parallel embedding's sum
+        total = h + all_reduce(p1).view(*lead, H)
+        n1 = norm(total, w1)
+        q, s = rows_quant(n1)
+        n2 = norm(total + all_reduce(p2).view(*lead, H), w2)
+        return q, s, n2
+    return fn
+
+
+def hf_norm(x, w, eps=1e-6):
+    """``LlamaRMSNorm.forward``."""
+    dtype = x.dtype
+    xf = x.to(torch.float32)
+    variance = xf.pow(2).mean(-1, keepdim=True)
+    return w * (xf * torch.rsqrt(variance + eps)).to(dtype)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_hugging_face_layers_3d(sp_pass, batch):
+    """Batch 1 and 3: the token count is batch x seq; the views the linears add around their 2-D
+    rows fold away, so the quant moves before the gather as in a 2-D model."""
+    seq = 4
+    gm = trace(hf_layers(hf_norm), [(batch, seq, H), (batch * seq, H), (batch * seq, H), (H,), (H,)],
+               state={3: "layers.0.post_attention_layernorm.weight", 4: "norm.weight"})
+    assert run(sp_pass, gm) == 3
+    assert counts(sp_pass) == {"middle.torch_fp32": 1, "last.torch_fp32": 1, "quant_before_gather": 1}
+    assert ops(gm)[fc.all_reduce.default] == 1  # the embedding's, read by the residual add only
+    (quant,) = gm.graph.find_nodes(op="call_function", target=fp4.scaled_fp4_quant.default)
+    assert quant.meta["val"][0].shape == (batch * seq // W, H // 2)
+    # gathered: the quant's codes and scales and the last norm's output (the residual stays sharded)
+    gathered = gm.graph.find_nodes(op="call_function", target=fc.all_gather_into_tensor.default)
+    assert sorted(n.meta["val"].shape[1] for n in gathered) == sorted([H // 2, H // 16, H])
+    assert fake_value_of_output(gm)[-1].shape == (batch, seq, H)
+
+
+def test_3d_token_count_is_the_product_of_the_leading_dims(sp_pass, caplog):
+    caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
+    gm = trace(three_layers(torch_fp32_norm, quant=rows_quant), layer_shapes(tokens=3, lead=(3,)), state=NORM_WEIGHTS)
+    assert run(sp_pass, gm) == 0
+    assert_skipped(sp_pass, caplog, "token count 9 is not divisible by the group size 2", "torch_fp32")
+    gm = trace(three_layers(torch_fp32_norm, quant=rows_quant), layer_shapes(tokens=4, lead=(1,)), state=NORM_WEIGHTS)
+    assert run(sp_pass, gm) == 5
+    assert counts(sp_pass) == {"first.torch_fp32": 1, "middle.torch_fp32": 1, "last.torch_fp32": 1,
+                               "quant_before_gather": 2}
 
 
 # --------------------------------------------------------------------------- left alone, with a reason
@@ -245,7 +369,7 @@ def assert_skipped(sp, caplog, reason_part: str, key_part: str = "") -> None:
 
 def test_token_count_not_divisible(sp_pass, caplog):
     caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
-    gm = trace(three_layers(fp4fuse_norm), layer_shapes(tokens=7))
+    gm = trace(three_layers(fp4fuse_norm), layer_shapes(tokens=7), state=NORM_WEIGHTS)
     assert run(sp_pass, gm) == 0
     assert reduce_ops(gm) == ["sum"] * 3
     assert_skipped(sp_pass, caplog, "token count 7 is not divisible by the group size 2", "fp4fuse")
@@ -254,10 +378,10 @@ def test_token_count_not_divisible(sp_pass, caplog):
 def test_min_tokens(caplog):
     caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
     sp = SequenceParallelismPass(FusionConfig(enable_sequence_parallelism=True, min_tokens=16))
-    gm = trace(three_layers(fp4fuse_norm), layer_shapes(tokens=8))
+    gm = trace(three_layers(fp4fuse_norm), layer_shapes(tokens=8), state=NORM_WEIGHTS)
     assert run(sp, gm) == 0
     assert_skipped(sp, caplog, "token count 8 is below min_tokens=16")
-    gm = trace(three_layers(fp4fuse_norm), layer_shapes(tokens=16))
+    gm = trace(three_layers(fp4fuse_norm), layer_shapes(tokens=16), state=NORM_WEIGHTS)
     assert run(sp, gm) == 5
 
 
@@ -266,7 +390,7 @@ def test_broadcast_residual(sp_pass, caplog):
 
     def fn(x, residual, w):
         return torch_manual_norm(all_reduce(x), w, residual)
-    gm = trace(fn, [(8, H), (1, H), (H,)])
+    gm = trace(fn, [(8, H), (1, H), (H,)], state={2: "norm.weight"})
     assert run(sp_pass, gm) == 0
     assert_skipped(sp_pass, caplog, "a broadcast residual cannot be sharded by rows", "torch_manual")
 
@@ -282,21 +406,121 @@ def test_per_row_norm_weight(sp_pass, caplog):
     assert_skipped(sp_pass, caplog, "it must not vary by row", "first.torch_manual")
 
 
+def norm_then_quant(x, w, gs):
+    r = all_reduce(x)
+    q, s = fp4.scaled_fp4_quant(fp4fuse_norm(r, w), gs)
+    return q, s, r
+
+
+def scale_shapes() -> list:
+    return [(8, H), (H,), (1,)]
+
+
 def test_static_scale_from_a_graph_input_stays_after_the_gather(sp_pass, caplog):
     caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
-
-    def fn(x, w, gs):
-        r = all_reduce(x)
-        q, s = fp4.scaled_fp4_quant(fp4fuse_norm(r, w), gs)
-        return q, s, r
-    with FakeTensorMode():
-        args = [torch.empty(8, H, dtype=BF16), torch.empty(H, dtype=BF16), torch.empty(1)]
-    gm = aot_trace(fn, args)
+    gm = trace(norm_then_quant, scale_shapes(), state={1: "norm.weight"}, fp32=(2,))
     run(sp_pass, gm)
     assert counts(sp_pass) == {"first.fp4fuse": 1}  # the norm is sharded, the quant is not moved
-    assert_skipped(sp_pass, caplog, "which may differ across ranks", "quant_before_gather")
+    assert_skipped(sp_pass, caplog, "the global scale arg2_1 may differ across ranks: it depends on arg2_1, a "
+                   "per-call graph input", "quant_before_gather")
     quant = gm.graph.find_nodes(op="call_function", target=fp4.scaled_fp4_quant.default)[0]
     assert quant.args[0].target is fc.wait_tensor.default  # still quantizes the gathered rows
+
+
+def test_static_scale_held_as_a_buffer_moves_before_the_gather(sp_pass):
+    """A checkpoint's ``input_scale`` is a buffer: model state, verified on the first call."""
+    gm = trace(norm_then_quant, scale_shapes(), state={1: "norm.weight", 2: "proj.input_scale"}, fp32=(2,))
+    run(sp_pass, gm)
+    assert counts(sp_pass) == {"first.fp4fuse": 1, "quant_before_gather": 1}
+    quant = gm.graph.find_nodes(op="call_function", target=fp4.scaled_fp4_quant.default)[0]
+    assert quant.meta["val"][0].shape == (4, H // 2)  # quantizes this rank's shard
+    (check,) = rank_checks(gm)
+    assert check.args[2].split("\n") == ["arg1_1 (norm.weight)", "arg2_1 (proj.input_scale)"]
+
+
+def test_rank_check_off_trusts_model_state_unchecked():
+    sp = SequenceParallelismPass(FusionConfig(enable_sequence_parallelism=True, rank_check=RankCheck.OFF))
+    gm = trace(norm_then_quant, scale_shapes(), state={1: "norm.weight", 2: "proj.input_scale"}, fp32=(2,))
+    run(sp, gm)
+    assert counts(sp) == {"first.fp4fuse": 1, "quant_before_gather": 1}
+    assert rank_checks(gm) == [] and sp.rank_checks == []
+    gm = trace(norm_then_quant, scale_shapes(), state={1: "norm.weight"}, fp32=(2,))
+    run(sp, gm)
+    assert counts(sp) == {"first.fp4fuse": 1}  # a per-call scale is still not trusted
+
+
+@pytest.fixture(scope="module")
+def other_groups() -> dict[str, str]:
+    """Groups besides the TP group (world, ranks [0, 1]) of the fake process group."""
+    return {"covering": dist.new_group([0, 1]).group_name, "subgroup": dist.new_group([0]).group_name,
+            "unknown": "no_such_group"}
+
+
+@pytest.mark.parametrize("which, reason", [
+    ("covering", None),
+    ("subgroup", "(ranks [0]) does not cover the TP group '0' (ranks [0, 1])"),
+    ("unknown", "'no_such_group' or the TP group '0' does not resolve in this process"),
+])
+def test_scale_from_an_all_reduce_over_another_group(sp_pass, caplog, other_groups, which, reason):
+    """An all-reduce proves its result uniform over its own group only: the quant moves before
+    the TP gather when that group covers the TP group, and is left alone with the reason otherwise."""
+    caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
+    other = other_groups[which]
+
+    def fn(x, w, local_amax):
+        amax = fc.wait_tensor(fc.all_reduce(local_amax, "max", other))
+        return norm_then_quant(x, w, 2688.0 / amax)
+
+    gm = trace(fn, scale_shapes(), state={1: "norm.weight"}, fp32=(2,))
+    run(sp_pass, gm)
+    if reason is None:
+        assert counts(sp_pass) == {"first.fp4fuse": 1, "quant_before_gather": 1}
+    else:
+        assert counts(sp_pass) == {"first.fp4fuse": 1}
+        assert_skipped(sp_pass, caplog, reason, "quant_before_gather")
+
+
+def test_scale_from_a_rank_local_collective(sp_pass, caplog):
+    caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
+
+    def fn(x, w, amaxes):
+        local = fc.wait_tensor(fc.reduce_scatter_tensor(amaxes, "max", W, group()))
+        return norm_then_quant(x, w, 2688.0 / local)
+
+    gm = trace(fn, [(8, H), (H,), (2,)], state={1: "norm.weight"}, fp32=(2,))
+    run(sp_pass, gm)
+    assert counts(sp_pass) == {"first.fp4fuse": 1}
+    assert_skipped(sp_pass, caplog, "reduce_scatter_tensor reduce_scatter_tensor, whose result is rank-local")
+
+
+def test_qkv_quants_each_move_before_their_own_gather(sp_pass):
+    """Three linears (q, k, v) quantize one norm output, each with its own static scale (a
+    buffer): each quant moves before the gather; the bf16 gather disappears."""
+    def fn(x, w, gs_q, gs_k, gs_v):
+        r = all_reduce(x)
+        n = fp4fuse_norm(r, w)
+        return (*fp4.scaled_fp4_quant(n, gs_q), *fp4.scaled_fp4_quant(n, gs_k), *fp4.scaled_fp4_quant(n, gs_v), r)
+
+    state = {1: "norm.weight", 2: "q_proj.input_scale", 3: "k_proj.input_scale", 4: "v_proj.input_scale"}
+    gm = trace(fn, [(8, H), (H,), (1,), (1,), (1,)], state=state, fp32=(2, 3, 4))
+    run(sp_pass, gm)
+    assert counts(sp_pass) == {"first.fp4fuse": 1, "quant_before_gather": 3}
+    gathered = [n.meta["val"] for n in gm.graph.find_nodes(op="call_function", target=fc.all_gather_into_tensor.default)]
+    assert sorted(tuple(v.shape) for v in gathered) == sorted([(8, H // 2)] * 3 + [(8, H // 16)] * 3 + [(8, H)])
+    assert [v.dtype for v in gathered].count(BF16) == 1  # the residual stream only
+    (check,) = rank_checks(gm)
+    assert len(check.args[0]) == 4
+
+
+def test_unmatched_all_reduce_is_reported(sp_pass, caplog):
+    caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
+
+    def fn(x):
+        return all_reduce(x) * 2
+    gm = trace(fn, [(8, H)])
+    assert run(sp_pass, gm) == 0
+    assert_skipped(sp_pass, caplog, "no sequence-parallel norm pattern starts at this all_reduce (its result is read "
+                   "by aten.mul.Tensor)", "unmatched")
 
 
 def test_gathered_activation_with_another_reader(sp_pass, caplog):
@@ -307,7 +531,7 @@ def test_gathered_activation_with_another_reader(sp_pass, caplog):
         n = fp4fuse_norm(r, w)
         q, s = static_quant(n)
         return q, s, n, r
-    gm = trace(fn, [(8, H), (H,)])
+    gm = trace(fn, [(8, H), (H,)], state={1: "norm.weight"})
     run(sp_pass, gm)
     assert counts(sp_pass) == {"first.fp4fuse": 1}
     assert_skipped(sp_pass, caplog, "quantizing before the gather would need the bf16 gather as well")
@@ -320,14 +544,14 @@ def test_group_that_does_not_resolve(caplog):
     def fn(x, w):
         r = fc.wait_tensor(fc.all_reduce(x, "sum", "no_such_group"))
         return fp4fuse_norm(r, w), r
-    gm = trace(fn, [(8, H), (H,)])
+    gm = trace(fn, [(8, H), (H,)], state={1: "norm.weight"})
     assert run(sp, gm) == 0
     assert_skipped(sp, caplog, "does not resolve in this process", "group")
 
 
 def test_disabled_config_changes_nothing():
     sp = SequenceParallelismPass(FusionConfig())
-    gm = trace(three_layers(fp4fuse_norm), layer_shapes())
+    gm = trace(three_layers(fp4fuse_norm), layer_shapes(), state=NORM_WEIGHTS)
     before = str(gm.graph)
     assert run(sp, gm) == 0 and str(gm.graph) == before
 
@@ -344,7 +568,7 @@ def symbolic_trace(tokens_hint: int):
     with mode:
         xs = [x0] + [x0.new_empty(x0.shape[0], H) for _ in range(2)]
         ws = [torch.empty(H, dtype=BF16) for _ in range(3)]
-    return shape_env, aot_trace(three_layers(fp4fuse_norm), [*xs, *ws])
+    return shape_env, as_model_state(aot_trace(three_layers(fp4fuse_norm), [*xs, *ws]), NORM_WEIGHTS)
 
 
 def test_symbolic_tokens_get_a_divisibility_guard(sp_pass):
@@ -376,29 +600,39 @@ def test_symbolic_tokens_and_min_tokens():
 # --------------------------------------------------------------------------- the real post-grad graphs
 
 
+class EveryNormForm(torch.nn.Module):
+    """Each norm form once as a first and once as a last norm, weights as parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(H, dtype=BF16), requires_grad=False)
+                                              for _ in NORMS)
+
+    def forward(self, xs):
+        outs = []
+        for i, form in enumerate(NORMS.values()):
+            r = all_reduce(xs[2 * i])
+            q, s, _ = NVFP4Quantizer().quantize(form(r, self.weights[i]))
+            n, _ = form(all_reduce(xs[2 * i + 1]), self.weights[i], r)
+            outs += [q, s, n]
+        return outs
+
+
 def test_patterns_match_inductor_post_grad_graphs():
-    """Compile (fake group) a function holding every norm form; the pass runs inside Inductor."""
-    sp = SequenceParallelismPass(FusionConfig(enable_sequence_parallelism=True))
+    """Compile (fake group) a module holding every norm form; the pass runs inside Inductor and
+    reads which graph inputs are parameters from the tracing context. (rank_check off: the fake
+    group's collectives return no data, so a run-time check could not pass; tests/e2e run it.)"""
+    sp = SequenceParallelismPass(FusionConfig(enable_sequence_parallelism=True, rank_check="off"))
     seen = []
 
     def post_grad(graph: torch.fx.Graph) -> None:
         sp(graph)
         seen.append(dict(sp.match_counts))
 
-    def fn(xs, ws):
-        outs = []
-        for i, form in enumerate(NORMS.values()):
-            r = all_reduce(xs[2 * i])
-            q, s, _ = NVFP4Quantizer().quantize(form(r, ws[i]))
-            n, _ = form(all_reduce(xs[2 * i + 1]), ws[i], r)
-            outs += [q, s, n]
-        return outs
-
     xs = [torch.randn(8, H, dtype=BF16) for _ in range(2 * len(NORMS))]
-    ws = [torch.randn(H, dtype=BF16) for _ in NORMS]
     with torch._inductor.config.patch(post_grad_custom_post_pass=post_grad, fx_graph_cache=False):
         torch._dynamo.reset()
-        torch.compile(fn, fullgraph=True)(xs, ws)
+        torch.compile(EveryNormForm(), fullgraph=True)(xs)
     (got,) = seen
     expected = {f"sequence_parallel.{pos}.{form}": 1 for form in NORMS for pos in ("first", "last")}
     expected["sequence_parallel.quant_before_gather.dynamic_scale"] = len(NORMS)
@@ -410,8 +644,16 @@ def test_patterns_match_inductor_post_grad_graphs():
 
 def test_source_files_cover_patterns_and_ops(sp_pass):
     names = {p.rsplit("/", 1)[-1] for p in sp_pass.source_files()}
-    assert {"sequence_parallel.py", "quant_before_gather.py", "sp_ops.py", "norm_ops.py", "fp4_ops.py"} <= names
+    assert {"sequence_parallel.py", "quant_before_gather.py", "rank_uniform.py", "sp_ops.py", "norm_ops.py",
+            "fp4_ops.py", "rank_check.py"} <= names
     assert SequenceParallelismPass.reads_process_groups
+
+
+def test_a_used_pass_deep_copies(sp_pass):
+    """Inductor deep-copies its config, this pass included, on every torch.compile call: nothing
+    of a graph (nodes, fake tensors) may stay on the pass after it ran."""
+    run(sp_pass, trace(three_layers(fp4fuse_norm), layer_shapes(), state=NORM_WEIGHTS))
+    assert copy.deepcopy(sp_pass).rank_checks == sp_pass.rank_checks
 
 
 def test_shard_rows_op_contract():

@@ -79,7 +79,7 @@ def _round_product(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> 
 
 @pytest.mark.parametrize("out_dtype", [BF16, FP32])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-@pytest.mark.parametrize("lead", [(1, 7), (3, 5), (11,)], ids=["batch1", "batch3", "2d"])
+@pytest.mark.parametrize("lead", [(1, 7), (3, 5), (11,), ()], ids=["batch1", "batch3", "2d", "1d"])
 def test_nvfp4_linear_is_exact_on_representable_operands(out_dtype, static, lead):
     """Inputs and weights NVFP4 holds exactly (nvfp4_spec.representable), so quantization loses
     nothing, every product is exact and the float64 sum is exact in any order: the layer's output

@@ -22,7 +22,7 @@ from fp4fuse.passes.base import GraphPass
 from fp4fuse.patterns import base
 from fp4fuse.patterns.base import erase_if_unused, fake_value, is_call
 
-__all__ = ["NoOpViewCleanupPass"]
+__all__ = ["NoOpViewCleanupPass", "find_noop_source", "fold_noop_views"]
 
 aten = torch.ops.aten
 
@@ -57,6 +57,31 @@ def find_noop_source(view: fx.Node) -> fx.Node | None:
     return source
 
 
+def fold_noop_views(graph: fx.Graph) -> int:
+    """Replace every no-op view chain of ``graph`` by its source (graph outputs keep their node);
+    returns how many views lost readers. Also run by passes that create such chains."""
+    touched: list[fx.Node] = []
+    for node in list(graph.nodes):
+        if not _is_view(node) or len(node.users) == 0:
+            continue
+        source = find_noop_source(node)
+        if source is None:
+            continue
+        before = len(node.users)
+        node.replace_all_uses_with(source, delete_user_cb=lambda user: user.op != "output")
+        if len(node.users) < before:
+            touched.append(node)
+    for node in touched:
+        chain = [node]
+        while _is_view(chain[-1]) and isinstance(chain[-1].args[0], fx.Node):
+            chain.append(chain[-1].args[0])
+        views = [n for n in chain if _is_view(n)]
+        sizes = [a for n in views for a in n.all_input_nodes if is_call(a, aten.sym_size)]  # a symbolic shape's reads
+        erase_if_unused(views)
+        erase_if_unused(sizes)
+    return len(touched)
+
+
 class NoOpViewCleanupPass(GraphPass):
     """Replace every no-op view chain by its source (always on; changes no numerics)."""
 
@@ -65,21 +90,7 @@ class NoOpViewCleanupPass(GraphPass):
 
     def __call__(self, graph: fx.Graph) -> int:
         self.recorder.reset()
-        touched: list[fx.Node] = []
-        for node in list(graph.nodes):
-            if not _is_view(node) or len(node.users) == 0:
-                continue
-            source = find_noop_source(node)
-            if source is None:
-                continue
-            before = len(node.users)
-            node.replace_all_uses_with(source, delete_user_cb=lambda user: user.op != "output")
-            if len(node.users) < before:
-                self.recorder.matched(PATTERN)
-                touched.append(node)
-        for node in touched:
-            chain = [node]
-            while _is_view(chain[-1]) and isinstance(chain[-1].args[0], fx.Node):
-                chain.append(chain[-1].args[0])
-            erase_if_unused(n for n in chain if _is_view(n))
+        folded = fold_noop_views(graph)
+        if folded:
+            self.recorder.matched(PATTERN, folded)
         return self.finish()

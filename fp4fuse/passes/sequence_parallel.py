@@ -4,17 +4,27 @@
 Steps of one call:
 
 1. find the tensor-parallel groups: every group a ``sum`` all_reduce of the graph runs over;
-2. norms (``fp4fuse/patterns/sequence_parallel.py``, Inductor pattern matcher): register the
-   group's patterns for the norm families and dtypes present (once per pass instance) and apply
-   them. Each match is checked -- token count divisible by the group size and at least
-   ``min_tokens`` (a symbolic count gets guards, see ``guard_token_count``), per-row weight,
-   unbroadcast residual -- and skipped with a DEBUG-logged reason, or rewritten into a form that
-   is correct on its own: ``reduce_scatter -> norm -> all_gather``;
-3. quant before gather (fp4fuse.patterns.quant_before_gather): ``scaled_fp4_quant(all_gather(x), gs)``
+2. norms (``fp4fuse/patterns/sequence_parallel.py``, Inductor pattern matcher): move views of
+   all-reduced tensors before the all-reduce (``[tokens, h]`` rows viewed as ``[b, s, h]``),
+   register the group's patterns for the norm families, dtypes and activation ranks present (once
+   per pass instance) and apply them. Each match is checked -- token count (the product of the
+   leading dims) divisible by the group size and at least ``min_tokens`` (a symbolic count gets
+   guards, see ``guard_token_count``), per-row weight, unbroadcast residual, norm weight and
+   residual the same on every rank (fp4fuse.patterns.rank_uniform) -- and skipped with a
+   DEBUG-logged reason, or rewritten into a form that is correct on its own:
+   ``reduce_scatter -> norm -> all_gather``. Under ``emulate_precision_casts`` the rewritten
+   residual adds get the eager-rounding mark AOT autograd gave the adds they replace
+   (``round_residual_adds``). An all-reduce no pattern matched is recorded as skipped (key
+   ``unmatched``) with what reads it;
+3. no-op view chains the rewrites left (``view(all_gather(r), [b, s, h]).reshape(-1, h)``) fold;
+4. quant before gather (fp4fuse.patterns.quant_before_gather): ``scaled_fp4_quant(all_gather(x), gs)``
    becomes ``all_gather(scaled_fp4_quant(x, gs))`` for a rank-uniform gs, a dynamic scale's amax
    becoming an all-reduce MAX over the group;
-4. cleanup: fold ``shard_rows(all_gather(r))`` into ``r`` (the residual stream a rewritten layer
-   hands to the next stays sharded) and erase the gathers nobody reads any more.
+5. cleanup: fold ``shard_rows(all_gather(r))`` into ``r`` (the residual stream a rewritten layer
+   hands to the next stays sharded) and erase the gathers nobody reads any more;
+6. rank check: one ``fp4fuse::check_rank_uniform`` per group whose rewrites rely on graph inputs
+   being the same on every rank (model state on the first call; with ``rank_check='always'`` also
+   per-call inputs, every call), right after the graph's inputs. ``rank_checks`` lists them.
 
 For a decoder of L layers whose norms all match (an input norm and a post-attention norm per
 layer, a final norm whose output is not quantized): first = 1, middle = 2L - 1, last = 1, and
@@ -37,12 +47,16 @@ from torch._inductor import pattern_matcher as pm
 
 from fp4fuse.config import FusionConfig
 from fp4fuse.distributed.groups import resolve_group
-from fp4fuse.ops import fp4_ops, norm_ops, sp_ops
+from fp4fuse.ops import fp4_ops, norm_ops, rank_check, sp_ops
 from fp4fuse.passes.base import GraphPass
-from fp4fuse.patterns import base, collectives, quant_before_gather, sequence_parallel
+from fp4fuse.passes.cleanup import fold_noop_views
+from fp4fuse.patterns import base, collectives, quant_before_gather, rank_uniform, sequence_parallel
 from fp4fuse.patterns.base import CollectiveKind, erase_if_unused, fake_value, find_collectives, get_arg, is_call
 from fp4fuse.patterns.quant_before_gather import QuantBeforeGather
-from fp4fuse.patterns.sequence_parallel import NORM_SETS, NormSet, SPGroup
+from fp4fuse.patterns.rank_uniform import RankCheckSite, RankUniformity
+from fp4fuse.patterns.sequence_parallel import (
+    NORM_SETS, NormSet, SPGroup, round_residual_adds, views_before_all_reduces,
+)
 
 __all__ = ["SequenceParallelismPass"]
 
@@ -88,31 +102,49 @@ class SequenceParallelismPass(GraphPass):
 
     name = "sequence_parallel"
     reads_process_groups = True
-    source_modules = (sequence_parallel, quant_before_gather, collectives, base, sp_ops, norm_ops, fp4_ops)
+    source_modules = (sequence_parallel, quant_before_gather, rank_uniform, collectives, base, sp_ops, norm_ops,
+                      fp4_ops, rank_check)
 
     def __init__(self, config: FusionConfig) -> None:
         super().__init__(config)
         self._patterns: dict[SPGroup, pm.PatternMatcherPass] = {}
-        self._registered: set[tuple[SPGroup, str, torch.dtype]] = set()
-        self.quant_before_gather = QuantBeforeGather(config)
+        self._registered: set[tuple[SPGroup, str, torch.dtype, int]] = set()
+        self.uniformity = RankUniformity(config.rank_check)
+        self.quant_before_gather = QuantBeforeGather(config, self.uniformity)
         self.folded_residuals = 0
+        self.rank_checks: list[RankCheckSite] = []
 
     def __call__(self, graph: fx.Graph) -> int:
         self.recorder.reset()
         self.folded_residuals = 0
+        self.rank_checks = []
         if not self.config.enable_sequence_parallelism:
             return self.finish()
-        for group_name in self._reduced_groups(graph):
-            group = self._resolve(group_name)
-            if group is None:
-                continue
-            self._patterns_for(group, graph).apply(graph)
-        self.quant_before_gather.apply(graph, self.recorder)
-        self._cleanup(graph)
+        self.uniformity.begin(graph)
+        try:
+            for group_name in self._reduced_groups(graph):
+                group = self._resolve(group_name)
+                if group is None:
+                    continue
+                views_before_all_reduces(graph, group.name)
+                self._patterns_for(group, graph).apply(graph)
+                round_residual_adds(graph, group.name)
+                self._record_unmatched(graph, group)
+            fold_noop_views(graph)
+            self.quant_before_gather.apply(graph, self.recorder)
+            self._cleanup(graph)
+            self.rank_checks = self.uniformity.insert_checks(graph)
+        finally:
+            self.uniformity.end()
         total = self.finish()
         if total:
             logger.debug("sequence parallelism: %d rewrite(s) %s, %d residual gather(s) folded",
                          total, self.match_counts, self.folded_residuals)
+        for site in self.rank_checks:
+            logger.info("fp4fuse: the rewrites rely on %d graph input(s) being the same on every rank of group %r; "
+                        "the compiled graph verifies them (model state on its first call%s): %s",
+                        len(site.labels), site.group_name, ", per-call inputs on every call" if site.per_call else "",
+                        ", ".join(site.labels))
         return total
 
     # ------------------------------------------------------------------ steps
@@ -142,29 +174,44 @@ class SequenceParallelismPass(GraphPass):
         return SPGroup(group_name, size)
 
     def _patterns_for(self, group: SPGroup, graph: fx.Graph) -> pm.PatternMatcherPass:
-        """The group's pattern pass, with the norm families and dtypes of ``graph`` registered
-        (each family x dtype once per pass instance)."""
+        """The group's pattern pass, with the norm families, dtypes and activation ranks of
+        ``graph`` registered (each once per pass instance)."""
         pm_pass = self._patterns.get(group)
         if pm_pass is None:
             pm_pass = self._patterns[group] = pm.PatternMatcherPass(pass_name=f"{self.name}[{group.name}]")
-        for norm_set, dtype in self._blocks_needed(group, graph):
-            if (group, norm_set.name, dtype) in self._registered:
+        for norm_set, dtype, ndim in self._blocks_needed(group, graph):
+            if (group, norm_set.name, dtype, ndim) in self._registered:
                 continue
-            for pattern in norm_set.build_patterns(group, dtype, self.config.min_tokens):
+            for pattern in norm_set.build_patterns(group, self.uniformity, dtype, ndim, self.config.min_tokens):
                 pattern.register(pm_pass, self.recorder)
-            self._registered.add((group, norm_set.name, dtype))
+            self._registered.add((group, norm_set.name, dtype, ndim))
         return pm_pass
 
     @staticmethod
-    def _blocks_needed(group: SPGroup, graph: fx.Graph) -> list[tuple[NormSet, torch.dtype]]:
-        dtypes: list[torch.dtype] = []
+    def _blocks_needed(group: SPGroup, graph: fx.Graph) -> list[tuple[NormSet, torch.dtype, int]]:
+        """(norm set, example dtype, activation rank) for every norm set present in ``graph`` and
+        every dtype and rank of the group's sum all-reduces."""
+        kinds: list[tuple[torch.dtype, int]] = []
         for c in find_collectives(graph, CollectiveKind.ALL_REDUCE):
             val = fake_value(c.input)
-            if c.group_name == group.name and c.reduce_op == "sum" and isinstance(val, torch.Tensor):
-                dtype = torch.float32 if val.dtype == torch.float32 else torch.bfloat16
-                if dtype not in dtypes:
-                    dtypes.append(dtype)
-        return [(s, d) for s in NORM_SETS if s.present(graph) for d in dtypes]
+            if c.group_name == group.name and c.reduce_op == "sum" and isinstance(val, torch.Tensor) and val.dim() >= 2:
+                kind = (torch.float32 if val.dtype == torch.float32 else torch.bfloat16, val.dim())
+                if kind not in kinds:
+                    kinds.append(kind)
+        return [(s, d, n) for s in NORM_SETS if s.present(graph) for d, n in kinds]
+
+    def _record_unmatched(self, graph: fx.Graph, group: SPGroup) -> None:
+        """Record a skip for every sum all-reduce of ``group`` that no pattern matched (a matched
+        one that was left alone already has its reason)."""
+        reported = {s.node for s in self.recorder.skips}
+        for c in find_collectives(graph, CollectiveKind.ALL_REDUCE):
+            if c.group_name != group.name or c.reduce_op != "sum" or c.node.name in reported:
+                continue
+            readers = sorted({str(getattr(u, "target", u)) for w in c.node.users for u in w.users})
+            self.recorder.skipped("unmatched", c.node, (
+                f"no sequence-parallel norm pattern starts at this all_reduce (its result is read by "
+                f"{', '.join(readers) or 'nothing'}); the patterns need all_reduce -> [residual add ->] RMSNorm, "
+                f"the norm written as one of {', '.join(f.name for s in NORM_SETS for f in s.families)}"))
 
     def _cleanup(self, graph: fx.Graph) -> None:
         for pair in _GatherThenShard.find(graph):

@@ -275,6 +275,10 @@ class GraphRewrite(abc.ABC, Generic[MatchT]):
     def rewrite(self, match: MatchT) -> str:
         """Rewrite ``match``; return the pattern name it counts under."""
 
+    def count(self, match: MatchT) -> int:
+        """How many rewrites ``match`` counts as (one, unless a match rewrites several sites)."""
+        return 1
+
     def apply(self, graph: fx.Graph, recorder: MatchRecorder) -> int:
         done = 0
         for match in self.find(graph):
@@ -282,8 +286,9 @@ class GraphRewrite(abc.ABC, Generic[MatchT]):
             if reason is not None:
                 recorder.skipped(self.name, self.anchor(match), reason)
                 continue
-            recorder.matched(self.rewrite(match))
-            done += 1
+            n = self.count(match)
+            recorder.matched(self.rewrite(match), n)
+            done += n
         return done
 
 
@@ -417,14 +422,17 @@ class ReplacementPattern(abc.ABC):
     def check(self, match: pm.Match) -> str | None:
         return None
 
+    def anchor(self, match: pm.Match) -> fx.Node | None:
+        """The node a skip is reported at (default: the match's first output)."""
+        return next((n for n in match.output_nodes() if n is not None), None)
+
     def recording_check(self, recorder: MatchRecorder) -> Callable[[pm.Match], bool]:
         """The ``extra_check`` for ``register_replacement``: :meth:`check`, with every match and
         every skip (and its reason) recorded under this pattern's name."""
         def extra_check(match: pm.Match) -> bool:
             reason = self.check(match)
             if reason is not None:
-                anchor = next((n for n in match.output_nodes() if n is not None), None)
-                recorder.skipped(self.name, anchor, reason)
+                recorder.skipped(self.name, self.anchor(match), reason)
                 return False
             recorder.matched(self.name)
             return True

@@ -8,10 +8,12 @@ with one global scale, so when ``gs`` is the same on every rank it commutes with
              q, s = scaled_fp4_quant(g, gs)                     q = all_gather(q_r)
                                                                 s = all_gather(s_r.view(uint8)).view(e4m3)
 
-4.5 bits per element go over the wire instead of 16. ``gs`` must be provably rank-uniform: built
-from constants and the results of all-reduces / all-gathers only (a static scale written as a
-constant qualifies; one read from a graph input does not, since nothing proves every rank passes
-the same value).
+4.5 bits per element go over the wire instead of 16. ``gs`` must be provably the same on every
+rank of the gather's group (fp4fuse.patterns.rank_uniform): built from constants, from
+all-reduces / all-gathers over a group that covers it, and from model state -- a checkpoint's
+static ``input_scale`` held as a buffer -- which the compiled graph verifies across the group on
+its first call. A gathered activation read by several quants (q, k and v projections of one norm
+output, each with its own scale) has each quant moved before its own gather.
 
 A dynamic scale reads the amax of the gathered tensor (``NVFP4Quantizer``:
 ``global_scale_from_amax(g.abs().amax())``). That amax is replaced, exactly, by the all-reduce MAX
@@ -22,9 +24,9 @@ of the shards' amaxes, so ``g`` itself is no longer needed::
                                                                 a = r[1] > 0 ? nan : r[0]
 
 (one two-element all-reduce; the NaN flag keeps NaN propagation exact whatever the backend's MAX
-does with NaN). Pattern keys: ``quant_before_gather`` (static scale) and
-``quant_before_gather.dynamic_scale`` (amax replaced too). A gathered tensor read by anything else
-stays as it is, and so does the quant after it.
+does with NaN). Pattern keys, one count per quant moved: ``quant_before_gather`` (static scale)
+and ``quant_before_gather.dynamic_scale`` (amax replaced too). A gathered tensor read by anything
+else stays as it is, and so do the quants after it.
 """
 from __future__ import annotations
 
@@ -36,41 +38,19 @@ import operator
 import torch
 import torch.fx as fx
 
+from fp4fuse.config import FusionConfig
 from fp4fuse.distributed import groups
 from fp4fuse.patterns.base import (
     GraphRewrite, erase_if_unused, fake_value, insert_call, insert_traced, is_call, token_count_reason,
 )
 from fp4fuse.patterns.collectives import GatheredTensor, decode_gathered, external_users
+from fp4fuse.patterns.rank_uniform import RankUniformity
 
-__all__ = ["AmaxOfGathered", "QuantBeforeGather", "QuantOfGatheredMatch", "nonuniform_source"]
+__all__ = ["AmaxOfGathered", "QuantBeforeGather", "QuantOfGathered", "QuantsOfGatheredMatch"]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 QUANT = torch.ops.fp4fuse.scaled_fp4_quant.default
-_SAME_ON_EVERY_RANK = (c10d.all_reduce.default, c10d.all_gather_into_tensor.default)
-_RANK_LOCAL = (c10d.reduce_scatter_tensor.default, torch.ops.fp4fuse.shard_rows.default)
-
-
-def nonuniform_source(node: fx.Node) -> fx.Node | None:
-    """An ancestor of ``node`` that may differ across ranks (a graph input, a constant attribute,
-    a rank-local collective, a random op), or None if ``node`` is provably the same on every rank.
-    Ancestors are not followed past an all-reduce or all-gather, whose results every rank shares."""
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op != "call_function":
-            return n
-        if n.target in _SAME_ON_EVERY_RANK:
-            continue
-        if n.target in _RANK_LOCAL:
-            return n
-        if isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags:
-            return n
-        stack.extend(n.all_input_nodes)
-    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,47 +76,59 @@ class AmaxOfGathered:
 
 
 @dataclasses.dataclass(frozen=True)
-class QuantOfGatheredMatch:
-    """``scaled_fp4_quant(g, gs)`` of an all-gathered ``g``.
-
-    Attributes:
-        quant: the quant node; ``outputs`` its ``getitem`` readers (codes, scales).
-        gathered: how ``g`` was gathered (shard, collective, chain of nodes).
-        global_scale: ``gs``.
-        amaxes: full ``amax(abs(g))`` readers of ``g`` (a dynamic scale), replaced exactly.
-        others: any other readers of ``g`` (they would keep the bf16 gather alive).
-    """
+class QuantOfGathered:
+    """One ``scaled_fp4_quant(g, global_scale)``; ``outputs`` are its ``getitem`` readers."""
 
     quant: fx.Node
     outputs: tuple[fx.Node, ...]
-    gathered: GatheredTensor
     global_scale: fx.Node
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantsOfGatheredMatch:
+    """The NVFP4 quants of one all-gathered activation ``g``.
+
+    Attributes:
+        gathered: how ``g`` was gathered (shard, collective, chain of nodes).
+        quants: every ``scaled_fp4_quant`` reading ``g``, graph order.
+        amaxes: full ``amax(abs(g))`` readers of ``g`` (dynamic scales), replaced exactly.
+        others: any other readers of ``g`` (they would keep the bf16 gather alive).
+    """
+
+    gathered: GatheredTensor
+    quants: tuple[QuantOfGathered, ...]
     amaxes: tuple[AmaxOfGathered, ...]
     others: tuple[fx.Node, ...]
 
 
-class QuantBeforeGather(GraphRewrite[QuantOfGatheredMatch]):
+class QuantBeforeGather(GraphRewrite[QuantsOfGatheredMatch]):
     """Move NVFP4 quantization of an all-gathered activation before the gather (module docstring)."""
 
     name = "quant_before_gather"
 
-    def find(self, graph: fx.Graph) -> list[QuantOfGatheredMatch]:
-        found = []
+    def __init__(self, config: FusionConfig, uniformity: RankUniformity) -> None:
+        super().__init__(config)
+        self.uniformity = uniformity
+
+    def find(self, graph: fx.Graph) -> list[QuantsOfGatheredMatch]:
+        by_gather: dict[fx.Node, tuple[GatheredTensor, list[fx.Node]]] = {}
         for quant in graph.find_nodes(op="call_function", target=QUANT):
             gathered = decode_gathered(quant.args[0])
-            if gathered is None:
-                continue
-            readers = [u for u in external_users([gathered]) if u is not quant]
+            if gathered is not None:
+                by_gather.setdefault(gathered.collective.node, (gathered, []))[1].append(quant)
+        found = []
+        for gathered, quant_nodes in by_gather.values():
+            readers = [u for u in external_users([gathered]) if u not in quant_nodes]
             amaxes = tuple(a for a in map(AmaxOfGathered.decode, readers) if a is not None)
             covered = {a.abs_node for a in amaxes}
-            others = tuple(u for u in readers if u not in covered)
-            found.append(QuantOfGatheredMatch(quant, tuple(quant.users), gathered, quant.args[1], amaxes, others))
+            quants = tuple(QuantOfGathered(q, tuple(q.users), q.args[1]) for q in quant_nodes)
+            found.append(QuantsOfGatheredMatch(gathered, quants, amaxes, tuple(u for u in readers if u not in covered)))
         return found
 
-    def anchor(self, match: QuantOfGatheredMatch) -> fx.Node:
-        return match.quant
+    def anchor(self, match: QuantsOfGatheredMatch) -> fx.Node:
+        return match.quants[0].quant
 
-    def check(self, match: QuantOfGatheredMatch) -> str | None:
+    def check(self, match: QuantsOfGatheredMatch) -> str | None:
         g = match.gathered
         if g.gather_dim != 0:
             return f"the activation is gathered along dim {g.gather_dim}, not 0 (rows)"
@@ -145,8 +137,8 @@ class QuantBeforeGather(GraphRewrite[QuantOfGatheredMatch]):
         if match.others:
             return (f"the gathered activation is also read by {[n.name for n in match.others]}: "
                     "quantizing before the gather would need the bf16 gather as well")
-        if any(not is_call(u, operator.getitem) for u in match.outputs):
-            return "the quant's outputs are read other than through getitem"
+        if any(not is_call(u, operator.getitem) for q in match.quants for u in q.outputs):
+            return "a quant's outputs are read other than through getitem"
         shard = fake_value(g.shard)
         if shard.dim() != 2 or not shard.is_contiguous():
             return f"the gathered shard is not a contiguous 2-D tensor (shape {list(shard.shape)})"
@@ -154,14 +146,15 @@ class QuantBeforeGather(GraphRewrite[QuantOfGatheredMatch]):
         reason = token_count_reason(shard.shape[0] * size, size, self.config.min_tokens, require_divisible=False)
         if reason is not None:
             return reason
-        source = nonuniform_source(match.global_scale)
-        if source is not None:
-            return (f"the global scale {match.global_scale.name} depends on {source.name} ({source.op} "
-                    f"{getattr(source.target, '__name__', source.target)}), which may differ across ranks")
+        scales = [("global scale", q.global_scale) for q in match.quants]
+        reason, relies_on = self.uniformity.prove(g.collective.group_name, scales)
+        if reason is not None:
+            return reason
+        self.uniformity.rely_on(g.collective.group_name, relies_on)
         return None
 
-    def rewrite(self, match: QuantOfGatheredMatch) -> str:
-        graph = match.quant.graph
+    def rewrite(self, match: QuantsOfGatheredMatch) -> str:
+        graph = match.gathered.shard.graph
         g = match.gathered
         group_name, size = g.collective.group_name, g.collective.group_size
         for amax in match.amaxes:
@@ -169,17 +162,21 @@ class QuantBeforeGather(GraphRewrite[QuantOfGatheredMatch]):
                 replacement = _insert_group_amax(graph, g.shard, group_name)
             amax.amax.replace_all_uses_with(replacement)
             erase_if_unused([amax.amax, amax.abs_node])
-        with graph.inserting_before(match.quant):
-            local = insert_call(graph, QUANT, (g.shard, match.global_scale))
-            q_r = insert_call(graph, operator.getitem, (local, 0))
-            s_r = insert_call(graph, operator.getitem, (local, 1))
-            gathered = (_insert_all_gather(graph, q_r, size, group_name),
-                        _insert_all_gather(graph, s_r, size, group_name))
-        for out in match.outputs:
-            out.replace_all_uses_with(gathered[out.args[1]])
-        erase_if_unused([*match.outputs, match.quant])
+        for q in match.quants:
+            with graph.inserting_before(q.quant):
+                local = insert_call(graph, QUANT, (g.shard, q.global_scale))
+                q_r = insert_call(graph, operator.getitem, (local, 0))
+                s_r = insert_call(graph, operator.getitem, (local, 1))
+                gathered = (_insert_all_gather(graph, q_r, size, group_name),
+                            _insert_all_gather(graph, s_r, size, group_name))
+            for out in q.outputs:
+                out.replace_all_uses_with(gathered[out.args[1]])
+            erase_if_unused([*q.outputs, q.quant])
         erase_if_unused(g.nodes)
         return self.name if not match.amaxes else "quant_before_gather.dynamic_scale"
+
+    def count(self, match: QuantsOfGatheredMatch) -> int:
+        return len(match.quants)
 
 
 def _insert_all_gather(graph: fx.Graph, shard: fx.Node, size: int, group_name: str) -> fx.Node:

@@ -12,21 +12,39 @@ reads global distributed state). Norm families (:data:`NORM_SETS`):
 
 The torch forms add the residual with a plain ``+``, written either ``x + residual`` or
 ``residual + x`` (an FX pattern is not commutative, so both orders are registered). Before /
-after, for a middle layer::
+after, for a middle layer (``x`` is ``[..., hidden]``; its rows, the product of the leading
+dimensions, are the tokens that are split)::
 
-    y = all_reduce(x)                          y_r = reduce_scatter(x)              # rows of rank r
-    out, res_out = add_norm(y, res, w)         out_r, res_r = add_norm(y_r, shard_rows(res), w)
-                                               out = all_gather(out_r)
-                                               res_out = all_gather(res_r)
+    y = all_reduce(x)                          y_r = reduce_scatter(rows(x))        # rows of rank r
+    out, res_out = add_norm(y, res, w)         out_r, res_r = add_norm(y_r, shard_rows(rows(res)), w)
+                                               out = all_gather(out_r).view(x.shape)
+                                               res_out = all_gather(res_r).view(x.shape)
 
-Every rewrite is correct on its own: its outputs are the full, replicated tensors the graph had
-before, so a graph where only some norms match is still right. The pass's later steps make it
-fast: fp4fuse.patterns.quant_before_gather moves an NVFP4 quant of ``out`` before the gather (4.5 bits per
-element on the wire instead of 16), and the cleanup folds ``shard_rows(all_gather(res_r))`` into
-``res_r``, so the residual stream stays sharded from one layer to the next.
+``rows(t)`` is ``t.reshape(-1, hidden)`` (nothing for a 2-D ``t``). A row-parallel linear that
+all-reduces its 2-D rows and then restores ``[batch, seq, hidden]`` (Hugging Face models) writes
+``all_reduce(p).view(b, s, h)``; :func:`views_before_all_reduces` first turns that into
+``all_reduce(p.view(b, s, h))`` (exact: a sum over ranks commutes with a view), so the patterns
+see the all-reduce feed the residual add directly.
 
-Positions: FIRST has no residual input (the all-reduced tensor is the residual stream), MIDDLE
-adds a residual and passes the sum on, LAST adds one whose sum nobody reads.
+Every operand the shards are computed with must be the same on every rank -- the norm weight and
+the residual -- or the gathered rows mix different values: ``check`` proves it
+(fp4fuse.patterns.rank_uniform), relying on model state that the compiled graph verifies at run
+time, and skips the match with the reason otherwise.
+
+Numerics. The rewrite computes every row with the same ops in the same order, but Inductor does
+not promise where it rounds fused bf16/fp16 intermediates: with ``emulate_precision_casts=False``
+(its default) a low-precision pointwise result that is fused into its consumer stays in fp32,
+one that is materialized is rounded. Whether ``x + residual`` is materialized before the norm
+reads it depends on its other readers (Inductor realizes a sum that is also a graph output, and
+inlines one read by an all-gather), and the rewrite changes those readers, so bf16/fp16 torch-form
+norms may round differently from the graph without the pass (measured in
+tests/e2e/test_norm_numerics_e2e.py: at most 2 ulp, in about a fifth of the outputs). With
+``torch._inductor.config.emulate_precision_casts = True`` both graphs round every eager-level op as
+eager does, and the rewrite is bitwise: AOT autograd marks eager-level low-precision ops
+(``low_precision_pointwise_barrier``) for Inductor, the nodes a pattern replacement inserts lose
+that mark, and :func:`round_residual_adds` puts it back on the one op of the replacements whose
+rounding a fused kernel would skip, the residual add. fp32, and fp4fuse's own norm ops (opaque
+to Inductor), are bitwise either way.
 """
 from __future__ import annotations
 
@@ -34,26 +52,33 @@ import abc
 import dataclasses
 import enum
 import logging
+import math
 from typing import Any, ClassVar
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch._inductor import config as inductor_config
 from torch._inductor import pattern_matcher as pm
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fp4fuse.distributed import groups
 from fp4fuse.ops import sp_ops  # noqa: F401  (registers fp4fuse::shard_rows)
-from fp4fuse.patterns.base import ReplacementPattern, fake_value, get_arg, is_call
+from fp4fuse.patterns.base import (
+    CollectiveKind, ReplacementPattern, erase_if_unused, fake_value, find_collectives, get_arg, insert_call, is_call,
+)
+from fp4fuse.patterns.rank_uniform import RankUniformity
 
 __all__ = [
     "EXAMPLE_EPS", "NORM_SETS", "NormFamily", "NormSet", "Position", "SPGroup", "SPMatch", "SPPattern",
-    "guard_token_count",
+    "guard_token_count", "round_residual_adds", "views_before_all_reduces",
 ]
 
 logger = logging.getLogger(__name__)
 
+aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 # The eps of a pattern is a wildcard (register_replacement's scalar_workaround): any float of the
 # traced pattern equal to this value becomes a keyword argument. It must survive a round trip
@@ -110,12 +135,20 @@ def shard_rows(x: torch.Tensor, group: SPGroup) -> torch.Tensor:
     return torch.ops.fp4fuse.shard_rows(x, group.name)
 
 
+def rows(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., hidden]`` as ``[tokens, hidden]`` (a view; no node for a 2-D x once traced)."""
+    return x.reshape(-1, x.shape[-1])
+
+
 # --------------------------------------------------------------------------- matches
 
 
 @dataclasses.dataclass(frozen=True)
 class SPMatch:
-    """What the check of an SP match looks at (decoded from a specific pattern match)."""
+    """What the check of an SP match looks at (decoded from a specific pattern match).
+
+    ``tokens`` is the number of rows that are split: the product of the leading dimensions of
+    the all-reduced ``[..., hidden]`` activation."""
 
     all_reduce: fx.Node
     input: fx.Node
@@ -129,7 +162,7 @@ class SPMatch:
         reduce = next(n for n in match.nodes if is_call(n, c10d.all_reduce) and get_arg(n, 1, "reduce_op") == "sum")
         x = get_arg(reduce, 0, "input")
         shape = tuple(fake_value(x).shape)
-        return cls(reduce, x, match.kwargs.get("residual"), match.kwargs["weight"], shape[0], shape)
+        return cls(reduce, x, match.kwargs.get("residual"), match.kwargs["weight"], math.prod(shape[:-1]), shape)
 
 
 def _shape_of(node: Any) -> tuple[Any, ...] | None:
@@ -177,7 +210,8 @@ def guard_token_count(tokens: int | torch.SymInt, group_size: int, min_tokens: i
 class SPPattern(ReplacementPattern):
     """``all_reduce -> [add residual ->] norm`` -> its sequence-parallel form.
 
-    Before / after per position (``rs`` reduce_scatter, ``ag`` all_gather, all along dim 0)::
+    Before / after per position (``rs`` reduce_scatter, ``ag`` all_gather, all along dim 0 of
+    the rows; every output viewed back to ``x``'s shape)::
 
         FIRST   y = all_reduce(x); out = norm(y)            ->  y_r = rs(x); out = ag(norm(y_r)); y = ag(y_r)
         MIDDLE  out, t = add_norm(all_reduce(x), res)       ->  out_r, t_r = add_norm(rs(x), shard_rows(res))
@@ -186,14 +220,17 @@ class SPPattern(ReplacementPattern):
                                                                 out = ag(out_r)
 
     ``check`` rejects (with the reason) a residual that broadcasts, a norm weight that is not one
-    row of ``hidden`` values, and a token count that is not divisible by the group size or is
-    below ``min_tokens`` (a symbolic count is guarded instead, see :func:`guard_token_count`).
+    row of ``hidden`` values, a norm weight or residual that may differ across ranks
+    (:class:`~fp4fuse.patterns.rank_uniform.RankUniformity`), and a token count that is not
+    divisible by the group size or is below ``min_tokens`` (a symbolic count is guarded instead,
+    see :func:`guard_token_count`). ``ndim`` is the rank of the activations the pattern is traced
+    with (a norm over ``dim=-1`` traces to the positive dim, so each rank needs its own pattern).
     """
 
-    def __init__(self, family: NormFamily, position: Position, group: SPGroup,
-                 dtype: torch.dtype = torch.bfloat16, min_tokens: int = 0) -> None:
-        self.family, self.position, self.group = family, position, group
-        self.dtype, self.min_tokens = dtype, min_tokens
+    def __init__(self, family: NormFamily, position: Position, group: SPGroup, uniformity: RankUniformity,
+                 dtype: torch.dtype = torch.bfloat16, min_tokens: int = 0, ndim: int = 2) -> None:
+        self.family, self.position, self.group, self.uniformity = family, position, group, uniformity
+        self.dtype, self.min_tokens, self.ndim = dtype, min_tokens, ndim
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -205,11 +242,11 @@ class SPPattern(ReplacementPattern):
         return ["x"] + (["residual"] if self.position is not Position.FIRST else []) + ["weight", "eps"]
 
     def example_inputs(self) -> list[Any]:
-        rows, hidden = 4 * self.group.size, 32
+        shape = (2,) * (self.ndim - 2) + (4 * self.group.size, 32)
         tensors = {
-            "x": torch.empty(rows, hidden, dtype=self.dtype),
-            "residual": torch.empty(rows, hidden, dtype=self.dtype),
-            "weight": torch.empty(hidden, dtype=self.dtype),
+            "x": torch.empty(shape, dtype=self.dtype),
+            "residual": torch.empty(shape, dtype=self.dtype),
+            "weight": torch.empty(shape[-1], dtype=self.dtype),
         }
         return [tensors[n] for n in self.arg_names() if n != "eps"]
 
@@ -223,20 +260,30 @@ class SPPattern(ReplacementPattern):
 
     def replacement(self, *args: Any) -> Any:
         a = dict(zip(self.arg_names(), args))
-        shard = reduce_scatter_rows(a["x"], self.group)
+        x = a["x"]
+
+        def gathered(shard: torch.Tensor) -> torch.Tensor:
+            # a 2-D x is not viewed back: with a symbolic token count that view would read x's
+            # size (a sym_size node keeping x's producer, e.g. an mm_fp4, from fusing)
+            full = all_gather_rows(shard, self.group)
+            return full if x.dim() == 2 else full.view(x.shape)
+
+        shard = reduce_scatter_rows(rows(x), self.group)
         if self.position is Position.FIRST:
-            out = self.family.norm(shard, a["weight"], a["eps"])
-            return all_gather_rows(out, self.group), all_gather_rows(shard, self.group)
-        residual = shard_rows(a["residual"], self.group)
+            return gathered(self.family.norm(shard, a["weight"], a["eps"])), gathered(shard)
+        residual = shard_rows(rows(a["residual"]), self.group)
         out, residual_shard = self.family.add_norm(shard, residual, a["weight"], a["eps"])
         if self.position is Position.LAST:
-            return all_gather_rows(out, self.group)
-        return all_gather_rows(out, self.group), all_gather_rows(residual_shard, self.group)
+            return gathered(out)
+        return gathered(out), gathered(residual_shard)
+
+    def anchor(self, match: pm.Match) -> fx.Node:
+        return SPMatch.decode(match).all_reduce
 
     def check(self, match: pm.Match) -> str | None:
         m = SPMatch.decode(match)
         if len(m.shape) < 2:
-            return f"input of the all_reduce has shape {list(m.shape)}: need [tokens, hidden]"
+            return f"input of the all_reduce has shape {list(m.shape)}: need [..., hidden]"
         hidden = m.shape[-1]
         if m.residual is not None and _shape_of(m.residual) != m.shape:
             return (f"residual shape {_shape_of(m.residual)} differs from the all_reduce's {list(m.shape)} "
@@ -244,7 +291,13 @@ class SPPattern(ReplacementPattern):
         weight_shape = _shape_of(m.weight)
         if weight_shape is None or len(weight_shape) != 1 or not _is_exactly(weight_shape[0], hidden):
             return f"norm weight shape {weight_shape} is not [hidden={hidden}] (it must not vary by row)"
-        return guard_token_count(m.tokens, self.group.size, self.min_tokens)
+        operands = [("norm weight", m.weight)] + ([("residual", m.residual)] if m.residual is not None else [])
+        reason, relies_on = self.uniformity.prove(self.group.name, operands)
+        if reason is None:
+            reason = guard_token_count(m.tokens, self.group.size, self.min_tokens)
+        if reason is None:
+            self.uniformity.rely_on(self.group.name, relies_on)
+        return reason
 
     def scalar_workaround(self) -> dict[str, float]:
         return {"eps": EXAMPLE_EPS}
@@ -315,10 +368,12 @@ class NormSet:
     def present(self, graph: fx.Graph) -> bool:
         return any(graph.find_nodes(op="call_function", target=t) for t in self.marker_ops)
 
-    def build_patterns(self, group: SPGroup, dtype: torch.dtype, min_tokens: int = 0) -> list[SPPattern]:
-        """Every family and position (and, for the torch forms, both add orders) for ``group`` and
-        one activation dtype. A dtype-generic set (fp4fuse's ops) traces the same for every dtype;
-        the torch forms trace fp32 without the casts of bf16/fp16 (fp16 traces like bf16)."""
+    def build_patterns(self, group: SPGroup, uniformity: RankUniformity, dtype: torch.dtype,
+                       ndim: int = 2, min_tokens: int = 0) -> list[SPPattern]:
+        """Every family and position (and, for the torch forms, both add orders) for ``group``,
+        one activation dtype and one activation rank. A dtype-generic set (fp4fuse's ops) traces
+        the same for every dtype; the torch forms trace fp32 without the casts of bf16/fp16 (fp16
+        traces like bf16)."""
         example_dtype = torch.bfloat16 if self.dtype_generic or dtype != torch.float32 else torch.float32
         patterns = []
         for family in self.families:
@@ -326,7 +381,7 @@ class NormSet:
                 orders = (False,) if family is FP4FuseNorm or pos is Position.FIRST else (False, True)
                 for residual_first in orders:
                     norm = family() if family is FP4FuseNorm else family(residual_first)
-                    patterns.append(SPPattern(norm, pos, group, example_dtype, min_tokens))
+                    patterns.append(SPPattern(norm, pos, group, uniformity, example_dtype, min_tokens, ndim))
         return patterns
 
 
@@ -337,3 +392,60 @@ NORM_SETS: tuple[NormSet, ...] = (
     NormSet("torch", (TorchFunctionalNorm, TorchManualNorm, TorchFP32Norm),
             (torch.ops.aten.rsqrt.default,), False),
 )
+
+
+# --------------------------------------------------------------------------- graph canonicalization
+
+
+def views_before_all_reduces(graph: fx.Graph, group_name: str) -> int:
+    """Move views of all-reduced tensors before the all-reduce (module docstring); returns how
+    many all-reduces over ``group_name`` moved. Before / after::
+
+        y = wait(all_reduce(p, op, g)); v = view(y, shape)  ->  v = wait(all_reduce(reshape(p, shape), op, g))
+
+    Only an all-reduce whose every reader is a view to one shape moves (exact: a reduction over
+    ranks commutes with a view)."""
+    moved = 0
+    for c in find_collectives(graph, CollectiveKind.ALL_REDUCE):
+        if c.group_name != group_name or c.wait is None or not c.wait.users:
+            continue
+        views = sorted(c.wait.users)
+        if not all(is_call(v, *_VIEWS) for v in views) or len({tuple(fake_value(v).shape) for v in views}) != 1:
+            continue
+        first = views[0]
+        with graph.inserting_before(first):
+            view = insert_call(graph, aten.reshape.default, (c.input, get_arg(first, 1, "size")))
+            reduced = insert_call(graph, c10d.all_reduce.default, (view, c.reduce_op, c.group_name))
+            waited = insert_call(graph, c10d.wait_tensor.default, (reduced,))
+        for v in views:
+            v.replace_all_uses_with(waited)
+        erase_if_unused([*views, c.wait, c.node])
+        moved += 1
+    return moved
+
+
+def round_residual_adds(graph: fx.Graph, group_name: str) -> int:
+    """Under ``emulate_precision_casts``, mark the residual adds of rewritten bf16/fp16 norms as
+    eager-level ops, as AOT autograd marked the adds they replace (module docstring, "Numerics"):
+    ``add(wait(reduce_scatter(..., group)), shard_rows(...))`` in either order, an add only the
+    replacements above write. Returns how many were marked (none without the setting)."""
+    if not inductor_config.emulate_precision_casts:
+        return 0
+    marked = 0
+    for add in graph.find_nodes(op="call_function", target=aten.add.Tensor):
+        args = [a for a in add.args if isinstance(a, fx.Node)]
+        val = fake_value(add)
+        if (len(args) == 2 and isinstance(val, torch.Tensor) and val.dtype in (torch.bfloat16, torch.float16)
+                and any(_is_local_shard(a, group_name) for a in args)
+                and any(is_call(a, torch.ops.fp4fuse.shard_rows) for a in args)):
+            add.meta["low_precision_pointwise_barrier"] = True
+            marked += 1
+    return marked
+
+
+def _is_local_shard(node: fx.Node, group_name: str) -> bool:
+    """``node`` is ``wait(reduce_scatter(..., group_name))``."""
+    if not is_call(node, c10d.wait_tensor):
+        return False
+    collective = get_arg(node, 0, "input")
+    return is_call(collective, c10d.reduce_scatter_tensor) and get_arg(collective, 3, "group_name") == group_name

@@ -168,7 +168,8 @@ class _Loader:
         gs = self._global_scales(gs_key, names)
         if gs.numel() > 1:
             s, gs = merge_part_scales(s, sl.part_rows, gs, gs_key)
-        layer.load_quantized_weight(q.contiguous(), s, gs)
+        device = (self.device or torch.device("cpu")) if layer.weight_q.device.type == "meta" else layer.weight_q.device
+        layer.load_quantized_weight(q.contiguous().to(device), s.to(device), gs.to(device))
         self._bias(name, layer, sl, layer.out_dtype)
         input_key = f"{name}.{names.input_global_scale}"
         if input_key in self.files:

@@ -198,7 +198,9 @@ def test_dynamic_token_count(cache_dir):
 
 def test_torch_norm_static_scale_matches_unfused_compile(cache_dir):
     """Native torch RMSNorm (F.rms_norm), static activation scale, SP + AsyncTP: bitwise equal to
-    the same model compiled without fusion (Inductor's own norm differs from eager's)."""
+    the same model compiled without fusion (Inductor's own norm differs from eager's). This holds
+    for this model's graphs; in general Inductor's rounding of fused bf16 intermediates depends on
+    the graph, see tests/e2e/test_norm_numerics_e2e.py."""
     run = Run(async_tp=True, norm="torch_functional", act_global_scale=8.0, tokens=(128,), reference="compiled")
     (result,) = run_ranks(run, cache_dir)
     assert result["compiled_graphs"] == 1 and result["reference_graphs"] == 1  # two graphs, not one reused
