@@ -36,7 +36,7 @@ import hf_tiny  # noqa: E402
 from dist_utils import run_on_ranks  # noqa: E402
 from fp4fuse.tp import (  # noqa: E402
     ColumnParallelLinear, ColumnParallelNVFP4Linear, NVFP4Linear, RowParallelLinear, RowParallelNVFP4Linear,
-    WeightFormat, parallelize,
+    VocabParallelEmbedding, WeightFormat, parallelize,
 )
 from fp4fuse.tp.plan import ParallelStyle, resolve_plan  # noqa: E402
 
@@ -100,7 +100,7 @@ def test_layers_replace_only_planned_linears(fake_group):
     assert type(mlp.up_proj) is ColumnParallelNVFP4Linear and type(mlp.down_proj) is RowParallelNVFP4Linear
     assert attn.q_proj.weight_q.shape == (48, 48) and attn.q_proj.bias.shape == (48,)   # rank 0 of 2
     assert attn.o_proj.weight_q.shape == (96, 24) and attn.o_proj.bias is None
-    assert type(model.lm_head) is nn.Linear and type(model.model.embed_tokens) is nn.Embedding
+    assert type(model.lm_head) is nn.Linear and type(model.model.embed_tokens) is VocabParallelEmbedding
     dense = parallelize(hf_tiny.build("qwen2"), weight_format=WeightFormat.BF16)
     q = dense.model.layers[0].self_attn.q_proj
     assert type(q) is ColumnParallelLinear and q.weight.shape == (48, 96) and q.bias.shape == (48,)

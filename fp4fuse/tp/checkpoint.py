@@ -36,6 +36,7 @@ from fp4fuse.tp.checkpoint_layouts import (
     LAYOUT_NAMES, BlockScaleLayout, CheckpointLayout, LayoutNames, encode_global_scales, merge_part_scales,
 )
 from fp4fuse.tp.dense import ColumnParallelLinear, RowParallelLinear
+from fp4fuse.tp.layers import VocabParallelEmbedding
 from fp4fuse.tp.linear import ColumnParallelNVFP4Linear, NVFP4Linear, RowParallelNVFP4Linear
 from fp4fuse.tp.safetensors_files import CheckpointFiles
 
@@ -202,6 +203,15 @@ class _Loader:
         self._bias(name, layer, sl, layer.weight.dtype)
         self.report.dense_linears.append(name)
 
+    def vocab_embedding(self, name: str, layer: VocabParallelEmbedding) -> None:
+        """This rank's rows ``[vocab_start, vocab_end)`` of the full embedding table."""
+        key = f"{name}.weight"
+        self._expect(key, (layer.num_embeddings, layer.weight.shape[1]),
+                     (torch.bfloat16, torch.float16, torch.float32), "an embedding table [vocab, hidden]")
+        rows = self._rows(key, ((layer.vocab_start, layer.vocab_end),), None)
+        self._assign(layer, "weight", rows.to(layer.weight.dtype))
+        self.report.tensors.append(key)
+
     def _assign(self, module: nn.Module, attr: str, value: torch.Tensor) -> None:
         """Copy into ``module.attr`` in place (ties survive), or replace it where it is on meta."""
         current = getattr(module, attr)
@@ -264,6 +274,9 @@ def load_checkpoint(model: nn.Module, path: str | pathlib.Path, *, layout: Check
                 tp_layers[name] = module
             elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 loader.dense_linear(name, module)
+                tp_layers[name] = module
+            elif isinstance(module, VocabParallelEmbedding):
+                loader.vocab_embedding(name, module)
                 tp_layers[name] = module
         loader.plain_state(model, set(tp_layers))
         report = loader.report

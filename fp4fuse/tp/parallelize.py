@@ -9,8 +9,13 @@ parallelism with NVFP4 (or unquantized) linears, in place.
     #   row-parallel NVFP4 linear holding this rank's shard
 
 What changes: each planned ``nn.Linear`` is replaced by a column- or row-parallel linear built
-from its weight and bias (fp4fuse.tp.linear for NVFP4, fp4fuse.tp.dense for the model's dtype);
-nothing else is touched. Embeddings, norms and the LM head stay replicated. Attention keeps
+from its weight and bias (fp4fuse.tp.linear for NVFP4, fp4fuse.tp.dense for the model's dtype),
+and the input embedding (``model.get_input_embeddings()``) by a vocab-parallel one
+(``embedding=True``, the default): each rank holds ``vocab / size`` rows and one all-reduce sums
+the lookups. That all-reduce is what lets sequence parallelism fuse a Hugging Face model without a
+per-call check: the residual stream starts as a collective's result, the same on every rank by
+construction (fp4fuse.patterns.rank_uniform), where a replicated embedding computes it from the
+per-call ``input_ids``. Norms and the LM head stay replicated. Attention keeps
 working because Hugging Face attention infers its head count from the projection width
 (``view(*input_shape, -1, head_dim)``): q/k/v hold ``heads / size`` whole heads on each rank, which
 ``parallelize`` checks against ``config.num_attention_heads`` / ``num_key_value_heads``.
@@ -27,6 +32,7 @@ from torch import nn
 
 from fp4fuse.nvfp4 import format as nvfp4
 from fp4fuse.tp.dense import ColumnParallelLinear, RowParallelLinear
+from fp4fuse.tp.layers import VocabParallelEmbedding
 from fp4fuse.tp.linear import ColumnParallelNVFP4Linear, RowParallelNVFP4Linear, global_scale_tensor
 from fp4fuse.tp.parallel import TPGroup
 from fp4fuse.tp.plan import ParallelStyle, resolve_plan
@@ -60,7 +66,8 @@ _LAYERS = {
 
 def parallelize(model: nn.Module, group: dist.ProcessGroup | None = None, plan: Mapping[str, object] | None = None,
                 *, weight_format: WeightFormat = WeightFormat.NVFP4,
-                activation_scales: Mapping[str, float | torch.Tensor] | None = None) -> nn.Module:
+                activation_scales: Mapping[str, float | torch.Tensor] | None = None,
+                embedding: bool = True) -> nn.Module:
     """Replace the ``nn.Linear`` modules named by ``plan`` with tensor-parallel linears; return ``model``.
 
     ``group``: the TP process group (default: the default group); call on every rank of it.
@@ -75,6 +82,9 @@ def parallelize(model: nn.Module, group: dist.ProcessGroup | None = None, plan: 
     for NVFP4 linears, each an encode-convention scale ``448 * 6 / amax`` (float or one-element
     tensor; finite, > 0) held by its layer as the buffer ``input_global_scale``: model state, in the
     state_dict and a tensor input of compiled graphs. Names not in the plan are an error.
+    ``embedding``: shard the input embedding over the vocabulary (``VocabParallelEmbedding``, its
+    lookups summed by a functional all-reduce); left replicated, with a warning, when the vocabulary
+    does not divide by the TP size or the model has no ``nn.Embedding`` input embedding.
 
     Raises ``ValueError`` naming the module for a dimension that does not split (features not
     divisible by the TP size; NVFP4 needs 16 | K and 16 | K / size for row-parallel), a head count
@@ -100,11 +110,29 @@ def parallelize(model: nn.Module, group: dist.ProcessGroup | None = None, plan: 
             layer = layer_cls.from_linear(linear, tp)
         parent, _, child = name.rpartition(".")
         setattr(modules[parent] if parent else model, child, layer)
+    if embedding:
+        _shard_input_embedding(model, tp)
     logger.info("parallelize: %d linears on TP=%d (rank %d, %s): %d column-parallel, %d row-parallel, "
                 "%d static activation scales", len(styles), tp.size, tp.rank, weight_format.value,
                 sum(s is ParallelStyle.COLWISE for s in styles.values()),
                 sum(s is ParallelStyle.ROWWISE for s in styles.values()), len(scales))
     return model
+
+
+def _shard_input_embedding(model: nn.Module, tp: TPGroup) -> None:
+    """Replace ``model.get_input_embeddings()`` by a ``VocabParallelEmbedding`` of its weight."""
+    getter = getattr(model, "get_input_embeddings", None)
+    table = getter() if callable(getter) else None
+    if not isinstance(table, nn.Embedding):
+        logger.warning("parallelize: %s has no nn.Embedding input embedding; it stays as it is",
+                       type(model).__name__)
+        return
+    if table.num_embeddings % tp.size:
+        logger.warning("parallelize: vocabulary %d does not divide by the TP size %d; the input embedding "
+                       "stays replicated (sequence parallelism then needs FusionConfig(rank_check='always'))",
+                       table.num_embeddings, tp.size)
+        return
+    model.set_input_embeddings(VocabParallelEmbedding(table.weight.detach(), tp))
 
 
 def _config_plan(model: nn.Module) -> Mapping[str, object]:
