@@ -13,9 +13,12 @@ rank from the same weights and timed in the same process, interleaved round by r
 * ``bf16``: the TP model with bf16 linears, ``torch.compile`` (no fp4fuse pass);
 * ``nvfp4``: NVFP4 linears (dynamic activation scales), ``torch.compile`` without fp4fuse;
 * ``lowered``: + ``FusionPass(FusionConfig())``: no fusion, fp4fuse's op calls lowered to kernels;
-* ``sp``: + sequence parallelism;
-* ``fp4fuse``: + sequence parallelism + AsyncTP, shipped defaults (what a serving engine's flag does);
+* ``sp``: + sequence parallelism at every size (``min_tokens=0``);
+* ``fp4fuse``: + sequence parallelism + AsyncTP, shipped defaults (what a serving engine's flag
+  does: each rewrite only from its measured crossover, fp4fuse.patterns.thresholds);
 * ``forced``: the same with every threshold at 0 (``min_tokens=0``, ``FP4FUSE_OVERLAP_MIN_ROWS=0``).
+
+A variant whose compile or first call fails is reported and dropped (the others still run).
 
 Token counts T are shaped like serving batches: up to 128 tokens as decode steps ``[T, 1]``
 (T sequences of one token), above as prefill chunks ``[T / 512, 512]``. The batch dimension is
@@ -112,7 +115,7 @@ def _compiled_variants(args: BenchArgs, models: dict[Any, Any], mode: str) -> di
     configs = {
         "nvfp4": None,
         "lowered": Cfg(),
-        "sp": Cfg(enable_sequence_parallelism=True),
+        "sp": Cfg(enable_sequence_parallelism=True, min_tokens=0),
         "fp4fuse": Cfg(enable_async_tp=True),
         "forced": Cfg(enable_async_tp=True, min_tokens=0),
     }
@@ -169,7 +172,7 @@ def _rank_main(args: BenchArgs) -> dict[str, Any]:
     say = log if rank == 0 else (lambda msg: None)
     say(f"building {args.layers}-layer Llama (hidden {args.hidden}, ffn {args.ffn}) at TP={args.tp}")
     models = _build_models(args, device, group)
-    results: dict[str, Any] = {"times": {}, "counts": {}, "max_rel_diff": {}}
+    results: dict[str, Any] = {"times": {}, "counts": {}, "max_rel_diff": {}, "errors": {}}
     for mode in args.modes:
         variants = _compiled_variants(args, models, mode)
         for tokens in args.tokens:
@@ -177,12 +180,18 @@ def _rank_main(args: BenchArgs) -> dict[str, Any]:
             ids = torch.randint(0, 32000, (batch, seq), generator=torch.Generator().manual_seed(tokens)).to(device)
             torch._dynamo.mark_dynamic(ids, 0)
             outs, calls = {}, {}
-            for name, (model, _) in variants.items():
+            for name, (model, _) in list(variants.items()):
                 say(f"{mode} T={tokens}: compiling / warming up {name}")
-                with _ForcedOverlap(name == "forced"), torch.no_grad():
-                    for _ in range(3):
-                        out = model(input_ids=ids).last_hidden_state
-                    outs[name] = out.float().clone()
+                try:
+                    with _ForcedOverlap(name == "forced"), torch.no_grad():
+                        for _ in range(3):
+                            out = model(input_ids=ids).last_hidden_state
+                        outs[name] = out.float().clone()
+                except Exception as exc:  # noqa: BLE001 - reported; the other variants still run
+                    log(f"rank {rank}: {mode} T={tokens} {name} failed: {type(exc).__name__}: {exc}"[:2000])
+                    results["errors"][f"{mode}/{tokens}/{name}"] = f"{type(exc).__name__}: {exc}"[:2000]
+                    del variants[name]
+                    continue
                 calls[name] = (lambda m=model: m(input_ids=ids).last_hidden_state)
             ref = outs.get("nvfp4")
             for name, out in outs.items():
@@ -250,6 +259,8 @@ def render_markdown(raw: dict[str, Any]) -> str:
     lines += ["## Fusions per compiled model (cumulative over its graphs)", ""]
     for key, counts in sorted(raw["counts"].items()):
         lines.append(f"- `{key}`: " + (", ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "none"))
+    for key, error in sorted(raw.get("errors", {}).items()):
+        lines.append(f"- failed: `{key}`: {error[:300]}")
     diffs = raw.get("max_rel_diff", {})
     if diffs:
         worst = max((v for k, v in diffs.items() if not k.endswith("/bf16")), default=0.0)

@@ -85,7 +85,9 @@ class FusionConfig:
             separate small-batch graph without SP/AsyncTP, where they do not pay). The token count
             is the number of rows of the full, unsharded activation: the input rows of a
             reduce-scatter or all-reduce, ``group_size x`` the shard rows of an all-gather.
-            0 (default) fuses at every size.
+            ``None`` (default): the measured crossovers of fp4fuse.patterns.thresholds on CUDA
+            (each rewrite fires where it measured faster), every size elsewhere; 0 fuses at every
+            size; a dynamic count is decided by its size hint, with a guard on the side chosen.
         lower_kernels: replace fp4fuse's op calls on CUDA by the Triton launches they run, so the
             compiled graph launches kernels without a Python op call per kernel
             (KernelLoweringPass, the last pass; on by default, also when no fusion is enabled).
@@ -99,7 +101,7 @@ class FusionConfig:
     enable_sequence_parallelism: bool = False
     enable_async_tp: bool = False
     enable_bf16_async_tp: bool = False
-    min_tokens: int = 0
+    min_tokens: int | None = None
     lower_kernels: bool = True
     rank_check: RankCheck = RankCheck.FIRST
     log_level: str | None = None
@@ -108,9 +110,9 @@ class FusionConfig:
         for f in ("enable_sequence_parallelism", "enable_async_tp", "enable_bf16_async_tp", "lower_kernels"):
             if not isinstance(getattr(self, f), bool):
                 raise TypeError(f"FusionConfig.{f} must be a bool, got {getattr(self, f)!r}")
-        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int):
-            raise TypeError(f"FusionConfig.min_tokens must be an int, got {self.min_tokens!r}")
-        if self.min_tokens < 0:
+        if self.min_tokens is not None and (isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int)):
+            raise TypeError(f"FusionConfig.min_tokens must be an int or None, got {self.min_tokens!r}")
+        if self.min_tokens is not None and self.min_tokens < 0:
             raise ValueError(f"FusionConfig.min_tokens must be >= 0, got {self.min_tokens}")
         if not isinstance(self.rank_check, RankCheck):
             allowed = ", ".join(m.value for m in RankCheck)

@@ -11,7 +11,7 @@ from fp4fuse.config import ENV_VARS, FusionConfig, RankCheck
 def test_defaults_run_no_fusion():
     cfg = FusionConfig()
     assert not cfg.enable_sequence_parallelism and not cfg.enable_async_tp and not cfg.enable_bf16_async_tp
-    assert cfg.min_tokens == 0 and cfg.log_level is None
+    assert cfg.min_tokens is None and cfg.log_level is None
 
 
 def test_async_tp_implies_sp_and_bf16_implies_async_tp():

@@ -22,7 +22,7 @@ READERS: dict[str, tuple[Callable[[], Any], Any]] = {
     "FP4FUSE_ENABLE_SP": (lambda: FusionConfig.from_env().enable_sequence_parallelism, False),
     "FP4FUSE_ENABLE_ASYNC_TP": (lambda: FusionConfig.from_env().enable_async_tp, False),
     "FP4FUSE_ENABLE_BF16_ASYNC_TP": (lambda: FusionConfig.from_env().enable_bf16_async_tp, False),
-    "FP4FUSE_MIN_TOKENS": (lambda: FusionConfig.from_env().min_tokens, 0),
+    "FP4FUSE_MIN_TOKENS": (lambda: FusionConfig.from_env().min_tokens, None),
     "FP4FUSE_LOG_LEVEL": (lambda: FusionConfig.from_env().log_level, None),
     "FP4FUSE_LOWER_KERNELS": (lambda: FusionConfig.from_env().lower_kernels, True),
     "FP4FUSE_RANK_CHECK": (lambda: FusionConfig.from_env().rank_check, RankCheck.FIRST),

@@ -5,6 +5,7 @@ import logging
 
 import pytest
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 import torch.distributed as dist
 from torch._inductor import pattern_matcher as pm
 from torch._inductor.pattern_matcher import fwd_only
@@ -32,15 +33,33 @@ def test_token_count_reason_static():
     assert token_count_reason(9, 2, 9, require_divisible=False) is None
 
 
-def test_token_count_reason_symbolic_needs_a_proof():
-    mode = FakeTensorMode(shape_env=ShapeEnv())
+def _symbolic(hint: int) -> tuple[ShapeEnv, torch.SymInt]:
+    env = ShapeEnv()
     ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC])
-    s0 = mode.from_tensor(torch.empty(6), symbolic_context=ctx).shape[0]
+    s0 = FakeTensorMode(shape_env=env).from_tensor(torch.empty(hint), symbolic_context=ctx).shape[0]
     assert isinstance(s0, torch.SymInt)
+    return env, s0
+
+
+def test_token_count_reason_symbolic_divisibility_needs_a_proof():
+    _, s0 = _symbolic(6)
     assert "dynamic token count" in token_count_reason(s0, 2, 0, require_divisible=True)
     assert token_count_reason(2 * s0, 2, 0, require_divisible=True) is None
-    assert "below min_tokens=5" in token_count_reason(2 * s0, 2, 5, require_divisible=True)
     assert token_count_reason(2 * s0, 2, 4, require_divisible=True) is None  # a dynamic size is >= 2
+
+
+@pytest.mark.parametrize("min_tokens, fires", [(12, True), (13, False)])
+def test_symbolic_threshold_is_decided_by_the_hint_and_guarded_on_that_side(min_tokens, fires):
+    """2 * s0 with hint 12: the decision follows the hint and a guard pins it, so the shape
+    environment then proves the decision for every size the graph serves."""
+    env, s0 = _symbolic(6)
+    reason = token_count_reason(2 * s0, 2, min_tokens, require_divisible=True)
+    assert (reason is None) is fires
+    if fires:
+        assert statically_known_true(2 * s0 >= min_tokens)
+    else:
+        assert "below min_tokens=13 (guarded)" in reason
+    assert any(str(min_tokens) in str(g.expr) for g in env.guards), f"no guard on {min_tokens}: {env.guards}"
 
 
 def _collectives(x):

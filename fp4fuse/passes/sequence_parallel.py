@@ -54,6 +54,7 @@ from fp4fuse.patterns import base, collectives, quant_before_gather, rank_unifor
 from fp4fuse.patterns.base import CollectiveKind, erase_if_unused, fake_value, find_collectives, get_arg, is_call
 from fp4fuse.patterns.quant_before_gather import QuantBeforeGather
 from fp4fuse.patterns.rank_uniform import RankCheckSite, RankUniformity
+from fp4fuse.patterns.thresholds import sp_min_tokens
 from fp4fuse.patterns.sequence_parallel import (
     NORM_SETS, NormSet, SPGroup, round_residual_adds, views_before_all_reduces,
 )
@@ -176,16 +177,26 @@ class SequenceParallelismPass(GraphPass):
     def _patterns_for(self, group: SPGroup, graph: fx.Graph) -> pm.PatternMatcherPass:
         """The group's pattern pass, with the norm families, dtypes and activation ranks of
         ``graph`` registered (each once per pass instance)."""
-        pm_pass = self._patterns.get(group)
+        min_tokens = sp_min_tokens(self.config.min_tokens, self._device_of(group, graph))
+        pm_pass = self._patterns.get((group, min_tokens))
         if pm_pass is None:
-            pm_pass = self._patterns[group] = pm.PatternMatcherPass(pass_name=f"{self.name}[{group.name}]")
+            pm_pass = self._patterns[group, min_tokens] = pm.PatternMatcherPass(pass_name=f"{self.name}[{group.name}]")
         for norm_set, dtype, ndim in self._blocks_needed(group, graph):
-            if (group, norm_set.name, dtype, ndim) in self._registered:
+            if (group, min_tokens, norm_set.name, dtype, ndim) in self._registered:
                 continue
-            for pattern in norm_set.build_patterns(group, self.uniformity, dtype, ndim, self.config.min_tokens):
+            for pattern in norm_set.build_patterns(group, self.uniformity, dtype, ndim, min_tokens):
                 pattern.register(pm_pass, self.recorder)
-            self._registered.add((group, norm_set.name, dtype, ndim))
+            self._registered.add((group, min_tokens, norm_set.name, dtype, ndim))
         return pm_pass
+
+    @staticmethod
+    def _device_of(group: SPGroup, graph: fx.Graph) -> torch.device:
+        """The device of the group's all-reduced activations in ``graph`` (CPU if none is known)."""
+        for c in find_collectives(graph, CollectiveKind.ALL_REDUCE):
+            val = fake_value(c.input)
+            if c.group_name == group.name and isinstance(val, torch.Tensor):
+                return val.device
+        return torch.device("cpu")
 
     @staticmethod
     def _blocks_needed(group: SPGroup, graph: fx.Graph) -> list[tuple[NormSet, torch.dtype, int]]:

@@ -89,7 +89,7 @@ class AllGatherMm(GraphRewrite[AllGatherMmMatch]):
         reason = (_device_reason(g.shard, "fused_all_gather_matmul")
                   or group_size_reason(g.collective.group_name, g.collective.group_size)
                   or token_count_reason(fake_value(g.shard).shape[0] * g.collective.group_size,
-                                        g.collective.group_size, self.config.min_tokens, require_divisible=False))
+                                        g.collective.group_size, self.config.min_tokens or 0, require_divisible=False))
         if reason is not None:
             return reason
         first = match.readers[0]
@@ -154,7 +154,7 @@ class MmReduceScatter(GraphRewrite[MmReduceScatterMatch]):
         assert rs.group_size is not None
         return (_device_reason(match.mm, "fused_matmul_reduce_scatter")
                 or group_size_reason(rs.group_name, rs.group_size)
-                or token_count_reason(fake_value(match.mm).shape[0], rs.group_size, self.config.min_tokens,
+                or token_count_reason(fake_value(match.mm).shape[0], rs.group_size, self.config.min_tokens or 0,
                                       require_divisible=True))
 
     def rewrite(self, match: MmReduceScatterMatch) -> str:

@@ -29,10 +29,12 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from fp4fuse.distributed.symm_mem.policy import CollectiveGemmKind
 from fp4fuse.patterns.base import (
     CollectiveKind, GraphRewrite, erase_if_unused, fake_value, find_collectives, get_arg, insert_call,
     is_call, token_count_reason,
 )
+from fp4fuse.patterns.thresholds import async_tp_min_rows
 from fp4fuse.patterns.collectives import (
     GatheredTensor, ScatterSource, chain_nodes, decode_gathered, decode_scatter_source, external_users,
     group_size_reason, redirect_gathered,
@@ -147,7 +149,9 @@ class AllGatherMmFp4(GraphRewrite[AllGatherMmFp4Match]):
         if not statically_known_true(_rows(data.shard) == _rows(scale.shard)):
             return f"a has {_rows(data.shard)} rows per rank but a_scale has {_rows(scale.shard)}"
         reason = group_size_reason(d.group_name, d.group_size) or token_count_reason(
-            _rows(data.shard) * d.group_size, d.group_size, self.config.min_tokens, require_divisible=False)
+            _rows(data.shard) * d.group_size, d.group_size,
+            async_tp_min_rows(self.config.min_tokens, CollectiveGemmKind.ALL_GATHER_MATMUL, d.group_size,
+                              fake_value(data.shard).device), require_divisible=False)
         if reason is not None:
             return reason
         if not MmFp4Args.of(match.mms[0]).operands_before(match.readers[0]):
@@ -240,7 +244,9 @@ class MmFp4ReduceScatter(GraphRewrite[MmFp4ReduceScatterMatch]):
                     "(the fused op does not return the full product)")
         assert rs.group_size is not None
         return group_size_reason(rs.group_name, rs.group_size) or token_count_reason(
-            _rows(match.mm), rs.group_size, self.config.min_tokens, require_divisible=True)
+            _rows(match.mm), rs.group_size,
+            async_tp_min_rows(self.config.min_tokens, CollectiveGemmKind.MATMUL_REDUCE_SCATTER, rs.group_size,
+                              fake_value(match.mm).device), require_divisible=True)
 
     def rewrite(self, match: MmFp4ReduceScatterMatch) -> str:
         """Before / after::

@@ -46,7 +46,7 @@ __all__ = [
     "CollectiveKind", "FunctionalCollective", "GraphRewrite", "MatchRecorder",
     "ReplacementPattern", "Skip", "aot_trace", "decode_collective", "erase_if_unused", "insert_traced",
     "fake_value", "find_collectives", "get_arg", "insert_call", "is_call", "registration_mode",
-    "token_count_reason",
+    "threshold_reason", "token_count_reason",
 ]
 
 c10d = torch.ops._c10d_functional
@@ -186,21 +186,41 @@ def find_collectives(graph: fx.Graph, kind: CollectiveKind | None = None) -> lis
 # --------------------------------------------------------------------------- size checks
 
 
+def threshold_reason(rows: Any, min_tokens: int) -> str | None:
+    """Why a rewrite over ``rows`` tokens must not fire because they are fewer than ``min_tokens``,
+    or None.
+
+    A static count is compared. A symbolic count already bounded by a guard or constraint follows
+    it; otherwise its size hint decides, and a guard on the side chosen (``rows >= min_tokens`` or
+    ``rows < min_tokens``; ``torch._check`` on a backed size installs one) makes the compiled graph
+    serve only sizes of that decision: other sizes recompile into the other graph (vLLM's compile
+    ranges). A count without a hint is left alone."""
+    if min_tokens <= 0 or statically_known_true(rows >= min_tokens):
+        return None
+    if isinstance(rows, int) or statically_known_true(rows < min_tokens):
+        return f"token count {rows} is below min_tokens={min_tokens}"
+    node = rows.node
+    if not node.has_hint():
+        return f"dynamic token count {rows} has no size hint (unbacked); cannot guard it against min_tokens"
+    hint = int(node.hint)
+    if hint >= min_tokens:
+        torch._check(rows >= min_tokens)
+        return None
+    torch._check(rows < min_tokens)
+    return f"dynamic token count {rows} (hint {hint}) is below min_tokens={min_tokens} (guarded)"
+
+
 def token_count_reason(rows: Any, group_size: int, min_tokens: int, *, require_divisible: bool) -> str | None:
     """Why a collective over ``rows`` tokens must not be fused, or None if it may be.
 
-    ``rows`` is an int or a SymInt. A symbolic size passes a check only when the shape
-    environment already proves it (``statically_known_true``: a guard or a constraint); no new
-    guard is added.
+    ``rows`` is an int or a SymInt. Divisibility by the group size must be proven by the shape
+    environment (``statically_known_true``: a guard or a constraint, e.g. the one the
+    sequence-parallel rewrite installed); ``min_tokens`` is decided by :func:`threshold_reason`.
     """
-    dynamic = "" if isinstance(rows, int) else "dynamic "
     if require_divisible and not statically_known_true(rows % group_size == 0):
-        proof = "" if isinstance(rows, int) else " (not proven by any guard or constraint)"
+        dynamic, proof = ("", "") if isinstance(rows, int) else ("dynamic ", " (not proven by any guard or constraint)")
         return f"{dynamic}token count {rows} is not divisible by the group size {group_size}{proof}"
-    if min_tokens > 0 and not statically_known_true(rows >= min_tokens):
-        proof = "" if isinstance(rows, int) else " (not proven by any guard or constraint)"
-        return f"{dynamic}token count {rows} is below min_tokens={min_tokens}{proof}"
-    return None
+    return threshold_reason(rows, min_tokens)
 
 
 # --------------------------------------------------------------------------- graph editing

@@ -43,6 +43,7 @@ from fp4fuse.distributed import groups
 from fp4fuse.patterns.base import (
     GraphRewrite, erase_if_unused, fake_value, insert_call, insert_traced, is_call, token_count_reason,
 )
+from fp4fuse.patterns.thresholds import sp_min_tokens
 from fp4fuse.patterns.collectives import GatheredTensor, decode_gathered, external_users
 from fp4fuse.patterns.rank_uniform import RankUniformity
 
@@ -143,7 +144,8 @@ class QuantBeforeGather(GraphRewrite[QuantsOfGatheredMatch]):
         if shard.dim() != 2 or not shard.is_contiguous():
             return f"the gathered shard is not a contiguous 2-D tensor (shape {list(shard.shape)})"
         size = g.collective.group_size
-        reason = token_count_reason(shard.shape[0] * size, size, self.config.min_tokens, require_divisible=False)
+        reason = token_count_reason(shard.shape[0] * size, size, sp_min_tokens(self.config.min_tokens, shard.device),
+                                    require_divisible=False)
         if reason is not None:
             return reason
         scales = [("global scale", q.global_scale) for q in match.quants]

@@ -66,6 +66,7 @@ from fp4fuse.distributed import groups
 from fp4fuse.ops import sp_ops  # noqa: F401  (registers fp4fuse::shard_rows)
 from fp4fuse.patterns.base import (
     CollectiveKind, ReplacementPattern, erase_if_unused, fake_value, find_collectives, get_arg, insert_call, is_call,
+    threshold_reason,
 )
 from fp4fuse.patterns.rank_uniform import RankUniformity
 
@@ -178,30 +179,27 @@ def guard_token_count(tokens: int | torch.SymInt, group_size: int, min_tokens: i
     """Why an SP rewrite over ``tokens`` rows must not fire, or None (and then it may).
 
     A static count must be divisible by the group size and at least ``min_tokens``. A symbolic
-    count whose size hint satisfies both gets the guards ``tokens % size == 0`` and
-    ``tokens >= min_tokens`` (``torch._check`` on a backed size installs a guard), so the compiled
-    graph only ever runs on sizes it is correct and wanted for; other sizes recompile. A count
-    without a hint (unbacked) is left alone.
+    count whose size hint is divisible gets the guard ``tokens % size == 0`` (``torch._check`` on a
+    backed size installs one), and ``min_tokens`` is decided by the hint with a guard on either
+    side (:func:`fp4fuse.patterns.base.threshold_reason`), so the compiled graph only ever runs on
+    sizes it is correct and wanted for; other sizes recompile. A count without a hint (unbacked) is
+    left alone.
     """
     if isinstance(tokens, int):
         if tokens % group_size:
             return f"token count {tokens} is not divisible by the group size {group_size}"
-        if tokens < min_tokens:
-            return f"token count {tokens} is below min_tokens={min_tokens}"
-        return None
+        return threshold_reason(tokens, min_tokens)
     node = tokens.node
     if not node.has_hint():
         return f"dynamic token count {tokens} has no size hint (unbacked); cannot guard it"
     hint = int(node.hint)
     if hint % group_size:
         return f"dynamic token count {tokens} (hint {hint}) is not divisible by the group size {group_size}"
-    if hint < min_tokens:
-        return f"dynamic token count {tokens} (hint {hint}) is below min_tokens={min_tokens}"
-    torch._check(tokens % group_size == 0)
-    if min_tokens > 0:
-        torch._check(tokens >= min_tokens)
-    logger.debug("guarded dynamic token count %s: divisible by %d, >= %d", tokens, group_size, min_tokens)
-    return None
+    reason = threshold_reason(tokens, min_tokens)
+    if reason is None:
+        torch._check(tokens % group_size == 0)
+        logger.debug("guarded dynamic token count %s: divisible by %d, >= %d", tokens, group_size, min_tokens)
+    return reason
 
 
 # --------------------------------------------------------------------------- the pattern
