@@ -62,6 +62,7 @@ class BenchArgs:
     heads: int
     kv_heads: int
     ffn: int
+    partial: str | None = None
 
 
 def log(msg: str) -> None:
@@ -207,6 +208,9 @@ def _rank_main(args: BenchArgs) -> dict[str, Any]:
                 results["times"][f"{mode}/{tokens}/{name}"] = statistics.median(values)
             line = ", ".join(f"{n} {statistics.median(v):.3f}" for n, v in samples.items())
             say(f"{mode} T={tokens} ms/forward: {line}")
+            if rank == 0 and args.partial:  # what a run cut short by its time limit still leaves
+                with open(args.partial, "w") as f:
+                    json.dump({**results, "args": dataclasses.asdict(args)}, f)
         for name, (_, fusion) in variants.items():
             if fusion is not None:
                 results["counts"][f"{mode}/{name}"] = dict(fusion.match_counts)
@@ -315,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="markdown results file")
     p.add_argument("--json", help="raw results (JSON)")
     p.add_argument("--plot", help="PNG plot (with --render)")
+    p.add_argument("--partial", help="rank 0 rewrites this JSON after every token count (survives a time limit)")
     p.add_argument("--render", help="render --out/--plot from a JSON written earlier; runs nothing")
     ns = p.parse_args(argv)
     if ns.render:
@@ -328,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args = BenchArgs(ns.tp, ns.layers, tuple(int(t) for t in ns.tokens.split(",")),
                      tuple(ns.modes.split(",")), tuple(ns.variants.split(",")), ns.iters, ns.rounds,
-                     ns.hidden, ns.heads, ns.kv_heads, ns.ffn)
+                     ns.hidden, ns.heads, ns.kv_heads, ns.ffn, ns.partial)
     unknown = set(args.variants) - set(VARIANTS)
     if unknown or set(args.modes) - {"default", "cudagraphs"}:
         p.error(f"unknown variants {sorted(unknown)} or modes {args.modes}")

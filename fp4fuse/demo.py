@@ -112,6 +112,10 @@ def fusion_config(args: DemoArgs) -> FusionConfig:
     cfg = FusionConfig.from_env()
     if not (cfg.enable_sequence_parallelism or cfg.enable_async_tp):
         cfg = dataclasses.replace(cfg, enable_sequence_parallelism=True, enable_async_tp=True)
+    if cfg.min_tokens is None:
+        # the demo shows every rewrite at its small sizes; the shipped default (None) would leave
+        # them below the measured crossovers on a GPU (benchmarks/bench_e2e.py measures those)
+        cfg = dataclasses.replace(cfg, min_tokens=0)
     if cfg.min_tokens > args.tokens:
         raise ValueError(f"FP4FUSE_MIN_TOKENS={cfg.min_tokens}: the demo runs {args.tokens} tokens "
                          f"(--tokens-per-rank x --tp), so nothing would fuse; use --tokens-per-rank "
@@ -306,7 +310,7 @@ class _OneLineErrorParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _OneLineErrorParser(prog="python -m fp4fuse.demo", description=__doc__.splitlines()[0],
                             epilog="Environment: FP4FUSE_ENABLE_SP, FP4FUSE_ENABLE_ASYNC_TP, FP4FUSE_MIN_TOKENS "
-                                   "choose the passes (default: both passes, min_tokens 0).")
+                                   "choose the passes (default: both passes, min_tokens 0: every size fuses).")
     p.add_argument("--device", choices=[d.value for d in Device], default=Device.CPU.value,
                    help="cpu: gloo ranks, fp4fuse's reference kernels; cuda: one GPU per rank, NCCL (default: cpu)")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size = number of ranks, at least 2 (default: 2)")
