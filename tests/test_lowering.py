@@ -81,3 +81,29 @@ def test_cuda_compiled_graph_launches_kernels_and_matches_the_eager_ops(m):
     for e, g in zip(eager, got):
         assert g.dtype == e.dtype and torch.equal(g.view(torch.uint8) if g.dtype == torch.float8_e4m3fn else g,
                                                   e.view(torch.uint8) if e.dtype == torch.float8_e4m3fn else e)
+
+
+def test_dynamic_sizes_keep_the_op_call(monkeypatch):
+    """A call with a symbolic size is not lowered (its launch configuration depends on the size),
+    and the skip says so. Traced symbolically on CPU, with the pass told the tensors are on a Triton
+    CUDA device (no GPU needed: the skip happens before any kernel is traced)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import fp4fuse.passes.lowering as lowering
+    from fp4fuse.ops.backend import Backend
+
+    monkeypatch.setattr(lowering, "_on_cuda", lambda node: True)
+    monkeypatch.setattr(lowering, "backend_for", lambda t: Backend.TRITON)
+
+    def fn(a, b, sa, sb, alpha):
+        return fp4.mm_fp4(a, b, sa, sb, alpha, torch.bfloat16)
+
+    gen = torch.Generator().manual_seed(0)
+    a, sa, ga = _quantized(6, 32, gen, "cpu")
+    b, sb, gb = _quantized(5, 32, gen, "cpu")
+    gm = make_fx(fn, tracing_mode="symbolic")(a, b, sa, sb, (1.0 / (ga * gb)).reshape(1))
+    lowering_pass = KernelLoweringPass(FusionConfig())
+    assert lowering_pass(gm.graph) == 0
+    assert [s.reason for s in lowering_pass.skips] == [
+        "a dynamic size: the op keeps choosing its launch configuration per call (only static shapes are lowered)"]
+    assert any(n.target is fp4.mm_fp4.default for n in gm.graph.nodes)

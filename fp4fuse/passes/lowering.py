@@ -14,9 +14,10 @@ nodes, which Inductor's generated code launches directly (``torch.library.wrap_t
              shard = fp4fuse.shard_rows(x, group)        ->  shard = x[r*M/W : (r+1)*M/W]
 
 Argument checks ran when the graph was traced (the ops' fake implementations validate like the
-ops do), so nothing is re-checked per call. A call is lowered only where its tensors are on CUDA
-and the device's backend is Triton; elsewhere (CPU, the reference backend, flashinfer) it stays an
-op call. ``shard_rows`` becomes a slice at this rank's offset: the rank is baked into the graph,
+ops do), so nothing is re-checked per call. A call is lowered only where its tensors are on CUDA,
+the device's backend is Triton and every size is static (the launchers pick tile shapes and split
+counts from the sizes; a dynamic size keeps the op call, which picks them per call); elsewhere
+(CPU, the reference backend, flashinfer, dynamic shapes) it stays an op call. ``shard_rows`` becomes a slice at this rank's offset: the rank is baked into the graph,
 so the pass reads process groups and ``FusionPass.uuid()`` carries this process's rank.
 
 It runs last in the pipeline: the fusion passes match fp4fuse's op calls, which this pass removes.
@@ -103,6 +104,10 @@ class KernelLoweringPass(GraphPass):
             return
         args = _ordered_args(node)
         slots = [i for i, a in enumerate(args) if isinstance(a, fx.Node)]
+        if any(not isinstance(d, int) for i in slots for d in fake_value(args[i]).shape):
+            self.recorder.skipped(op, node, "a dynamic size: the op keeps choosing its launch configuration per "
+                                            "call (only static shapes are lowered)")
+            return
         impl = kernel_table.kernel_for(op, backend)
 
         def launches(*tensors: torch.Tensor) -> Any:
