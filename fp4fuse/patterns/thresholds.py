@@ -1,11 +1,12 @@
 """From how many tokens each rewrite is applied: ``FusionConfig.min_tokens``, or (``None``, the
 default) the crossovers measured where a rewrite can pay.
 
-* On CUDA the rewrites fire only from the token counts where they measured faster than the graph
-  without them (``benchmarks/bench_e2e.py``; results in ``benchmarks/results/``): sequence
-  parallelism from :data:`SP_MIN_TOKENS_CUDA` tokens, the collective GEMMs from the thresholds
-  their ops overlap from (``fp4fuse.distributed.symm_mem.policy.overlap_min_rows``, the same
-  function the ops read at run time, so a fused call is an overlapped call).
+* On CUDA the collective GEMMs fire from the thresholds their ops overlap from
+  (``fp4fuse.distributed.symm_mem.policy.overlap_min_rows``: measured crossovers of
+  ``benchmarks/bench_collective_gemm.py``; the same function the ops read at run time, so a fused
+  call is an overlapped call), and sequence parallelism from :data:`SP_MIN_TOKENS_CUDA` tokens.
+  That one is not a measurement yet: it is to be set from ``benchmarks/bench_e2e.py`` on 2 GPUs,
+  which has not run (README, "Not done").
 * Elsewhere (CPU, gloo) nothing overlaps and no crossover exists to measure: every size fuses, which
   keeps the rewrites exercised (the CPU tests, the demo).
 
@@ -21,7 +22,9 @@ from fp4fuse.distributed.symm_mem.policy import CollectiveGemmKind
 
 __all__ = ["SP_MIN_TOKENS_CUDA", "async_tp_min_rows", "sp_min_tokens"]
 
-#: Sequence parallelism on CUDA pays from this many tokens (total rows of the activation).
+#: Sequence parallelism's threshold on CUDA (total rows of the activation): a placeholder until the
+#: end-to-end benchmark measures the crossover (four collectives replace one all-reduce, so small
+#: token counts, where collectives are latency-bound, cannot gain).
 SP_MIN_TOKENS_CUDA = 4096
 
 
