@@ -22,7 +22,7 @@ from fp4fuse.passes.log_handler import PACKAGE_LOGGER, UnconfiguredStderrHandler
 from fp4fuse.passes.sequence_parallel import SequenceParallelismPass
 from fp4fuse.patterns.base import aot_trace
 from test_fusion_pass import BOTH, ag_mm_rs, real_inputs, traced
-from test_sp_patterns import three_layers, torch_functional_norm
+from test_sp_patterns import NORM_WEIGHTS, as_model_state, three_layers, torch_functional_norm
 
 REPO = Path(__file__).resolve().parent.parent
 SUMMARY = "fp4fuse: replaced 2 patterns: async_tp.all_gather_mm_fp4=1, async_tp.mm_fp4_reduce_scatter=1"
@@ -161,7 +161,7 @@ def test_no_warning_from_fp4fuse_tracing_a_bf16_model_with_fp32_norm_weights(tor
         args = [torch.empty(8, 64, dtype=torch.bfloat16) for _ in range(3)] + [torch.empty(64) for _ in range(3)]
     with warnings.catch_warnings(record=True) as user_side:
         warnings.simplefilter("always")
-        gm = aot_trace(three_layers(torch_functional_norm), args)
+        gm = as_model_state(aot_trace(three_layers(torch_functional_norm), args), NORM_WEIGHTS)
     assert any("Mismatch dtype between input and weight" in str(w.message) for w in user_side)
 
     sp = SequenceParallelismPass(FusionConfig(enable_sequence_parallelism=True))
