@@ -9,7 +9,7 @@ that they matter.
 
 Reference: the same HF model in float64 whose planned linears are replaced by
 :class:`FakeQuantLinear`: the weight as NVFP4 decodes it (given in float64), the input quantized and
-decoded with the format table (nvfp4_spec) -- a static global scale, or a dynamic one from the
+decoded with the format table (nvfp4_oracle) -- a static global scale, or a dynamic one from the
 amax of each of ``chunks`` column blocks (a row-parallel layer at TP=``chunks`` quantizes each rank's
 slice with its own amax) -- products in float64, bias added after the sum.
 """
@@ -20,7 +20,7 @@ import copy
 import torch
 from torch import nn
 
-import nvfp4_spec as spec
+import nvfp4_oracle as oracle
 
 LAYERS = 2
 VOCAB = 100
@@ -71,13 +71,13 @@ def calibrate(model: nn.Module, ids: torch.Tensor) -> dict[str, float]:
         model(ids)
     for h in hooks:
         h.remove()
-    return {name: float(spec.encode_gs(a)) for name, a in amax.items()}
+    return {name: float(oracle.encode_gs(a)) for name, a in amax.items()}
 
 
 def fake_quantized_weight(linear: nn.Linear) -> torch.Tensor:
     """``linear.weight`` quantized with its own amax and decoded (float64)."""
     w = linear.weight.detach()
-    return spec.fake_quantize(w.float(), spec.encode_gs(w.double().abs().max()))
+    return oracle.fake_quantize(w.float(), oracle.encode_gs(w.double().abs().max()))
 
 
 class FakeQuantLinear(nn.Module):
@@ -94,8 +94,8 @@ class FakeQuantLinear(nn.Module):
         out = torch.zeros(rows.shape[0], self.weight.shape[0], dtype=torch.float64)
         for c in range(self.chunks):
             xc = rows[:, c * k:(c + 1) * k]
-            gs = self.input_scale if self.input_scale is not None else spec.encode_gs(xc.float().abs().max())
-            out += spec.fake_quantize(xc, gs) @ self.weight[:, c * k:(c + 1) * k].t()
+            gs = self.input_scale if self.input_scale is not None else oracle.encode_gs(xc.float().abs().max())
+            out += oracle.fake_quantize(xc, gs) @ self.weight[:, c * k:(c + 1) * k].t()
         if self.bias is not None:
             out += self.bias
         return out.reshape(*x.shape[:-1], -1)

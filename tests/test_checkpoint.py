@@ -7,7 +7,7 @@ write them (tests/test_checkpoint.py's ``_write``: ModelOpt ``weight_scale_2`` /
 = ``1 / gs``, the decode convention ``amax / (448 * 6)``; compressed-tensors ``weight_global_scale``
 / ``input_global_scale`` = ``gs``); embeddings, norms, biases and the LM head in bf16.
 
-Expected value: the HF model in float64 built from the file alone (nvfp4_spec's decoder applied to
+Expected value: the HF model in float64 built from the file alone (nvfp4_oracle's decoder applied to
 the stored codes and block scales with the file's own dequantization rule: ModelOpt
 ``code * s * weight_scale_2``, compressed-tensors ``code * s / weight_global_scale``; the stored
 input scales, or dynamic ones), never from the loader. The loaded TP=2 model differs from it only by
@@ -29,7 +29,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch", reason="the test ex
 
 import fp4fuse  # noqa: E402,F401
 import hf_tiny  # noqa: E402
-import nvfp4_spec as spec  # noqa: E402
+import nvfp4_oracle as oracle  # noqa: E402
 from dist_utils import run_on_ranks  # noqa: E402
 from fp4fuse.nvfp4 import format as nvfp4  # noqa: E402
 from fp4fuse.nvfp4.quantizer import NVFP4Quantizer  # noqa: E402
@@ -65,7 +65,7 @@ def _unswizzle(raw: torch.Tensor, m: int, c: int) -> torch.Tensor:
 
 
 def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    gs = spec.encode_gs(w.double().abs().max())
+    gs = oracle.encode_gs(w.double().abs().max())
     q, s = nvfp4.quantize_reference(w.float(), gs)
     return q, s, gs
 
@@ -134,11 +134,11 @@ def _reference(kind: str, path: pathlib.Path, layout: str | None, tp: int) -> nn
         s = stored[f"{m}.weight_scale"]
         s = _unswizzle(s, n, k // 16) if s.shape != (n, k // 16) else s
         if layout == MODELOPT:
-            weights[m] = spec.dequantize(codes, s, 1.0) * float(stored[f"{m}.weight_scale_2"])
+            weights[m] = oracle.dequantize(codes, s, 1.0) * float(stored[f"{m}.weight_scale_2"])
             scale = stored.get(f"{m}.input_scale")
             input_scales[m] = None if scale is None else 1.0 / float(scale)
         else:
-            weights[m] = spec.dequantize(codes, s, stored[f"{m}.weight_global_scale"])
+            weights[m] = oracle.dequantize(codes, s, stored[f"{m}.weight_global_scale"])
             scale = stored.get(f"{m}.input_global_scale")
             input_scales[m] = None if scale is None else float(scale)
     static = None if any(v is None for v in input_scales.values()) else input_scales
@@ -252,7 +252,7 @@ def test_merged_parts_with_their_own_global_scales_are_requantized(tmp_path, cap
     (2**-4 relative) of each block, with a warning."""
     parts = (64, 32, 32)
     w = torch.randn(128, 48, generator=torch.Generator().manual_seed(11))
-    gs = spec.encode_gs(w.double().abs().max())
+    gs = oracle.encode_gs(w.double().abs().max())
     codes, scales, decode = [], [], []
     for part, ratio in zip(w.split(list(parts)), ratios):
         q, s = nvfp4.quantize_reference(part, gs / ratio)
@@ -261,7 +261,7 @@ def test_merged_parts_with_their_own_global_scales_are_requantized(tmp_path, cap
               "qkv.weight_scale_2": torch.tensor(decode, dtype=torch.float32)}
     path = tmp_path / "merged.safetensors"
     safetensors_torch.save_file(stored, path)
-    file_weight = torch.cat([spec.dequantize(q, s, 1.0) * float(torch.tensor(d, dtype=torch.float32))
+    file_weight = torch.cat([oracle.dequantize(q, s, 1.0) * float(torch.tensor(d, dtype=torch.float32))
                              for q, s, d in zip(codes, scales, decode)])
     for rank in range(WORLD):
         model = nn.Module()
@@ -270,7 +270,7 @@ def test_merged_parts_with_their_own_global_scales_are_requantized(tmp_path, cap
             load_checkpoint(model, path)
         rows = torch.cat([torch.arange(32 * rank, 32 * rank + 32), 64 + torch.arange(16 * rank, 16 * rank + 16),
                           96 + torch.arange(16 * rank, 16 * rank + 16)])
-        loaded = spec.dequantize(model.qkv.weight_q, model.qkv.weight_scale, model.qkv.weight_global_scale)
+        loaded = oracle.dequantize(model.qkv.weight_q, model.qkv.weight_scale, model.qkv.weight_global_scale)
         expected = file_weight[rows]
         # 1 / weight_scale_2 rounds to fp32 once: the weights agree to that (2**-23), not bitwise
         rel = ((loaded - expected).abs() / expected.abs().clamp_min(1e-30)).where(expected != 0, loaded.abs())

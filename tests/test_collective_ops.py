@@ -81,7 +81,7 @@ def _exact_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Te
                 alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``alpha * A @ B^T`` in float64 on the oracle's decode (CPU), and ``|alpha| * |A| @ |B|^T``
     (the scale of the fp32 accumulation error)."""
-    da, db = oracle.decode(a.cpu(), sa.cpu()), oracle.decode(b.cpu(), sb.cpu())
+    da, db = oracle.dequantize(a.cpu(), sa.cpu()), oracle.dequantize(b.cpu(), sb.cpu())
     scale = float(alpha.double().abs().item())
     return (da @ db.t()) * float(alpha.double().item()), (da.abs() @ db.abs().t()) * scale
 

@@ -80,8 +80,8 @@ def test_quant_round_trip_is_within_one_step():
     x = _block_spread(23, 96, 5, torch.float32)
     gs = 448 * 6 / x.abs().amax().item()
     q, s = ops.scaled_fp4_quant(x, torch.tensor([gs]))
-    decoded = oracle.decode(q, s) / gs
-    scale = oracle.decode_scales(s).repeat_interleave(16, 1) / gs
+    decoded = oracle.dequantize(q, s, gs)
+    scale = oracle.decode_e4m3(s).repeat_interleave(16, 1) / gs
     # e2m1 steps are at most 2 (between 4 and 6), so |error| <= s; rounding s to e4m3 (at most
     # 2**-4 relative for normal scales, 2**-10 absolute for subnormal or flushed ones) can leave
     # the block amax up to 6 times that above the saturation point 6 s
@@ -97,7 +97,7 @@ def test_global_scale_outside_positive_finite_poisons_everything(value):
     q, s = ops.scaled_fp4_quant(x, torch.tensor([value]))
     assert bool((oracle.scale_bits(s) == oracle.E4M3_NAN_BITS).all())
     assert bool((q == 0).all())
-    assert bool(oracle.decode(q, s).isnan().all())
+    assert bool(oracle.dequantize(q, s).isnan().all())
 
 
 def test_huge_global_scale_saturates():
@@ -124,7 +124,7 @@ def test_mm_fp4_is_float64_math_on_decoded_values(m, n, k, out_dtype):
     alpha = 1.0 / (ga * gb)
     out = ops.mm_fp4(a, b, sa, sb, alpha, out_dtype)
     assert out.shape == (m, n) and out.dtype == out_dtype
-    exact = (oracle.decode(a, sa) @ oracle.decode(b, sb).t()) * alpha.double().item()
+    exact = (oracle.dequantize(a, sa) @ oracle.dequantize(b, sb).t()) * alpha.double().item()
     half_ulp = torch.finfo(out_dtype).eps / 2 * exact.abs() + torch.finfo(out_dtype).tiny
     assert bool(((out.double() - exact).abs() <= half_ulp * 1.0001).all())
 

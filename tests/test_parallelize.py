@@ -12,7 +12,7 @@ activations ``[batch, seq, hidden]`` in every linear):
   also proves HF attention runs on the local heads it infers from the projection width.
 * NVFP4 at TP=2 (static scales, and dynamic) and at TP=1 against a float64 reference written
   from the format table (hf_tiny.nvfp4_reference): the HF model in float64 with each planned
-  linear's weight and input quantized and decoded by nvfp4_spec. The only differences are fp32
+  linear's weight and input quantized and decoded by nvfp4_oracle. The only differences are fp32
   roundings of the model's own ops (measured 2e-7 relative). A value that lands within one fp32
   rounding of an e2m1 decision point could flip one code on another CPU, which moves the logits by
   ~1e-4 to 1e-3; anything wrong (a shard, a scale, a bias, the dynamic row-parallel rule) moves them

@@ -1,7 +1,7 @@
 """fp4fuse.tp: seeded init, NVFP4 linears, norms, the vocab-parallel embedding and the Llama-style
 decoder -- single process where no collective is needed, on 2 gloo ranks otherwise.
 
-Expected values never come from fp4fuse's format code or ops: they come from ``nvfp4_spec`` (the
+Expected values never come from fp4fuse's format code or ops: they come from ``nvfp4_oracle`` (the
 format table in float64), from float64 math, from ``F.embedding``, or from the same model at TP=1.
 Where a comparison is bitwise, the test says why exact equality holds; where it has a tolerance,
 the tolerance is the rounding the contract allows.
@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fp4fuse  # noqa: F401  (registers torch.ops.fp4fuse.*)
-import nvfp4_spec as spec
+import nvfp4_oracle as oracle
 from dist_utils import run_on_ranks
 from fp4fuse.nvfp4.quantizer import NVFP4Quantizer
 from fp4fuse.tp import (
@@ -27,7 +27,7 @@ from fp4fuse.tp import (
 WORLD = 2
 TIMEOUT_S = 300.0
 BF16, FP32 = torch.bfloat16, torch.float32
-GS = 2.0 ** -3  # a power-of-two global scale: spec.representable tensors quantize losslessly with it
+GS = 2.0 ** -3  # a power-of-two global scale: oracle.representable tensors quantize losslessly with it
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -37,7 +37,7 @@ def _gen(seed: int) -> torch.Generator:
 def _is_encode_gs(gs: torch.Tensor, amax: torch.Tensor) -> bool:
     """``gs`` is ``448 * 6 / amax`` in fp32 to within one ulp (fp4fuse computes ``2688 * (1/amax)``,
     two roundings, as compressed-tensors does)."""
-    exact = spec.encode_gs(amax).double()
+    exact = oracle.encode_gs(amax).double()
     return gs.shape == (1,) and gs.dtype == FP32 and bool((gs.double() - exact).abs() <= exact * 2.0 ** -23)
 
 
@@ -66,14 +66,14 @@ def test_quantize_weight_is_the_format_and_shards_like_the_full_weight(dtype):
     q, s, gs = quantize_weight(w)
     assert q.shape == (37, 48) and q.dtype == torch.uint8 and s.shape == (37, 6) and s.dtype == torch.float8_e4m3fn
     assert _is_encode_gs(gs, w.double().abs().max())
-    assert torch.equal(spec.dequantize(q, s, gs), spec.fake_quantize(w, gs))
+    assert torch.equal(oracle.dequantize(q, s, gs), oracle.fake_quantize(w, gs))
     # a column shard quantized with the full weight's amax is the full weight's columns 32..63
     q2, s2, gs2 = quantize_weight(w[:, 32:64], w.float().abs().amax())
-    assert torch.equal(gs2, gs) and torch.equal(spec.dequantize(q2, s2, gs), spec.fake_quantize(w, gs)[:, 32:64])
+    assert torch.equal(gs2, gs) and torch.equal(oracle.dequantize(q2, s2, gs), oracle.fake_quantize(w, gs)[:, 32:64])
 
 
 def _round_product(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``x @ w^T`` in float64 rounded once; exact before rounding for spec.representable operands."""
+    """``x @ w^T`` in float64 rounded once; exact before rounding for oracle.representable operands."""
     return (x.double().reshape(-1, x.shape[-1]) @ w.double().t()).to(out_dtype).reshape(*x.shape[:-1], -1)
 
 
@@ -81,13 +81,13 @@ def _round_product(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("lead", [(1, 7), (3, 5), (11,), ()], ids=["batch1", "batch3", "2d", "1d"])
 def test_nvfp4_linear_is_exact_on_representable_operands(out_dtype, static, lead):
-    """Inputs and weights NVFP4 holds exactly (nvfp4_spec.representable), so quantization loses
+    """Inputs and weights NVFP4 holds exactly (nvfp4_oracle.representable), so quantization loses
     nothing, every product is exact and the float64 sum is exact in any order: the layer's output
     (CPU reference GEMM, rounded once to out_dtype) equals the float64 product rounded once, bit for
     bit, and the bias is one more rounding in out_dtype."""
     g = _gen(2)
-    w = spec.representable(40, 64, GS, g).to(out_dtype)
-    x = spec.representable(int(torch.tensor(lead).prod()), 64, GS, g).reshape(*lead, 64).to(out_dtype)
+    w = oracle.representable(40, 64, GS, g).to(out_dtype)
+    x = oracle.representable(int(torch.tensor(lead).prod()), 64, GS, g).reshape(*lead, 64).to(out_dtype)
     bias = torch.randn(40, generator=g).to(out_dtype)
     layer = NVFP4Linear(w, NVFP4Quantizer(), out_dtype, bias=bias, input_global_scale=GS if static else None)
     out = layer(x)
@@ -98,17 +98,17 @@ def test_nvfp4_linear_is_exact_on_representable_operands(out_dtype, static, lead
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 def test_nvfp4_linear_equals_the_spec_on_random_input(static):
     """Random operands: the expected value fake-quantizes both with the format table
-    (nvfp4_spec) and multiplies in float64. fp4fuse multiplies by ``alpha = 1/(gs_a*gs_w)``
+    (nvfp4_oracle) and multiplies in float64. fp4fuse multiplies by ``alpha = 1/(gs_a*gs_w)``
     rounded to fp32 where the reference divides exactly: 1-2 fp32 ulps (rtol 1e-6)."""
     g = _gen(3)
     w = torch.randn(48, 80, generator=g) * 0.2
     x = torch.randn(3, 5, 80, generator=g) * 2
-    layer = NVFP4Linear(w, NVFP4Quantizer(), FP32, input_global_scale=spec.encode_gs(3.0) if static else None)
+    layer = NVFP4Linear(w, NVFP4Quantizer(), FP32, input_global_scale=oracle.encode_gs(3.0) if static else None)
     gs_w = layer.weight_global_scale
     assert _is_encode_gs(gs_w, w.double().abs().max())
     # the dynamic activation scale is computed as the weight's is (checked above), from x's amax
-    gs_x = spec.encode_gs(3.0) if static else 2688.0 * torch.reciprocal(x.abs().amax().reshape(1))
-    expected = spec.fake_quantize(x.reshape(15, 80), gs_x) @ spec.fake_quantize(w, gs_w).t()
+    gs_x = oracle.encode_gs(3.0) if static else 2688.0 * torch.reciprocal(x.abs().amax().reshape(1))
+    expected = oracle.fake_quantize(x.reshape(15, 80), gs_x) @ oracle.fake_quantize(w, gs_w).t()
     torch.testing.assert_close(layer(x), expected.reshape(3, 5, 48).float(), rtol=1e-6, atol=1e-6)
 
 
@@ -181,7 +181,7 @@ def _column_checks(group: TPGroup, tp1: TPGroup) -> dict[str, bool]:
     gs = col.weight_global_scale
     checks["column_gs_is_the_full_weight's"] = _is_encode_gs(gs, full.double().abs().max())
     checks["column_payload_is_the_full_weight's_rows"] = col.local_parts == (32, 8, 8) and torch.equal(
-        spec.dequantize(col.weight_q, col.weight_scale, gs), spec.fake_quantize(full, gs)[rows])
+        oracle.dequantize(col.weight_q, col.weight_scale, gs), oracle.fake_quantize(full, gs)[rows])
     checks["column_bias_is_sharded"] = torch.equal(col.bias, bias[rows])
     # TP=2 vs TP=1: the same codes (full-weight global scale), the same activation codes (the input
     # is replicated, so the dynamic amax is the same) and exact float64 sums per output element
@@ -198,11 +198,11 @@ def _row_checks(group: TPGroup) -> dict[str, bool]:
     """Row-parallel contract on representable operands (exact partial products): each rank's partial
     rounded to fp32, the fp32 sum over ranks, then the bias, bitwise; 3-D inputs, batch 1 and 3."""
     rank, checks = group.rank, {}
-    w = spec.representable(24, 128, GS, _gen(7)).float()
+    w = oracle.representable(24, 128, GS, _gen(7)).float()
     bias = torch.randn(24, generator=_gen(8))
     row = RowParallelNVFP4Linear(w, group, NVFP4Quantizer(), FP32, full_bias=bias)
     for batch in (1, 3):
-        x_local = spec.representable(batch * 5, 64, GS, _gen(9 + rank)).float().reshape(batch, 5, 64)
+        x_local = oracle.representable(batch * 5, 64, GS, _gen(9 + rank)).float().reshape(batch, 5, 64)
         partials = [_round_product(x, w[:, 64 * r:64 * (r + 1)], FP32) for r, x in enumerate(_gather(x_local))]
         out = row(x_local)
         checks[f"row_batch{batch}"] = out.shape == (batch, 5, 24) and torch.equal(out, partials[0] + partials[1] + bias)
