@@ -23,7 +23,9 @@ A variant whose compile or first call fails is reported and dropped (the others 
 Token counts T are shaped like serving batches: up to 128 tokens as decode steps ``[T, 1]``
 (T sequences of one token), above as prefill chunks ``[T / 512, 512]``. The batch dimension is
 dynamic (``torch._dynamo.mark_dynamic``), so each variant compiles once per shape family (plus once
-more where a pass's size threshold splits the range). Launch modes: ``default`` (the host launches
+more where a pass's size threshold splits the range); ``--static`` compiles each token count on its
+own instead (what a serving engine that captures fixed batch sizes does; fp4fuse's kernel lowering
+applies only to static sizes). Launch modes: ``default`` (the host launches
 every kernel) and ``cudagraphs`` (``options={"triton.cudagraphs": True}``). A time is the median
 over rounds of the wall time of ``--iters`` back-to-back forwards on rank 0 (after a barrier and a
 device sync), so it includes host overhead where the host is the bottleneck.
@@ -63,6 +65,7 @@ class BenchArgs:
     kv_heads: int
     ffn: int
     partial: str | None = None
+    static: bool = False
 
 
 def log(msg: str) -> None:
@@ -169,6 +172,8 @@ def _rank_main(args: BenchArgs) -> dict[str, Any]:
     # every variant compiles the same forward (one Dynamo cache per code object)
     torch._dynamo.config.cache_size_limit = 256
     torch._dynamo.config.accumulated_cache_size_limit = 1024
+    if args.static:  # one graph per token count, every size known when fp4fuse's passes run
+        torch._dynamo.config.automatic_dynamic_shapes = False
     group = dist.group.WORLD
     say = log if rank == 0 else (lambda msg: None)
     say(f"building {args.layers}-layer Llama (hidden {args.hidden}, ffn {args.ffn}) at TP={args.tp}")
@@ -179,7 +184,8 @@ def _rank_main(args: BenchArgs) -> dict[str, Any]:
         for tokens in args.tokens:
             batch, seq = batch_shape(tokens)
             ids = torch.randint(0, 32000, (batch, seq), generator=torch.Generator().manual_seed(tokens)).to(device)
-            torch._dynamo.mark_dynamic(ids, 0)
+            if not args.static:
+                torch._dynamo.mark_dynamic(ids, 0)
             outs, calls = {}, {}
             for name, (model, _) in list(variants.items()):
                 say(f"{mode} T={tokens}: compiling / warming up {name}")
@@ -241,7 +247,8 @@ def render_markdown(raw: dict[str, Any]) -> str:
         f"Device: {raw['versions']['device']} x{args['tp']}; torch {raw['versions']['torch']}, Triton "
         f"{raw['versions']['triton']}, transformers {raw['versions']['transformers']}. Model: HF `LlamaModel`, "
         f"{args['layers']} layers, hidden {args['hidden']}, {args['heads']} heads / {args['kv_heads']} KV heads, "
-        f"FFN {args['ffn']}, random bf16 weights, `fp4fuse.tp.parallelize` with the config's TP plan. "
+        f"FFN {args['ffn']}, random bf16 weights, `fp4fuse.tp.parallelize` with the config's TP plan; token "
+        f"dimension {'static (one compile per count)' if args.get('static') else 'dynamic (mark_dynamic)'}. "
         "Command: `" + raw["command"] + "`.", "",
         "Milliseconds per forward (median over rounds of back-to-back forwards, rank 0 wall time; "
         "variants interleaved in one process). `fp4fuse/nvfp4` is the speedup of switching fp4fuse on "
@@ -321,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", help="PNG plot (with --render)")
     p.add_argument("--partial", help="rank 0 rewrites this JSON after every token count (survives a time limit)")
     p.add_argument("--render", help="render --out/--plot from a JSON written earlier; runs nothing")
+    p.add_argument("--static", action="store_true", help="compile each token count separately (static sizes)")
     ns = p.parse_args(argv)
     if ns.render:
         with open(ns.render) as f:
@@ -333,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args = BenchArgs(ns.tp, ns.layers, tuple(int(t) for t in ns.tokens.split(",")),
                      tuple(ns.modes.split(",")), tuple(ns.variants.split(",")), ns.iters, ns.rounds,
-                     ns.hidden, ns.heads, ns.kv_heads, ns.ffn, ns.partial)
+                     ns.hidden, ns.heads, ns.kv_heads, ns.ffn, ns.partial, ns.static)
     unknown = set(args.variants) - set(VARIANTS)
     if unknown or set(args.modes) - {"default", "cudagraphs"}:
         p.error(f"unknown variants {sorted(unknown)} or modes {args.modes}")

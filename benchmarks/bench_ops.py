@@ -23,6 +23,10 @@ every timed call, so weights are read from HBM as in a real decode step):
    ``mm_fp4_triton`` and cuBLAS bf16, with ``do_bench`` (L2 cleared) and as CUDA-graph replays over
    rotating weight copies; one summary line per (shape, M) with the best configuration, the
    default's time and the floor (fp4 weight + scale bytes / copy bandwidth).
+6. ``--mid-sweep`` (only this, after the ceilings): M in 64..2048 at Llama-3-8B's TP=1 linear shapes
+   and 8192^2, every GEMM path as CUDA-graph replays over rotating weights: the shipped dispatch,
+   the tiled kernel, dequantize + cuBLAS, the decode kernel at several tiles with and without the
+   pre-decoded activation, and cuBLAS bf16.
 """
 from __future__ import annotations
 
@@ -413,6 +417,69 @@ def decode_sweep(ceil: Ceilings, raw: dict) -> None:
               f"{r['graph_vs_bf16']:7.2f}x {r['floor_us']:6.1f}  {_cfg_str(_DC(**r['best_cfg']))}", flush=True)
 
 
+#: (N, K) of the middle-range sweep: Llama-3-8B's linears at TP=1 (qkv, o, gate_up, down) and 8192^2.
+MID_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (8192, 8192))
+MID_MS = (64, 128, 256, 512, 1024, 2048)
+#: Decode-kernel tiles tried in the middle range: (block_m, block_n, warps, predecode).
+MID_TILES = ((64, 128, 4, False), (64, 128, 4, True), (128, 128, 8, False), (128, 128, 8, True),
+             (128, 64, 4, True), (256, 64, 4, True), (128, 256, 8, True))
+
+
+def _fill_split(tiles: int, steps: int, sms: int, per_sm: int = 2) -> int:
+    """Split count that brings ``tiles`` programs to about ``per_sm`` per multiprocessor, with at least
+    ``mm_decode.MIN_STEPS_PER_SPLIT`` K steps per split."""
+    return max(1, min(mm_decode.MAX_SPLIT, (per_sm * sms) // tiles, steps // mm_decode.MIN_STEPS_PER_SPLIT))
+
+
+def mid_sweep(ceil: Ceilings, raw: dict) -> None:
+    """``--mid-sweep``: M = 64..2048 as CUDA-graph replays over rotating weights: the shipped
+    dispatch, the tiled kernel, dequantize + cuBLAS, the decode kernel at several tiles (with and
+    without the pre-decoded activation, split-K filling the machine) and cuBLAS bf16."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for n, k in MID_SHAPES:
+        weights = [quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16)) for _ in range(ROTATIONS)]
+        w_t = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() for _ in range(2)]
+        for m in MID_MS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            a, sa, ga = quantize(x)
+            alpha = 1.0 / (ga * weights[0][2])
+            cands = {
+                "current": lambda wq, ws: triton_mm.mm_fp4_triton(a, wq, sa, ws, alpha, torch.bfloat16),
+                "tiled": lambda wq, ws, c=triton_mm.mm_config_for(m, n, k, a.device):
+                    triton_mm.mm_fp4_tiled(a, wq, sa, ws, alpha, torch.bfloat16, c),
+                "dequant_mm": lambda wq, ws: triton_mm.mm_fp4_dequant_mm(a, wq, sa, ws, alpha),
+            }
+            for bm, bn, warps, pre in MID_TILES:
+                if bm < m // 8 or bm > 2 * m:
+                    continue
+                tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+                cfg = mm_decode.DecodeConfig(bm, bn, 128, _fill_split(tiles, triton.cdiv(k, 128), sms), warps, 3,
+                                             predecode=pre)
+                ws_dec = mm_decode.empty_decode_workspace(*mm_decode.decode_workspace_numel(m, n, k, cfg), a.device)
+                cands[_cfg_str(cfg) + ("p" if pre else "")] = (
+                    lambda wq, ws, c=cfg, w=ws_dec: mm_decode.mm_fp4_decode(a, wq, sa, ws, alpha, torch.bfloat16, c, w))
+            row = {"m": m, "n": n, "k": k, "us": {}}
+            for name, fn in cands.items():
+                try:
+                    row["us"][name] = bench_graph([functools.partial(fn, wq, wsq) for wq, wsq, _ in weights]) * 1e3
+                except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported, not fatal
+                    print(f"  skip m={m} n={n} k={k} {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            row["us"]["bf16"] = bench_graph([functools.partial(torch.mm, x, wt) for wt in w_t]) * 1e3
+            fp4 = {kk: v for kk, v in row["us"].items() if kk != "bf16"}
+            best = min(fp4, key=fp4.get)
+            row["best"] = best
+            rows.append(row)
+            us = row["us"]
+            print(f"MID m={m:<5d} n={n:<6d} k={k:<6d} bf16 {us['bf16']:7.1f} | current {us.get('current', 0):7.1f} "
+                  f"tiled {us.get('tiled', 0):7.1f} dequant {us.get('dequant_mm', 0):7.1f} | best {best} "
+                  f"{us[best]:7.1f} ({us['bf16'] / us[best]:.2f}x bf16) | "
+                  + " ".join(f"{kk}={v:.1f}" for kk, v in us.items() if kk.startswith("[")), flush=True)
+        weights = w_t = None
+        torch.cuda.empty_cache()
+    raw["mid_sweep"] = rows
+
+
 def markdown(dev: str, ceil: Ceilings, op_rows: list[dict], mm_rows: list[dict]) -> str:
     lines = [
         f"# fp4fuse single-GPU ops, {datetime.date.today().isoformat()}",
@@ -452,6 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="also run the launch-configuration sweep")
     parser.add_argument("--decode-sweep", action="store_true",
                         help="only the decode-GEMM configuration sweep (after the ceilings)")
+    parser.add_argument("--mid-sweep", action="store_true",
+                        help="only the M=64..2048 sweep of every GEMM path as CUDA-graph replays")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not torch.cuda.is_available():
@@ -461,10 +530,10 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.cuda.get_device_name()
     ceil = measure_ceilings()
     print(f"copy {ceil.copy_gbs:.0f} GB/s, bf16 mm {ceil.mm_tflops:.0f} TFLOP/s", flush=True)
-    if args.decode_sweep:
+    if args.decode_sweep or args.mid_sweep:
         raw = {"device": dev, "torch": torch.__version__, "triton": triton.__version__,
                "ceilings": dataclasses.asdict(ceil)}
-        decode_sweep(ceil, raw)
+        (decode_sweep if args.decode_sweep else mid_sweep)(ceil, raw)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(raw, f, indent=1, default=str)

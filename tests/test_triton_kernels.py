@@ -6,6 +6,7 @@ and compare with the pure-torch references: quantization bit for bit, GEMMs agai
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -219,7 +220,9 @@ def test_cuda_mm_fp4_decode_matches_float64(m, n, k, out_dtype):
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[out_dtype]
     split3 = mm_decode.DecodeConfig(block_m=16 if m <= 16 else 64, block_n=128, block_k=128, split_k=3,
                                     num_warps=4, num_stages=3)
-    for cfg in (None, split3):
+    predecoded = dataclasses.replace(split3, block_m=128 if m > 64 else split3.block_m, num_warps=8 if m > 64 else 4,
+                                     predecode=True)
+    for cfg in (None, split3, predecoded):
         ws = None
         if cfg is not None:
             ws = mm_decode.empty_decode_workspace(*mm_decode.decode_workspace_numel(m, n, k, cfg), a.device)
@@ -232,6 +235,9 @@ def test_cuda_mm_fp4_decode_matches_float64(m, n, k, out_dtype):
         assert torch.equal(out, again), cfg
         if ws is not None:
             assert not ws.counters.any()
+    # the pre-decoded activation feeds the same products in the same order as the in-kernel decode
+    in_kernel = mm_decode.mm_fp4_decode(a, b, sa, sb, alpha, out_dtype, dataclasses.replace(predecoded, predecode=False))
+    assert torch.equal(mm_decode.mm_fp4_decode(a, b, sa, sb, alpha, out_dtype, predecoded), in_kernel)
     if m > 1:
         sa_nan = sa.clone()
         sa_nan.view(torch.uint8)[1, k // 32] = 0x7F

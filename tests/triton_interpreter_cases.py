@@ -9,6 +9,7 @@ Each case raises AssertionError with the failing shape; exit status 0 means all 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -23,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fp4fuse.nvfp4 import format as nvfp4
 from fp4fuse.kernels.triton import mm as triton_mm, mm_decode, norm as triton_norm, norm_quant as triton_norm_quant
 from fp4fuse.kernels.triton import quant as triton_quant
+import nvfp4_oracle as oracle  # noqa: E402  (tests/, the script's own folder)
 from fp4fuse.nvfp4.norms import (
     fused_add_rms_norm_fp4_quant_reference, fused_add_rms_norm_reference, rms_norm_fp4_quant_reference, rms_norm_reference,
 )
@@ -263,6 +265,31 @@ def case_mm_decode() -> None:
     for m, n in ((0, 5), (4, 0)):
         empty = mm_decode.mm_fp4_decode(a[:m], b[:n], sa[:m], sb[:n], alpha, torch.bfloat16, cfg)
         assert empty.shape == (m, n), "decode: empty shapes"
+    # the pre-decoded activation: planes equal to the oracle's values (in the step's permuted order
+    # the multiset of each step's values), the product against the reference, a partial last step
+    for m, n, k, block_k in ((37, 70, 1040, 128), (70, 37, 160, 64)):
+        a, sa, ga = _quantized(m, k, gen)
+        b, sb, gb = _quantized(n, k, gen)
+        alpha = 1.0 / (ga * gb)
+        lo, hi = mm_decode.predecode_activation(a, sa, block_k)
+        bkb = block_k // 2
+        assert lo.shape == (m, -(-k // block_k) * bkb), f"predecode {m}x{k}: plane shape {lo.shape}"
+        dense = oracle.dequantize(a, sa).double() * 2.0 ** -14
+        for step in range(lo.shape[1] // bkb):
+            cols = slice(step * bkb, (step + 1) * bkb)
+            got = torch.cat((lo[:, cols], hi[:, cols]), dim=1).double().sort(dim=1).values
+            want = dense[:, step * block_k:(step + 1) * block_k]
+            want = torch.cat((want, want.new_zeros(m, block_k - want.shape[1])), dim=1).sort(dim=1).values
+            assert torch.equal(got, want), f"predecode {m}x{k}: step {step} values differ"
+        ref = nvfp4.mm_fp4_reference(a, b, sa, sb, alpha, torch.float64)
+        for split in (1, 3):
+            cfg = C(32, 16, block_k, split, 4, 2, None, True)
+            out = mm_decode.mm_fp4_decode(a, b, sa, sb, alpha, torch.float32, cfg)
+            rel = ((out.double() - ref).norm() / ref.norm()).item()
+            assert rel <= 1e-5, f"predecoded decode {m}x{n}x{k} {cfg}: rel {rel:.2e}"
+            fused = mm_decode.mm_fp4_decode(a, b, sa, sb, alpha, torch.float32,
+                                            dataclasses.replace(cfg, predecode=False))
+            assert torch.equal(out, fused), f"predecoded decode {m}x{n}x{k} {cfg}: differs from in-kernel decode"
     # the default rule: split never beyond what fills one wave, and at least one K step per split
     for n, k in ((3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168), (8192, 8192), (28672, 8192),
                  (8192, 28672)):

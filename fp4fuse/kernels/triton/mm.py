@@ -12,8 +12,8 @@ is the float64 reference up to fp32 accumulation and one rounding to ``out_dtype
 
 Kernels and dispatch (``mm_fp4_triton``; measurements in benchmarks/results/):
 
-* up to ``DECODE_MAX_M`` rows: ``fp4fuse.kernels.triton.mm_decode``, one launch (activation decode
-  and deterministic split-K inside it);
+* up to ``DECODE_MAX_M`` rows: ``fp4fuse.kernels.triton.mm_decode`` (deterministic split-K inside
+  the launch; the activation decoded in it up to 64 rows, pre-decoded once above);
 * ``_decode_halves_kernel`` decodes the activation once into fp16 even/odd halves ``[M, K/2]``
   (a few microseconds at decode sizes), so that the GEMM decodes only the weight.
 * ``_mm_fp4_kernel``: tiled ``tl.dot`` kernel; each K step decodes a ``[BLOCK_N, 16*BLOCK_G]``
@@ -23,8 +23,8 @@ Kernels and dispatch (``mm_fp4_triton``; measurements in benchmarks/results/):
   order (deterministic) and scales by alpha. Tried and dropped: decoding both operands in the
   GEMM, and the "swapped" orientation with the weight as the register (A) operand: Triton then
   decodes in the MMA's register layout from 2-byte shared-memory reads (about 2x slower).
-* ``_dequant_kernel`` + cuBLAS: from ``DEQUANT_MIN_M`` on with bf16 output, each weight tile
-  would be decoded once per M tile, so both operands are decoded once to bf16 (exact) and
+* ``_dequant_kernel`` + cuBLAS: from ``DEQUANT_MIN_M`` on with bf16 output (where the GEMM becomes
+  compute-bound and each weight tile would be decoded once per M tile), so both operands are decoded once to bf16 (exact) and
   multiplied by ``torch.mm``, then scaled by alpha in place by ``_scale_kernel`` (a second rounding
   to bf16: ``bf16(fp32(bf16(acc)) * alpha)``). PyTorch's ``out.mul_(alpha)`` with a CUDA 0-dim
   fp32 alpha would round alpha to bf16 first and runs a non-vectorized mixed-dtype loop at about a
@@ -63,10 +63,10 @@ __all__ = [
     "scale_by_alpha_",
 ]
 
-# Crossover between the tiled kernel and dequantize + cuBLAS for bf16 output, measured on the H200
-# (bench_ops.py --sweep, N=K=8192): M=128 tiled 84 us vs 114 us, M=256 tiled 143 us vs 126 us;
-# at N=28672, M=128: 257 us vs 349 us. The switch sits between the measured points.
-DEQUANT_MIN_M = 192
+# bf16 output above the decode GEMM's range goes to dequantize + cuBLAS: from M = 512 on it was the
+# fastest path on the five shapes of bench_ops.py --mid-sweep, and at M = 256 the tiled kernel lost
+# to it too (benchmarks/results/). fp16 / fp32 outputs there use the tiled kernel.
+DEQUANT_MIN_M = DECODE_MAX_M + 1
 
 # (16-element blocks per program, warps) of _dequant_kernel: the sweep over (256..2048, 8..16)
 # on 8192x8192 put (256, 8) first (55 us, 74% of the copy bandwidth).

@@ -1,11 +1,12 @@
-"""W4A4 NVFP4 GEMM for small M (decode), one launch per call, in Triton.
+"""W4A4 NVFP4 GEMM for small and middle M (decode steps, small prefill chunks), in Triton.
 
 Contract: ``mm_fp4_decode(a, b, a_scale, b_scale, alpha, out_dtype) -> out [M, N]``, the same as
 ``mm_fp4``: a uint8 ``[M, K/2]`` (activation), b uint8 ``[N, K/2]`` (weight, row-major), linear e4m3
 block scales ``[M, K/16]`` / ``[N, K/16]``, alpha a one-element fp32 device tensor read in the
 kernel (never synchronised to the host), ``out = alpha * (q_a * s_a) @ (q_b * s_b)^T`` in
-bf16/fp16/fp32. Inputs are validated by the op layer (contiguous, dtypes, ``K % 16 == 0``). Built for
-M <= 64; M = 128 works too (the benchmark sweep says whether it wins there).
+bf16/fp16/fp32. Inputs are validated by the op layer (contiguous, dtypes, ``K % 16 == 0``). Used up to
+``DECODE_MAX_M`` rows: one launch up to ``INKERNEL_DECODE_MAX_M`` rows, two above (the activation is
+pre-decoded once).
 
 Numerics: both operands are decoded in registers to fp16 ``e2m1 * 2**-14 * s`` (exact; the
 decoders of ``fp4fuse.kernels.triton.mm``), products are exact in fp32 and the MMAs accumulate in fp32;
@@ -29,8 +30,12 @@ Kernel design (``_mm_decode_kernel``):
   unchanged. Without it, Triton gathers each fragment from 2-byte shared-memory loads and packs
   them with byte permutes (about 1.5x the instructions per weight element, SASS of Triton 3.6 for
   sm_90).
-* The activation is decoded in the kernel, per program and step (``BLOCK_M x BLOCK_K`` values
-  against ``BLOCK_N x BLOCK_K`` weight values), so a call is a single launch.
+* Up to ``INKERNEL_DECODE_MAX_M`` rows the activation is decoded in the kernel, per program and step
+  (``BLOCK_M x BLOCK_K`` values against ``BLOCK_N x BLOCK_K`` weight values), so a call is a single
+  launch. Above, every weight tile's program would decode the whole activation again, so
+  ``_predecode_kernel`` writes it once as fp16 planes in the same permuted order (``PREDECODED``:
+  the GEMM loads them as the MMA's B operand); the products and their order are unchanged, so the
+  result is bitwise the in-kernel decode's.
 * Split-K inside the launch, deterministic: program ``(tile, split)`` covers K steps
   ``[split * iters_per_split, +iters_per_split)``. With more than one split each program writes
   its fp32 partial tile to ``workspace.partials[tile, split]``, then (after a CTA barrier) one
@@ -66,10 +71,12 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "DecodeConfig",
     "DecodeWorkspace",
+    "DECODE_MAX_M",
     "decode_config_for",
     "decode_workspace_numel",
     "empty_decode_workspace",
     "mm_fp4_decode",
+    "predecode_activation",
 ]
 
 
@@ -117,17 +124,36 @@ def _store_output(acc, alpha_ptr, out_ptr, rows_m, cols_n, M, N):
     tl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _predecode_kernel(q_ptr, s_ptr, lo_ptr, hi_ptr, M, KB, KG, KBP,
+                      ROWS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                      FAST_DECODE: tl.constexpr):
+    """Program ``(row block, K step)``: ``_decoded_tile`` of ``ROWS`` activation rows, stored into
+    the fp16 planes ``lo`` / ``hi`` ``[M, KBP]`` (``KBP``: K/2 rounded up to whole steps, so a
+    partial last step keeps its permuted columns; the padding holds zeros)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    kb0 = tl.program_id(1) * (BLOCK_K // 2)
+    src = tl.where(rows < M, rows, 0).to(tl.int64)
+    lo, hi = _decoded_tile(q_ptr, s_ptr, src * KB, src * KG, kb0, KB, KG, BLOCK_K, EVEN_K, FAST_DECODE)
+    offs = rows[:, None].to(tl.int64) * KBP + kb0 + tl.arange(0, BLOCK_K // 2)[None, :]
+    tl.store(lo_ptr + offs, lo, mask=(rows < M)[:, None])
+    tl.store(hi_ptr + offs, hi, mask=(rows < M)[:, None])
+
+
 @triton.jit(do_not_specialize=["M", "iters_per_split", "n_split"])
 def _mm_decode_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, alpha_ptr, out_ptr, part_ptr, count_ptr,
-    M, N, KB, KG, iters_per_split, n_split,
+    M, N, KB, KG, KBP, iters_per_split, n_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, FAST_DECODE: tl.constexpr,
+    PREDECODED: tl.constexpr,
 ):
     """Program ``(tile, split)``: ``acc[BLOCK_N, BLOCK_M]`` = weight rows of the tile times its
     activation rows over the split's K steps, then the output (``n_split == 1``, not PARTIAL) or
     the partial + last-arriver reduction (PARTIAL; module docstring). Tiles are numbered with the
-    M tile fastest, so programs sharing a weight tile run side by side (L2 reuse)."""
+    M tile fastest, so programs sharing a weight tile run side by side (L2 reuse).
+    PREDECODED: ``a_ptr`` / ``as_ptr`` are the fp16 planes of ``_predecode_kernel`` (row stride
+    ``KBP``), loaded as they are instead of decoding the activation in every program."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -147,8 +173,13 @@ def _mm_decode_kernel(
     for kb0 in range(kb_begin, kb_end, BKB):
         w_lo, w_hi = _decoded_tile(b_ptr, bs_ptr, w_rows * KB, w_rows * KG, kb0, KB, KG,
                                    BLOCK_K, EVEN_K, FAST_DECODE)
-        x_lo, x_hi = _decoded_tile(a_ptr, as_ptr, a_rows * KB, a_rows * KG, kb0, KB, KG,
-                                   BLOCK_K, EVEN_K, FAST_DECODE)
+        if PREDECODED:
+            x_offs = a_rows[:, None] * KBP + kb0 + tl.arange(0, BKB)[None, :]
+            x_lo = tl.load(a_ptr + x_offs)
+            x_hi = tl.load(as_ptr + x_offs)
+        else:
+            x_lo, x_hi = _decoded_tile(a_ptr, as_ptr, a_rows * KB, a_rows * KG, kb0, KB, KG,
+                                       BLOCK_K, EVEN_K, FAST_DECODE)
         acc = tl.dot(w_lo, tl.trans(x_lo), acc)
         acc = tl.dot(w_hi, tl.trans(x_hi), acc)
 
@@ -175,7 +206,9 @@ class DecodeConfig:
     """One launch of ``_mm_decode_kernel``: ``[block_n, block_m]`` (weight rows x activation rows)
     output tiles, ``block_k`` K elements per step (a multiple of 64), ``split_k`` K ranges per tile
     (reduced in the same launch), Triton's ``num_warps`` / ``num_stages``, and ``max_registers``
-    per thread (ptxas's ``maxnreg``; None: the compiler's choice)."""
+    per thread (ptxas's ``maxnreg``; None: the compiler's choice). ``predecode``: decode the
+    activation once into fp16 planes (``predecode_activation``, one more launch) instead of in
+    every program; pays where many weight tiles share the activation rows (larger M)."""
 
     block_m: int
     block_n: int
@@ -184,6 +217,7 @@ class DecodeConfig:
     num_warps: int
     num_stages: int
     max_registers: int | None = None
+    predecode: bool = False
 
 
 class DecodeWorkspace(NamedTuple):
@@ -238,15 +272,20 @@ def empty_decode_workspace(partials: int, counters: int, device: torch.device) -
 #: the default tiles, from ptxas's register counts for the sm_90 build (Triton 3.6, 64K registers
 #: per multiprocessor, no spills): a 128-register cap costs no spill for 16 and 32 activation rows
 #: (136 -> 124 and 154 -> 125 registers) and makes room for a 4th program.
-_TILES = {(16, 64, 4): (None, 8), (16, 128, 4): (128, 4), (32, 128, 4): (128, 4), (64, 128, 4): (None, 3),
-          (128, 128, 8): (None, 1)}
+_TILES = {(16, 64, 4): (None, 8), (16, 128, 4): (128, 4), (32, 128, 4): (128, 4), (64, 128, 4): (None, 3)}
 #: At least this many K steps per split: a program spends about ``num_stages - 1`` steps filling
 #: its load pipeline.
 MIN_STEPS_PER_SPLIT = 4
 
-#: Largest M that ``fp4fuse.kernels.triton.mm.mm_fp4_triton`` sends to this kernel.
-DECODE_MAX_M = 64
+#: Largest M that ``fp4fuse.kernels.triton.mm.mm_fp4_triton`` sends to this kernel: up to
+#: ``INKERNEL_DECODE_MAX_M`` rows with the activation decoded in every program, above with it
+#: pre-decoded once (``predecode_activation``) and 128 x 64 tiles (``benchmarks/bench_ops.py
+#: --mid-sweep``; results in benchmarks/results/).
+DECODE_MAX_M = 256
+INKERNEL_DECODE_MAX_M = 64
 MAX_SPLIT = 16
+#: Programs per multiprocessor that split-K aims at with the pre-decoded 128 x 64 tiles.
+PREDECODE_PROGRAMS_PER_SM = 2
 
 
 def decode_config_for(m: int, n: int, k: int, num_sms: int = 132) -> DecodeConfig:
@@ -258,23 +297,33 @@ def decode_config_for(m: int, n: int, k: int, num_sms: int = 132) -> DecodeConfi
     (the kernel is bound by decode instructions as much as by HBM) and by programs per
     multiprocessor (registers). Picked, by activation rows: M <= 16 -> 16 x 128 weight rows,
     4 warps, capped at 128 registers (3.3 instructions per weight element, 4 programs per
-    multiprocessor); M <= 32 -> 32 rows, same (3.5, 4); M <= 64 -> 64 rows (4.0, 3); above -> 128
-    rows, 8 warps (5.5 per weight element of the tile, 1). All use 128 K elements a step (64: 20% more
+    multiprocessor); M <= 32 -> 32 rows, same (3.5, 4); M <= 64 -> 64 rows (4.0, 3). All use 128 K elements a step (64: 20% more
     instructions per element; 256: 210 registers) and 3 stages (two steps of loads in flight, about
     18 KiB per 128-row program).
 
     Split-K fills one wave: ``split = min(programs that fit / tiles, K steps / MIN_STEPS_PER_SPLIT,
     MAX_SPLIT)``, and when 128-row weight tiles would leave more than 40% of those slots empty
     (small N at M <= 16), 64-row tiles (8 programs per multiprocessor) are used instead.
+    Above ``INKERNEL_DECODE_MAX_M`` rows the activation is pre-decoded (``predecode``), since every
+    weight tile's program would decode it again, and the tile is 128 activation rows x 64 weight
+    rows, 4 warps, split-K bringing the grid to ``PREDECODE_PROGRAMS_PER_SM`` programs per
+    multiprocessor: the best or within 3% of the best of 7 tiles at M = 128 and 256 on five
+    Llama-3-8B / 8192^2 shapes, 1.4-2.1x faster than the tiled kernel and dequantize + cuBLAS
+    there (benchmarks/results/).
+
     No autotuning at run time: a serving engine sees many M."""
+    if m > INKERNEL_DECODE_MAX_M:
+        tiles = triton.cdiv(m, 128) * triton.cdiv(n, 64)
+        steps = triton.cdiv(k, 128)
+        split = max(1, min(MAX_SPLIT, PREDECODE_PROGRAMS_PER_SM * num_sms // tiles, steps // MIN_STEPS_PER_SPLIT))
+        return DecodeConfig(block_m=128, block_n=64, block_k=128, split_k=split, num_warps=4, num_stages=3,
+                            predecode=True)
     if m <= 16:
         block_m, warps = 16, 4
     elif m <= 32:
         block_m, warps = 32, 4
-    elif m <= 64:
-        block_m, warps = 64, 4
     else:
-        block_m, warps = 128, 8
+        block_m, warps = 64, 4
     steps = triton.cdiv(k // 2, 64)
     max_split = max(1, min(MAX_SPLIT, steps // MIN_STEPS_PER_SPLIT))
 
@@ -321,14 +370,40 @@ def mm_fp4_decode(
             raise ValueError(f"mm_fp4_decode: workspace holds {workspace.partials.numel()} partials / "
                              f"{workspace.counters.numel()} counters; this call needs {need_p} / {need_c}")
         partials, counters = workspace
+    x, x_aux, x_stride = a, a_scale, 0
+    if cfg.predecode:
+        x, x_aux = predecode_activation(a, a_scale, cfg.block_k)
+        x_stride = x.shape[1]
     traceable(_mm_decode_kernel)[(plan.tiles, plan.split)](
-        a, a_scale, b, b_scale, alpha, out, partials, counters,
-        m, n, k // 2, k // BLOCK_SIZE, plan.iters_per_split, plan.split,
+        x, x_aux, b, b_scale, alpha, out, partials, counters,
+        m, n, k // 2, k // BLOCK_SIZE, x_stride, plan.iters_per_split, plan.split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PARTIAL=plan.split > 1, EVEN_K=plan.even_k, FAST_DECODE=a.device.type == "cuda",
+        PREDECODED=cfg.predecode,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_register_cap(cfg, a.device),
     )
     return out
+
+
+#: Activation rows per program of ``_predecode_kernel``.
+PREDECODE_ROWS = 32
+
+
+def predecode_activation(a: torch.Tensor, a_scale: torch.Tensor, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 ``[M, K/2]`` -> fp16 ``(lo, hi)`` ``[M, KBP]`` in ``_mm_decode_kernel``'s operand order
+    for steps of ``block_k`` elements (``_decoded_tile``; ``KBP`` = K/2 rounded up to a whole step,
+    zero-padded), values ``e2m1 * 2**-14 * s`` (exact)."""
+    m, kb = a.shape
+    bkb = block_k // 2
+    steps = triton.cdiv(kb, bkb)
+    lo = torch.empty((m, steps * bkb), dtype=torch.float16, device=a.device)
+    hi = torch.empty_like(lo)
+    if m and steps:
+        traceable(_predecode_kernel)[(triton.cdiv(m, PREDECODE_ROWS), steps)](
+            a, a_scale, lo, hi, m, kb, kb // 8, steps * bkb,
+            ROWS=PREDECODE_ROWS, BLOCK_K=block_k, EVEN_K=kb % bkb == 0,
+            FAST_DECODE=a.device.type == "cuda", num_warps=4)
+    return lo, hi
 
 
 def _register_cap(cfg: DecodeConfig, device: torch.device) -> dict:
