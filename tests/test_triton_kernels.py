@@ -132,14 +132,19 @@ def test_cuda_quant_special_global_scales(gs, dtype):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("config", [(128, 4, 3), (256, 4, 1000), (256, 8, 5), (512, 4, 7)])
+@pytest.mark.parametrize("config", [(128, 4, 3), (256, 4, 1000), (256, 8, 5), (512, 8, 7), (512, 4, 7)])
 def test_cuda_quant_launch_configs(config):
-    """Several blocks per thread, persistent grids (several chunks a program), a partial last chunk."""
+    """Two blocks per thread, persistent grids (several chunks a program), a partial last chunk;
+    more than MAX_BLOCKS_PER_THREAD blocks per thread is refused (FMA_SAT was wrong at 4)."""
     _require_triton_backend()
-    from fp4fuse.kernels.triton.quant import QuantDivision, scaled_fp4_quant_triton
+    from fp4fuse.kernels.triton.quant import MAX_BLOCKS_PER_THREAD, QuantDivision, scaled_fp4_quant_triton
     gen = torch.Generator(device="cuda").manual_seed(sum(config))
     x = _blocks(4099, 528, gen)
     gs = nvfp4.global_scale_from_amax(x.float().abs().amax()).reshape(1)
+    if config[0] > MAX_BLOCKS_PER_THREAD * 32 * config[1]:
+        with pytest.raises(ValueError, match="blocks; at most"):
+            scaled_fp4_quant_triton(x, gs, config=config)
+        return
     rq, rs = nvfp4.quantize_reference(x.cpu(), gs.cpu())
     for div in QuantDivision:
         q, s = scaled_fp4_quant_triton(x, gs, division=div, config=config)

@@ -517,6 +517,12 @@ def _quant_kernel(
 
 # ------------------------------------------------------------------------------ host side
 
+#: Most 16-element blocks one thread may own on CUDA. With 4 per thread (BLOCKS 512 at 4 warps, 1024
+#: at 8) the FMA_SAT kernel wrote wrong codes on an H100 (Triton 3.6; 8 per thread and IEEE_DIV
+#: were right; the cause was not found), so configurations are held to the tested 1 and 2.
+MAX_BLOCKS_PER_THREAD = 2
+
+
 def quant_launch_config(n_blocks: int, device: torch.device) -> tuple[int, int, int]:
     """``(BLOCKS, num_warps, programs)`` for ``n_blocks`` 16-element blocks.
 
@@ -539,6 +545,10 @@ def _launch_args(x: torch.Tensor, global_scale: torch.Tensor, q: torch.Tensor, s
     if (x.storage_offset() * x.element_size()) % 4:
         x = x.clone()
     blocks, num_warps, programs = config or quant_launch_config(n_blocks, x.device)
+    if x.device.type == "cuda" and blocks > MAX_BLOCKS_PER_THREAD * 32 * num_warps:
+        raise ValueError(f"fp4fuse.scaled_fp4_quant: config {(blocks, num_warps, programs)} gives each thread "
+                         f"{blocks // (32 * num_warps)} blocks; at most {MAX_BLOCKS_PER_THREAD} are allowed on CUDA "
+                         f"(BLOCKS <= {MAX_BLOCKS_PER_THREAD} * 32 * num_warps)")
     args = (x.view(word_dtype), global_scale.reshape(1).to(torch.float32), q.view(torch.int32),
             s.view(torch.uint8), n_blocks, triton.cdiv(n_blocks, blocks))
     meta = dict(IN_KIND=int(_INPUT_KIND[x.dtype]), DIVISION=int(division), BLOCKS=blocks,
