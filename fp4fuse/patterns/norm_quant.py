@@ -239,8 +239,8 @@ class NormQuantFusion(GraphRewrite[NormQuantMatch]):
 
 # --------------------------------------------------------------------------- torch-form norms (not fused)
 
-#: What each torch norm form rounds differently from fp4fuse::rms_norm (the skip reason's detail).
-_TORCH_FORM_ROUNDING = {
+#: The torch norm forms (fp4fuse.patterns.sequence_parallel) and how each is written, for the skip reason.
+_TORCH_FORMS = {
     TorchFunctionalNorm: "F.rms_norm",
     TorchManualNorm: "x * rsqrt(mean(x^2) + eps) * weight in x's dtype",
     TorchFP32Norm: "the Hugging Face LlamaRMSNorm form, weight * (x.float() * rsqrt(...)).to(dtype): "
@@ -271,7 +271,7 @@ class TorchNormQuants:
         key = (example_dtype, ndim)
         if key not in self._patterns:
             self._patterns[key] = []
-            for family in _TORCH_FORM_ROUNDING:
+            for family in _TORCH_FORMS:
                 with registration_mode():
                     x = torch.empty((2,) * (ndim - 1) + (32,), dtype=example_dtype)
                     w = torch.empty(32, dtype=example_dtype)
@@ -297,7 +297,7 @@ class TorchNormQuants:
             if family is not None:
                 recorder.skipped(self.key, quant, (
                     f"the quantized tensor is an RMSNorm written in torch ops ({family.name}: "
-                    f"{_TORCH_FORM_ROUNDING[family]}); Inductor generates its code with its own reduction order "
+                    f"{_TORCH_FORMS[family]}); Inductor generates its code with its own reduction order "
                     "and roundings, so fp4fuse's fused norm + quantize op would not be bitwise equal to it "
                     "(fp4fuse's norm ops, e.g. fp4fuse.tp.RMSNorm with NormImpl.FP4FUSE, fuse)"))
                 found += 1
