@@ -8,6 +8,7 @@ graph compiled without it, and the skips (other readers, dynamic scale, several 
 norms) with their reasons. Sequence parallelism + this pass at TP=2: tests/e2e/test_sp_e2e.py."""
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -180,6 +181,7 @@ def test_torch_form_norms_are_not_fused_and_say_why():
     assert norm_quant(gm.graph) == 0
     (skip,) = norm_quant.skips
     assert skip.key == "norm_quant.torch_norm" and "torch_fp32" in skip.reason and "not be bitwise" in skip.reason
+    copy.deepcopy(norm_quant)  # Inductor deep-copies its config per compile: the pass holds no graph state
 
 
 @torch._inductor.config.patch(fx_graph_cache=False)

@@ -167,8 +167,17 @@ class NormQuantFusion(GraphRewrite[NormQuantMatch]):
         super().__init__(config)
         self._order: _NodeOrder | None = None
 
-    def find(self, graph: fx.Graph) -> list[NormQuantMatch]:
+    def apply(self, graph: fx.Graph, recorder: MatchRecorder) -> int:
+        """:meth:`GraphRewrite.apply`, holding the graph's node order only for the call (a pass
+        keeps no graph state: Inductor deep-copies its config, this pass included, per compile)."""
         self._order = _NodeOrder(graph)
+        try:
+            return super().apply(graph, recorder)
+        finally:
+            self._order = None
+
+    def find(self, graph: fx.Graph) -> list[NormQuantMatch]:
+        assert self._order is not None
         found = []
         for node in graph.nodes:
             if node.op == "call_function" and node.target in FUSED_OPS:
@@ -265,6 +274,11 @@ class TorchNormQuants:
 
     def __init__(self) -> None:
         self._patterns: dict[tuple[torch.dtype, int], list[tuple[type[NormFamily], pm.PatternExpr]]] = {}
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TorchNormQuants:
+        """A fresh instance: the traced patterns are a cache (rebuilt on use), and tracing state
+        is not worth copying when Inductor deep-copies its config per compile."""
+        return TorchNormQuants()
 
     def _patterns_for(self, dtype: torch.dtype, ndim: int) -> list[tuple[type[NormFamily], pm.PatternExpr]]:
         example_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16  # fp16 traces like bf16
