@@ -42,6 +42,7 @@ ENV_VARS: dict[str, str] = {
     "enable_sequence_parallelism": "FP4FUSE_ENABLE_SP",
     "enable_async_tp": "FP4FUSE_ENABLE_ASYNC_TP",
     "enable_bf16_async_tp": "FP4FUSE_ENABLE_BF16_ASYNC_TP",
+    "enable_norm_quant_fusion": "FP4FUSE_ENABLE_NORM_QUANT",
     "min_tokens": "FP4FUSE_MIN_TOKENS",
     "lower_kernels": "FP4FUSE_LOWER_KERNELS",
     "rank_check": "FP4FUSE_RANK_CHECK",
@@ -81,6 +82,10 @@ class FusionConfig:
         enable_bf16_async_tp: also fuse plain ``aten.mm`` with an all-gather / reduce-scatter
             into ``torch.ops.symm_mem.*`` (CUDA only; skipped with a logged reason on CPU).
             Implies ``enable_async_tp``.
+        enable_norm_quant_fusion: fuse fp4fuse's ``rms_norm`` / ``fused_add_rms_norm`` with the NVFP4
+            quantization of their output into ``rms_norm_fp4_quant`` / ``fused_add_rms_norm_fp4_quant``
+            where the output has no other reader and one static global scale (NormQuantFusionPass;
+            exact; on by default, also when no collective fusion is enabled).
         min_tokens: a collective whose token count is below this is left alone (vLLM compiles a
             separate small-batch graph without SP/AsyncTP, where they do not pay). The token count
             is the number of rows of the full, unsharded activation: the input rows of a
@@ -101,13 +106,15 @@ class FusionConfig:
     enable_sequence_parallelism: bool = False
     enable_async_tp: bool = False
     enable_bf16_async_tp: bool = False
+    enable_norm_quant_fusion: bool = True
     min_tokens: int | None = None
     lower_kernels: bool = True
     rank_check: RankCheck = RankCheck.FIRST
     log_level: str | None = None
 
     def __post_init__(self) -> None:
-        for f in ("enable_sequence_parallelism", "enable_async_tp", "enable_bf16_async_tp", "lower_kernels"):
+        for f in ("enable_sequence_parallelism", "enable_async_tp", "enable_bf16_async_tp", "enable_norm_quant_fusion",
+                  "lower_kernels"):
             if not isinstance(getattr(self, f), bool):
                 raise TypeError(f"FusionConfig.{f} must be a bool, got {getattr(self, f)!r}")
         if self.min_tokens is not None and (isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int)):

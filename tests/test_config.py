@@ -99,10 +99,10 @@ def test_hash_key_stable_and_distinct():
     keys = {c.hash_key() for c in (
         FusionConfig(), FusionConfig(enable_sequence_parallelism=True), a,
         FusionConfig(enable_async_tp=True, min_tokens=65), FusionConfig(enable_bf16_async_tp=True),
-        FusionConfig(lower_kernels=False),
+        FusionConfig(lower_kernels=False), FusionConfig(enable_norm_quant_fusion=False),
     )}
-    assert len(keys) == 6
-    assert a.to_json() == ('{"enable_async_tp":true,"enable_bf16_async_tp":false,'
+    assert len(keys) == 7
+    assert a.to_json() == ('{"enable_async_tp":true,"enable_bf16_async_tp":false,"enable_norm_quant_fusion":true,'
                            '"enable_sequence_parallelism":true,"log_level":null,"lower_kernels":true,'
                            '"min_tokens":64,"rank_check":"first"}')
 
@@ -110,6 +110,13 @@ def test_hash_key_stable_and_distinct():
 def test_lower_kernels_defaults_on_and_reads_the_env():
     assert FusionConfig().lower_kernels and FusionConfig.from_env({}).lower_kernels
     assert not FusionConfig.from_env({"FP4FUSE_LOWER_KERNELS": "off"}).lower_kernels
+
+
+def test_norm_quant_fusion_defaults_on_and_reads_the_env():
+    assert FusionConfig().enable_norm_quant_fusion and FusionConfig.from_env({}).enable_norm_quant_fusion
+    assert not FusionConfig.from_env({"FP4FUSE_ENABLE_NORM_QUANT": "0"}).enable_norm_quant_fusion
+    with pytest.raises(TypeError, match="enable_norm_quant_fusion must be a bool"):
+        FusionConfig(enable_norm_quant_fusion="yes")
 
 
 def test_rank_check_mode():

@@ -65,12 +65,12 @@ BOTH = {"async_tp.all_gather_mm_fp4": 1, "async_tp.mm_fp4_reduce_scatter": 1}
 
 def test_is_a_custom_graph_pass_with_documented_order():
     assert isinstance(FusionPass(), CustomGraphPass)
-    assert FusionPass().pass_names == ["cleanup", "lowering"]
-    assert FusionPass(FusionConfig(lower_kernels=False)).pass_names == ["cleanup"]
+    assert FusionPass().pass_names == ["cleanup", "norm_quant", "lowering"]
+    assert FusionPass(FusionConfig(lower_kernels=False, enable_norm_quant_fusion=False)).pass_names == ["cleanup"]
     assert FusionPass(FusionConfig(enable_sequence_parallelism=True)).pass_names == [
-        "cleanup", "sequence_parallel", "lowering"]
+        "cleanup", "sequence_parallel", "norm_quant", "lowering"]
     assert FusionPass(FusionConfig(enable_async_tp=True)).pass_names == [
-        "cleanup", "sequence_parallel", "async_tp", "lowering"]
+        "cleanup", "sequence_parallel", "async_tp", "norm_quant", "lowering"]
 
 
 def test_counts_cumulative_and_last_and_one_summary_line(caplog):

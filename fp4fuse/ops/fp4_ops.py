@@ -29,13 +29,19 @@ def scaled_fp4_quant(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch
     return nvfp4.quantize_reference(x, global_scale)
 
 
-@scaled_fp4_quant.register_fake
-def _(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    validation.check_quant_inputs(x, global_scale)
+def empty_fp4_like(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialized ``(q uint8 [M, K/2], s e4m3 [M, K/16])`` for quantizing ``x [M, K]``: the
+    outputs of every op that returns an NVFP4 tensor (their fake implementations)."""
     m, k = x.shape
     q = x.new_empty((m, k // 2), dtype=torch.uint8)
     s = x.new_empty((m, k // nvfp4.BLOCK_SIZE), dtype=torch.float8_e4m3fn)
     return q, s
+
+
+@scaled_fp4_quant.register_fake
+def _(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    validation.check_quant_inputs(x, global_scale)
+    return empty_fp4_like(x)
 
 
 @scaled_fp4_quant.register_kernel("cuda")

@@ -5,6 +5,17 @@
   bf16/fp16/fp32 (weight may differ from x), ``eps`` a finite float >= 0.
 * ``fused_add_rms_norm(x, residual, weight, eps) -> (out, residual_out)``:
   ``residual_out = x + residual`` rounded to x's dtype, ``out = rms_norm(residual_out)``.
+* ``rms_norm_fp4_quant(x, weight, eps, global_scale) -> (q, s)``
+  ``= scaled_fp4_quant(rms_norm(x, weight, eps), global_scale)``, bit for bit on every backend
+  (the norm output is rounded to x's dtype before it is quantized, and never written).
+* ``fused_add_rms_norm_fp4_quant(x, residual, weight, eps, global_scale) -> (q, s, residual_out)``:
+  ``out, residual_out = fused_add_rms_norm(x, residual, weight, eps)``, ``q, s = scaled_fp4_quant(out,
+  global_scale)``.
+
+The fused ops take the global scale as an input: they serve static (calibrated) activation scales.
+Arguments follow both halves' rules: x ``[T, H]`` contiguous with H a multiple of 16, weight ``[H]``,
+``eps`` finite >= 0, global_scale one fp32 element on x's device (fp4fuse.ops.validation). The
+NormQuantFusionPass (fp4fuse.passes.norm_quant) writes them into compiled graphs.
 """
 from __future__ import annotations
 
@@ -12,7 +23,9 @@ import torch
 
 from fp4fuse.nvfp4.norms import fused_add_rms_norm_reference, rms_norm_reference
 from fp4fuse.ops import validation
+from fp4fuse.nvfp4.norms import fused_add_rms_norm_fp4_quant_reference, rms_norm_fp4_quant_reference
 from fp4fuse.ops.backend import backend_for
+from fp4fuse.ops.fp4_ops import empty_fp4_like
 from fp4fuse.ops.kernel_table import kernel_for
 
 
@@ -52,3 +65,44 @@ def _(x, residual, weight, eps):
 def _(x, residual, weight, eps):
     validation.check_norm_inputs("fused_add_rms_norm", x, weight, eps, residual)
     return kernel_for("fused_add_rms_norm", backend_for(x))(x, residual, weight, eps)
+
+
+@torch.library.custom_op("fp4fuse::rms_norm_fp4_quant", mutates_args=())
+def rms_norm_fp4_quant(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, global_scale: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    validation.check_norm_quant_inputs("rms_norm_fp4_quant", x, weight, eps, global_scale)
+    return rms_norm_fp4_quant_reference(x, weight, eps, global_scale)
+
+
+@rms_norm_fp4_quant.register_fake
+def _(x, weight, eps, global_scale):
+    validation.check_norm_quant_inputs("rms_norm_fp4_quant", x, weight, eps, global_scale)
+    return empty_fp4_like(x)
+
+
+@rms_norm_fp4_quant.register_kernel("cuda")
+def _(x, weight, eps, global_scale):
+    validation.check_norm_quant_inputs("rms_norm_fp4_quant", x, weight, eps, global_scale)
+    return kernel_for("rms_norm_fp4_quant", backend_for(x))(x, weight, eps, global_scale)
+
+
+@torch.library.custom_op("fp4fuse::fused_add_rms_norm_fp4_quant", mutates_args=())
+def fused_add_rms_norm_fp4_quant(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, global_scale: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    validation.check_norm_quant_inputs("fused_add_rms_norm_fp4_quant", x, weight, eps, global_scale, residual)
+    return fused_add_rms_norm_fp4_quant_reference(x, residual, weight, eps, global_scale)
+
+
+@fused_add_rms_norm_fp4_quant.register_fake
+def _(x, residual, weight, eps, global_scale):
+    validation.check_norm_quant_inputs("fused_add_rms_norm_fp4_quant", x, weight, eps, global_scale, residual)
+    q, s = empty_fp4_like(x)
+    return q, s, torch.empty_like(x)
+
+
+@fused_add_rms_norm_fp4_quant.register_kernel("cuda")
+def _(x, residual, weight, eps, global_scale):
+    validation.check_norm_quant_inputs("fused_add_rms_norm_fp4_quant", x, weight, eps, global_scale, residual)
+    return kernel_for("fused_add_rms_norm_fp4_quant", backend_for(x))(x, residual, weight, eps, global_scale)

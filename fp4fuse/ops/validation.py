@@ -51,14 +51,20 @@ def check_k_multiple(op: str, name: str, k: int) -> None:
         _fail(op, f"{name}: K = {k} must be a multiple of {BLOCK_SIZE} (one e4m3 scale per {BLOCK_SIZE} elements)")
 
 
+def check_global_scale(op: str, x: torch.Tensor, global_scale: torch.Tensor) -> None:
+    """The NVFP4 global scale of quantizing ``x [M, K]``: one fp32 element on x's device, K a
+    multiple of 16. Its value is not read (a host sync; a bad value poisons the result instead)."""
+    check_k_multiple(op, "x", x.shape[1])
+    check_scalar_fp32(op, "global_scale", global_scale)
+    check_same_device(op, {"x": x, "global_scale": global_scale})
+
+
 def check_quant_inputs(x: torch.Tensor, global_scale: torch.Tensor) -> None:
     op = "scaled_fp4_quant"
     check_2d(op, "x", x)
     check_dtype(op, "x", x, FLOAT_DTYPES)
-    check_k_multiple(op, "x", x.shape[1])
     check_contiguous(op, "x", x)
-    check_scalar_fp32(op, "global_scale", global_scale)
-    check_same_device(op, {"x": x, "global_scale": global_scale})
+    check_global_scale(op, x, global_scale)
 
 
 def check_fp4_operand(op: str, data_name: str, data: torch.Tensor, scale_name: str, scale: torch.Tensor) -> None:
@@ -118,3 +124,13 @@ def check_norm_inputs(
         check_contiguous(op, "residual", residual)
         named["residual"] = residual
     check_same_device(op, named)
+
+
+def check_norm_quant_inputs(
+    op: str, x: torch.Tensor, weight: torch.Tensor, eps: float, global_scale: torch.Tensor,
+    residual: torch.Tensor | None = None,
+) -> None:
+    """A fused norm + NVFP4 quantization: the norm's rules (:func:`check_norm_inputs`) and the
+    quantization's rules for its output (:func:`check_global_scale`)."""
+    check_norm_inputs(op, x, weight, eps, residual)
+    check_global_scale(op, x, global_scale)

@@ -12,7 +12,10 @@ Order of the pipeline (each pass sees the previous one's output):
    reduce_scatter + norm + quant + all_gather.
 3. ``async_tp`` (``enable_async_tp``): the collectives of 2. (and any in the model) fused with
    their GEMMs.
-4. ``lowering`` (``lower_kernels``, on by default): fp4fuse's op calls on CUDA replaced by the
+4. ``norm_quant`` (``enable_norm_quant_fusion``, on by default): fp4fuse's norm -> NVFP4 quant
+   with a static global scale -> one fused norm + quantize op (fp4fuse.passes.norm_quant), also
+   the shard's norm -> quant that 2. writes.
+5. ``lowering`` (``lower_kernels``, on by default): fp4fuse's op calls on CUDA replaced by the
    Triton launches they run (fp4fuse.passes.lowering), so no op costs a Python call per kernel.
 
 Caching: ``uuid()`` is composed, not scraped: the config's ``hash_key()``, each enabled pass's own
@@ -51,6 +54,7 @@ from fp4fuse.passes.base import GraphPass, process_group_fingerprint
 from fp4fuse.passes.cleanup import NoOpViewCleanupPass
 from fp4fuse.passes.log_handler import apply_log_level
 from fp4fuse.passes.lowering import KernelLoweringPass
+from fp4fuse.passes.norm_quant import NormQuantFusionPass
 from fp4fuse.passes.sequence_parallel import SequenceParallelismPass
 from fp4fuse.patterns.base import Skip
 
@@ -103,6 +107,8 @@ class FusionPass(CustomGraphPass):
             self.passes.append(SequenceParallelismPass(self.config))
         if self.config.enable_async_tp:
             self.passes.append(AsyncTPPass(self.config))
+        if self.config.enable_norm_quant_fusion:
+            self.passes.append(NormQuantFusionPass(self.config))
         if self.config.lower_kernels:
             self.passes.append(KernelLoweringPass(self.config))
         self._run_counts: collections.Counter[str] = collections.Counter()

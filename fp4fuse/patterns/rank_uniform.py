@@ -62,6 +62,7 @@ c10d = torch.ops._c10d_functional
 fp4 = torch.ops.fp4fuse
 _PURE_FP4FUSE_OPS = frozenset({
     fp4.scaled_fp4_quant.default, fp4.mm_fp4.default, fp4.rms_norm.default, fp4.fused_add_rms_norm.default,
+    fp4.rms_norm_fp4_quant.default, fp4.fused_add_rms_norm_fp4_quant.default,
 })
 _UNIFORM_COLLECTIVES = (CollectiveKind.ALL_REDUCE, CollectiveKind.ALL_GATHER)
 

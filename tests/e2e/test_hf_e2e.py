@@ -85,7 +85,9 @@ def _rank_main(runs: tuple) -> dict:
             results[kind, static, mode, embedding, batch] = {
                 "graphs": fusion.calls - calls, "equal": bool(torch.equal(out, ref)), "shape": tuple(out.shape),
                 "counts": {k: v for k, v in fusion.last_match_counts.items() if k.startswith(("sequence", "async"))},
-                "skips": [(s.key, s.reason) for s in fusion.last_skips],
+                "skips": [(s.key, s.reason) for s in fusion.last_skips if s.key.startswith(("sequence", "async"))],
+                "norm_quant": ({k: v for k, v in fusion.last_match_counts.items() if k.startswith("norm_quant")},
+                               sorted({s.key for s in fusion.last_skips if s.key.startswith("norm_quant")})),
                 "checked": [(site.model_state, site.per_call) for site in fusion.passes[1].rank_checks],
             }
     return results
@@ -109,6 +111,8 @@ def test_fusion_counts_and_bitwise_logits(results, kind, static, batch):
     assert got["graphs"] == 1 and got["shape"] == (batch, SEQ, hf_tiny.VOCAB)
     assert got["counts"] == expected_counts(hf_tiny.LAYERS, static), got["counts"]
     assert got["skips"] == [], got["skips"]
+    # HF's LlamaRMSNorm is a torch-form norm: its quants are not fused with it, and say why
+    assert got["norm_quant"] == ({}, ["norm_quant.torch_norm"]), got["norm_quant"]
     assert got["equal"], f"{kind} batch {batch}: logits differ from the model compiled without fp4fuse"
 
 

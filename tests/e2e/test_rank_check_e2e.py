@@ -155,7 +155,7 @@ def _rank_main(cache_dir: str) -> dict:
             out["runs"].append({
                 "batch": batch, "equal": bool(torch.equal(result, reference)), "shape": tuple(result.shape),
                 "counts": {k: v for k, v in fusion.last_match_counts.items() if k.startswith(("sequence", "async"))},
-                "skips": [(s.key, s.reason) for s in fusion.last_skips],
+                "skips": [(s.key, s.reason) for s in fusion.last_skips if s.key.startswith(("sequence", "async"))],
                 "checked": [site.labels for site in fusion.passes[1].rank_checks],
                 "check_first": call.index("check_rank_uniform") < call.index("_c10d_functional"),
             })

@@ -8,7 +8,9 @@ norm, gate_up, SwiGLU, down; then a final norm whose bf16 output is the model's 
   ``middle`` = 2L - 1 (every other norm but the final one), ``last`` = 1 (the final norm),
   ``quant_before_gather`` = 2L (the quantized inputs of qkv and gate_up, one per column-parallel
   GEMM; ``.dynamic_scale`` when activations use a dynamic global scale);
-* AsyncTP: ``all_gather_mm_fp4`` = 2L (qkv, gate_up), ``mm_fp4_reduce_scatter`` = 2L (o_proj, down).
+* AsyncTP: ``all_gather_mm_fp4`` = 2L (qkv, gate_up), ``mm_fp4_reduce_scatter`` = 2L (o_proj, down);
+* norm + quant (static activation scale only): ``rms_norm_fp4_quant`` = 1 (layer 0's input norm),
+  ``fused_add_rms_norm_fp4_quant`` = 2L - 1 (the other norms before a GEMM), on each rank's shard.
 
 Tokens: 128 and 80 in total, i.e. 64 and 40 tokens per rank after the sequence split. Outputs are
 compared bitwise with the eager, unfused model on CPU (every fp4fuse op has a row-independent
@@ -40,7 +42,9 @@ WORLD = 2
 LAYERS = 2
 TOKENS = (128, 80)  # 64 and 40 per rank
 TIMEOUT_S = 600.0
-FUSION_KEYS = ("sequence_parallel.", "async_tp.")
+FUSION_KEYS = ("sequence_parallel.", "async_tp.", "norm_quant.")
+# the norm + quant fusion's skips (norms quantized with a dynamic scale) are tested in tests/test_norm_quant.py
+SKIP_KEYS = ("sequence_parallel.", "async_tp.")
 
 if DEVICE not in ("cpu", "cuda"):
     raise ValueError(f"FP4FUSE_E2E_DEVICE={DEVICE!r}: must be cpu or cuda")
@@ -54,6 +58,8 @@ def expected_counts(layers: int, async_tp: bool, norm: str = "fp4fuse", dynamic_
               f"sequence_parallel.last.{norm}": 1, f"sequence_parallel.{quant}": 2 * layers}
     if async_tp:
         counts.update({"async_tp.all_gather_mm_fp4": 2 * layers, "async_tp.mm_fp4_reduce_scatter": 2 * layers})
+    if norm == "fp4fuse" and not dynamic_scale:  # each shard's norm -> quant fuses
+        counts.update({"norm_quant.rms_norm_fp4_quant": 1, "norm_quant.fused_add_rms_norm_fp4_quant": 2 * layers - 1})
     return counts
 
 
@@ -128,7 +134,8 @@ def _rank_main(run: Run) -> list[dict]:
             "reference_graphs": unfused.calls - reference_calls,
             "counts": {k: v for k, v in fusion.last_match_counts.items() if k.startswith(FUSION_KEYS)}
             if fusion.calls > calls else None,
-            "skips": [(s.key, s.reason) for s in fusion.last_skips] if fusion.calls > calls else [],
+            "skips": [(s.key, s.reason) for s in fusion.last_skips if s.key.startswith(SKIP_KEYS)]
+            if fusion.calls > calls else [],
             **_compare(out, ref),
         })
     return results
@@ -167,12 +174,13 @@ def assert_matches_reference(result: dict) -> None:
 @pytest.mark.parametrize("async_tp", [False, True], ids=["sp", "sp_async_tp"])
 def test_static_token_counts(async_tp, cache_dir):
     """Each token count compiles its own graph; every norm and GEMM input fuses; outputs equal
-    the eager unfused model. Then fresh ranks are served the same graphs from the FX graph cache
+    the eager unfused model. SP alone runs with a static activation scale, so each shard's
+    norm -> quant then becomes the fused norm + quantize op; SP + AsyncTP with a dynamic one. Then fresh ranks are served the same graphs from the FX graph cache
     (shared directory, as ranks on one host share it) and still compute the right outputs."""
-    run = Run(async_tp=async_tp)
+    run = Run(async_tp=async_tp, act_global_scale=None if async_tp else 8.0)
     for result in run_ranks(run, cache_dir):
         assert result["compiled_graphs"] == 1
-        assert result["counts"] == expected_counts(LAYERS, async_tp), result
+        assert result["counts"] == expected_counts(LAYERS, async_tp, dynamic_scale=async_tp), result
         assert result["skips"] == []
         assert_matches_reference(result)
     if async_tp:
