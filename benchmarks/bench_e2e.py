@@ -25,7 +25,8 @@ Token counts T are shaped like serving batches: up to 128 tokens as decode steps
 dynamic (``torch._dynamo.mark_dynamic``), so each variant compiles once per shape family (plus once
 more where a pass's size threshold splits the range); ``--static`` compiles each token count on its
 own instead (what a serving engine that captures fixed batch sizes does; fp4fuse's kernel lowering
-applies only to static sizes). Launch modes: ``default`` (the host launches
+applies only to static sizes). Every variant compiles with ``torch._inductor.config.emulate_precision_casts
+= True``, so that the NVFP4 variants' outputs can be compared bit for bit (README, "Numerics"). Launch modes: ``default`` (the host launches
 every kernel) and ``cudagraphs`` (``options={"triton.cudagraphs": True}``). A time is the median
 over rounds of the wall time of ``--iters`` back-to-back forwards on rank 0 (after a barrier and a
 device sync), so it includes host overhead where the host is the bottleneck.
@@ -172,13 +173,18 @@ def _rank_main(args: BenchArgs) -> dict[str, Any]:
     # every variant compiles the same forward (one Dynamo cache per code object)
     torch._dynamo.config.cache_size_limit = 256
     torch._dynamo.config.accumulated_cache_size_limit = 1024
+    # Inductor rounds low-precision intermediates where eager does: otherwise where it rounds depends on
+    # its fusion decisions, which fp4fuse's rewrites change, and a dynamic NVFP4 scale turns one last-bit
+    # change into many flipped codes, so the variants' outputs could not be held to bitwise equality.
+    torch._inductor.config.emulate_precision_casts = True
     if args.static:  # one graph per token count, every size known when fp4fuse's passes run
         torch._dynamo.config.automatic_dynamic_shapes = False
     group = dist.group.WORLD
     say = log if rank == 0 else (lambda msg: None)
     say(f"building {args.layers}-layer Llama (hidden {args.hidden}, ffn {args.ffn}) at TP={args.tp}")
     models = _build_models(args, device, group)
-    results: dict[str, Any] = {"times": {}, "counts": {}, "max_rel_diff": {}, "errors": {}}
+    results: dict[str, Any] = {"times": {}, "counts": {}, "max_rel_diff": {}, "errors": {},
+                               "emulate_precision_casts": torch._inductor.config.emulate_precision_casts}
     for mode in args.modes:
         variants = _compiled_variants(args, models, mode)
         for tokens in args.tokens:
@@ -248,7 +254,8 @@ def render_markdown(raw: dict[str, Any]) -> str:
         f"{raw['versions']['triton']}, transformers {raw['versions']['transformers']}. Model: HF `LlamaModel`, "
         f"{args['layers']} layers, hidden {args['hidden']}, {args['heads']} heads / {args['kv_heads']} KV heads, "
         f"FFN {args['ffn']}, random bf16 weights, `fp4fuse.tp.parallelize` with the config's TP plan; token "
-        f"dimension {'static (one compile per count)' if args.get('static') else 'dynamic (mark_dynamic)'}. "
+        f"dimension {'static (one compile per count)' if args.get('static') else 'dynamic (mark_dynamic)'}; "
+        + ("Inductor `emulate_precision_casts=True`. " if raw.get("emulate_precision_casts") else "") +
         "Command: `" + raw["command"] + "`.", "",
         "Milliseconds per forward (median over rounds of back-to-back forwards, rank 0 wall time; "
         "variants interleaved in one process). `fp4fuse/nvfp4` is the speedup of switching fp4fuse on "
