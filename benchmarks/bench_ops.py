@@ -425,12 +425,6 @@ MID_TILES = ((64, 128, 4, False), (64, 128, 4, True), (128, 128, 8, False), (128
              (128, 64, 4, True), (256, 64, 4, True), (128, 256, 8, True))
 
 
-def _fill_split(tiles: int, steps: int, sms: int, per_sm: int = 2) -> int:
-    """Split count that brings ``tiles`` programs to about ``per_sm`` per multiprocessor, with at least
-    ``mm_decode.MIN_STEPS_PER_SPLIT`` K steps per split."""
-    return max(1, min(mm_decode.MAX_SPLIT, (per_sm * sms) // tiles, steps // mm_decode.MIN_STEPS_PER_SPLIT))
-
-
 def mid_sweep(ceil: Ceilings, raw: dict) -> None:
     """``--mid-sweep``: M = 64..2048 as CUDA-graph replays over rotating weights: the shipped
     dispatch, the tiled kernel, dequantize + cuBLAS, the decode kernel at several tiles (with and
@@ -454,7 +448,7 @@ def mid_sweep(ceil: Ceilings, raw: dict) -> None:
                 if bm < m // 8 or bm > 2 * m:
                     continue
                 tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-                cfg = mm_decode.DecodeConfig(bm, bn, 128, _fill_split(tiles, triton.cdiv(k, 128), sms), warps, 3,
+                cfg = mm_decode.DecodeConfig(bm, bn, 128, mm_decode.filling_split(tiles, k, sms, mm_decode.PREDECODE_PROGRAMS_PER_SM), warps, 3,
                                              predecode=pre)
                 ws_dec = mm_decode.empty_decode_workspace(*mm_decode.decode_workspace_numel(m, n, k, cfg), a.device)
                 cands[_cfg_str(cfg) + ("p" if pre else "")] = (

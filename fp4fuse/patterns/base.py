@@ -2,7 +2,7 @@
 
 * ``MatchRecorder``: per-pattern match counts (keys ``"pass.pattern"``) and skip reasons, each
   skip logged at DEBUG on the owning pass's logger.
-* Node helpers: ``fake_value``, ``is_call``, ``get_arg``.
+* Node helpers: ``fake_value``, ``is_call``, ``get_arg``; ``QuantCall`` (one ``scaled_fp4_quant``).
 * ``FunctionalCollective`` / ``decode_collective`` / ``find_collectives``: the functional
   collectives of a post-grad graph (``_c10d_functional.*`` + ``wait_tensor``), decoded.
 * ``token_count_reason``: the shared "token count divisible / at least min_tokens" check, for
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from fp4fuse.config import FusionConfig
 
 __all__ = [
-    "CollectiveKind", "FunctionalCollective", "GraphRewrite", "MatchRecorder",
+    "CollectiveKind", "FunctionalCollective", "GraphRewrite", "MatchRecorder", "QuantCall",
     "ReplacementPattern", "Skip", "aot_trace", "decode_collective", "erase_if_unused", "insert_traced",
     "fake_value", "find_collectives", "get_arg", "insert_call", "is_call", "registration_mode",
     "threshold_reason", "token_count_reason",
@@ -128,6 +128,19 @@ def get_arg(node: fx.Node, index: int, name: str, default: Any = _MISSING) -> An
     if default is _MISSING:
         raise KeyError(f"{node.format_node()} has no argument {index} / {name!r}")
     return default
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantCall:
+    """One ``scaled_fp4_quant(x, global_scale)`` call; ``outputs`` are its readers (``getitem``)."""
+
+    quant: fx.Node
+    outputs: tuple[fx.Node, ...]
+    global_scale: fx.Node
+
+    @classmethod
+    def of(cls, quant: fx.Node) -> "QuantCall":
+        return cls(quant, tuple(quant.users), get_arg(quant, 1, "global_scale"))
 
 
 # --------------------------------------------------------------------------- collectives

@@ -42,14 +42,14 @@ from torch._inductor import pattern_matcher as pm
 from fp4fuse.config import FusionConfig
 from fp4fuse.ops import norm_ops, validation  # noqa: F401  (norm_ops registers the fused ops)
 from fp4fuse.patterns.base import (
-    GraphRewrite, MatchRecorder, aot_trace, erase_if_unused, fake_value, get_arg, insert_call, is_call,
+    GraphRewrite, MatchRecorder, QuantCall, aot_trace, erase_if_unused, fake_value, get_arg, insert_call, is_call,
     registration_mode,
 )
 from fp4fuse.patterns.sequence_parallel import (
     EXAMPLE_EPS, NORM_SETS, NormFamily, TorchFP32Norm, TorchFunctionalNorm, TorchManualNorm,
 )
 
-__all__ = ["NormQuantFusion", "NormQuantMatch", "QuantOfNorm", "TorchNormQuants"]
+__all__ = ["NormQuantFusion", "NormQuantMatch", "TorchNormQuants"]
 
 aten = torch.ops.aten
 fp4 = torch.ops.fp4fuse
@@ -65,15 +65,6 @@ _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 @dataclasses.dataclass(frozen=True)
-class QuantOfNorm:
-    """One ``scaled_fp4_quant(norm_out, global_scale)``; ``outputs`` are its readers (``getitem``)."""
-
-    quant: fx.Node
-    outputs: tuple[fx.Node, ...]
-    global_scale: fx.Node
-
-
-@dataclasses.dataclass(frozen=True)
 class NormQuantMatch:
     """An fp4fuse norm whose output some ``scaled_fp4_quant`` reads.
 
@@ -86,7 +77,7 @@ class NormQuantMatch:
 
     norm: fx.Node
     residual_outs: tuple[fx.Node, ...]
-    quants: tuple[QuantOfNorm, ...]
+    quants: tuple[QuantCall, ...]
     others: tuple[fx.Node, ...]
 
     @property
@@ -122,7 +113,7 @@ class NormQuantMatch:
         for out in outputs:
             for user in out.users:
                 if is_call(user, QUANT) and get_arg(user, 0, "x") is out:
-                    quants.append(QuantOfNorm(user, tuple(user.users), get_arg(user, 1, "global_scale")))
+                    quants.append(QuantCall.of(user))
                 else:
                     others.append(user)
         if not quants:

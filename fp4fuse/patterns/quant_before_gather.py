@@ -41,13 +41,13 @@ import torch.fx as fx
 from fp4fuse.config import FusionConfig
 from fp4fuse.distributed import groups
 from fp4fuse.patterns.base import (
-    GraphRewrite, erase_if_unused, fake_value, insert_call, insert_traced, is_call, token_count_reason,
+    GraphRewrite, QuantCall, erase_if_unused, fake_value, insert_call, insert_traced, is_call, token_count_reason,
 )
 from fp4fuse.patterns.thresholds import sp_min_tokens
 from fp4fuse.patterns.collectives import GatheredTensor, decode_gathered, external_users
 from fp4fuse.patterns.rank_uniform import RankUniformity
 
-__all__ = ["AmaxOfGathered", "QuantBeforeGather", "QuantOfGathered", "QuantsOfGatheredMatch"]
+__all__ = ["AmaxOfGathered", "QuantBeforeGather", "QuantsOfGatheredMatch"]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -77,15 +77,6 @@ class AmaxOfGathered:
 
 
 @dataclasses.dataclass(frozen=True)
-class QuantOfGathered:
-    """One ``scaled_fp4_quant(g, global_scale)``; ``outputs`` are its ``getitem`` readers."""
-
-    quant: fx.Node
-    outputs: tuple[fx.Node, ...]
-    global_scale: fx.Node
-
-
-@dataclasses.dataclass(frozen=True)
 class QuantsOfGatheredMatch:
     """The NVFP4 quants of one all-gathered activation ``g``.
 
@@ -97,7 +88,7 @@ class QuantsOfGatheredMatch:
     """
 
     gathered: GatheredTensor
-    quants: tuple[QuantOfGathered, ...]
+    quants: tuple[QuantCall, ...]
     amaxes: tuple[AmaxOfGathered, ...]
     others: tuple[fx.Node, ...]
 
@@ -122,7 +113,7 @@ class QuantBeforeGather(GraphRewrite[QuantsOfGatheredMatch]):
             readers = [u for u in external_users([gathered]) if u not in quant_nodes]
             amaxes = tuple(a for a in map(AmaxOfGathered.decode, readers) if a is not None)
             covered = {a.abs_node for a in amaxes}
-            quants = tuple(QuantOfGathered(q, tuple(q.users), q.args[1]) for q in quant_nodes)
+            quants = tuple(QuantCall.of(q) for q in quant_nodes)
             found.append(QuantsOfGatheredMatch(gathered, quants, amaxes, tuple(u for u in readers if u not in covered)))
         return found
 

@@ -75,6 +75,7 @@ __all__ = [
     "decode_config_for",
     "decode_workspace_numel",
     "empty_decode_workspace",
+    "filling_split",
     "mm_fp4_decode",
     "predecode_activation",
 ]
@@ -288,6 +289,13 @@ MAX_SPLIT = 16
 PREDECODE_PROGRAMS_PER_SM = 2
 
 
+def filling_split(tiles: int, k: int, num_sms: int, programs_per_sm: int, block_k: int = 128) -> int:
+    """Split-K count bringing ``tiles`` programs to about ``programs_per_sm`` per multiprocessor, with at
+    least ``MIN_STEPS_PER_SPLIT`` K steps of ``block_k`` elements per split and at most ``MAX_SPLIT``."""
+    steps = triton.cdiv(k, block_k)
+    return max(1, min(MAX_SPLIT, programs_per_sm * num_sms // tiles, steps // MIN_STEPS_PER_SPLIT))
+
+
 def decode_config_for(m: int, n: int, k: int, num_sms: int = 132) -> DecodeConfig:
     """Launch configuration for an ``[m, k] x [n, k]^T`` product on ``num_sms`` multiprocessors.
 
@@ -313,9 +321,7 @@ def decode_config_for(m: int, n: int, k: int, num_sms: int = 132) -> DecodeConfi
 
     No autotuning at run time: a serving engine sees many M."""
     if m > INKERNEL_DECODE_MAX_M:
-        tiles = triton.cdiv(m, 128) * triton.cdiv(n, 64)
-        steps = triton.cdiv(k, 128)
-        split = max(1, min(MAX_SPLIT, PREDECODE_PROGRAMS_PER_SM * num_sms // tiles, steps // MIN_STEPS_PER_SPLIT))
+        split = filling_split(triton.cdiv(m, 128) * triton.cdiv(n, 64), k, num_sms, PREDECODE_PROGRAMS_PER_SM)
         return DecodeConfig(block_m=128, block_n=64, block_k=128, split_k=split, num_warps=4, num_stages=3,
                             predecode=True)
     if m <= 16:
