@@ -23,7 +23,10 @@ every timed call, so weights are read from HBM as in a real decode step):
    ``mm_fp4_triton`` and cuBLAS bf16, with ``do_bench`` (L2 cleared) and as CUDA-graph replays over
    rotating weight copies; one summary line per (shape, M) with the best configuration, the
    default's time and the floor (fp4 weight + scale bytes / copy bandwidth).
-6. ``--mid-sweep`` (only this, after the ceilings): M in 64..2048 at Llama-3-8B's TP=1 linear shapes
+6. ``--wide-step-sweep`` (only this, after the ceilings): the decode GEMM at M in {1, 16, 32, 64}:
+   the shipped configuration, the 128-K-step rule and the 256-K-step tile at several split counts,
+   as CUDA-graph replays against cuBLAS bf16 (``wide_step_sweep``).
+7. ``--mid-sweep`` (only this, after the ceilings): M in 64..2048 at Llama-3-8B's TP=1 linear shapes
    and 8192^2, every GEMM path as CUDA-graph replays over rotating weights: the shipped dispatch,
    the tiled kernel, dequantize + cuBLAS, the decode kernel at several tiles with and without the
    pre-decoded activation, and cuBLAS bf16.
@@ -417,6 +420,58 @@ def decode_sweep(ceil: Ceilings, raw: dict) -> None:
               f"{r['graph_vs_bf16']:7.2f}x {r['floor_us']:6.1f}  {_cfg_str(_DC(**r['best_cfg']))}", flush=True)
 
 
+#: (N, K) of the wide-step sweep: the decode shapes and Llama-3-8B's TP=1 qkv.
+WIDE_SHAPES = DECODE_SHAPES + ((6144, 4096),)
+WIDE_MS = (1, 16, 32, 64)
+WIDE_SPLITS = (1, 2, 3, 4, 6, 8)
+
+
+def wide_step_sweep(ceil: Ceilings, raw: dict) -> None:
+    """``--wide-step-sweep`` (only this, after the ceilings): M in {1, 16, 32, 64} on WIDE_SHAPES as
+    CUDA-graph replays over rotating weights: the shipped ``decode_config_for``, the 128-K-step rule
+    (``narrow_step_config``), the 256-K-step tile of ``wide_step_config`` at every split in
+    WIDE_SPLITS, and cuBLAS bf16; then one markdown row per point."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for n, k in WIDE_SHAPES:
+        weights = [quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16)) for _ in range(ROTATIONS)]
+        w_t = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() for _ in range(ROTATIONS)]
+        for m in WIDE_MS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            a, sa, ga = quantize(x)
+            alpha = 1.0 / (ga * weights[0][2])
+
+            def graph_us(cfg: mm_decode.DecodeConfig) -> float:
+                ws = mm_decode.empty_decode_workspace(*mm_decode.decode_workspace_numel(m, n, k, cfg), a.device)
+                return 1e3 * bench_graph([functools.partial(mm_decode.mm_fp4_decode, a, wq, sa, wsq, alpha,
+                                                            torch.bfloat16, cfg, ws) for wq, wsq, _ in weights])
+
+            wide = mm_decode.wide_step_config(m, n, k, sms) if m <= mm_decode.WIDE_STEP_MAX_M else \
+                dataclasses.replace(mm_decode.wide_step_config(32, n, k, sms), block_m=64)
+            row = {"m": m, "n": n, "k": k, "bf16_us": 1e3 * bench_graph([functools.partial(torch.mm, x, wt) for wt in w_t]),
+                   "floor_us": (n * k // 2 + n * k // 16) / ceil.copy_gbs / 1e3,
+                   "shipped_cfg": _cfg_str(mm_decode.decode_config_for(m, n, k, sms)),
+                   "shipped_us": graph_us(mm_decode.decode_config_for(m, n, k, sms)),
+                   "narrow_cfg": _cfg_str(mm_decode.narrow_step_config(m, n, k, sms)),
+                   "narrow_us": graph_us(mm_decode.narrow_step_config(m, n, k, sms)),
+                   "wide_us": {s: graph_us(dataclasses.replace(wide, split_k=s)) for s in WIDE_SPLITS}}
+            rows.append(row)
+            print(f"WIDE m={m} n={n} k={k}: bf16 {row['bf16_us']:.1f} shipped {row['shipped_us']:.1f} "
+                  f"{row['shipped_cfg']} narrow {row['narrow_us']:.1f} {row['narrow_cfg']} wide "
+                  + " ".join(f"s{s} {t:.1f}" for s, t in row["wide_us"].items()), flush=True)
+        weights = w_t = None
+        torch.cuda.empty_cache()
+    raw["wide_step_sweep"] = rows
+    print("\n| M | N | K | bf16 us | floor us | narrow-step rule us | shipped us | shipped config | shipped vs bf16 "
+          "| shipped vs narrow | " + " | ".join(f"wide s{s}" for s in WIDE_SPLITS) + " |")
+    print("| --- " * (10 + len(WIDE_SPLITS)) + "|")
+    for r in rows:
+        print(f"| {r['m']} | {r['n']} | {r['k']} | {r['bf16_us']:.1f} | {r['floor_us']:.1f} | {r['narrow_us']:.1f} | "
+              f"{r['shipped_us']:.1f} | `{r['shipped_cfg']}` | {r['bf16_us'] / r['shipped_us']:.2f}x | "
+              f"{r['narrow_us'] / r['shipped_us']:.2f}x | " + " | ".join(f"{t:.1f}" for t in r["wide_us"].values()) + " |",
+              flush=True)
+
+
 #: (N, K) of the middle-range sweep: Llama-3-8B's linears at TP=1 (qkv, o, gate_up, down) and 8192^2.
 MID_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (8192, 8192))
 MID_MS = (64, 128, 256, 512, 1024, 2048)
@@ -515,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the decode-GEMM configuration sweep (after the ceilings)")
     parser.add_argument("--mid-sweep", action="store_true",
                         help="only the M=64..2048 sweep of every GEMM path as CUDA-graph replays")
+    parser.add_argument("--wide-step-sweep", action="store_true",
+                        help="only the M<=64 sweep of the decode GEMM's 256-K-step tile as CUDA-graph replays")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not torch.cuda.is_available():
@@ -524,10 +581,13 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.cuda.get_device_name()
     ceil = measure_ceilings()
     print(f"copy {ceil.copy_gbs:.0f} GB/s, bf16 mm {ceil.mm_tflops:.0f} TFLOP/s", flush=True)
-    if args.decode_sweep or args.mid_sweep:
+    sweeps = [fn for flag, fn in ((args.decode_sweep, decode_sweep), (args.mid_sweep, mid_sweep),
+                                  (args.wide_step_sweep, wide_step_sweep)) if flag]
+    if sweeps:
         raw = {"device": dev, "torch": torch.__version__, "triton": triton.__version__,
                "ceilings": dataclasses.asdict(ceil)}
-        (decode_sweep if args.decode_sweep else mid_sweep)(ceil, raw)
+        for fn in sweeps:
+            fn(ceil, raw)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(raw, f, indent=1, default=str)

@@ -76,8 +76,10 @@ def test_cuda_compiled_graph_launches_kernels_and_matches_the_eager_ops(m):
     compiled = torch.compile(_ops_graph, fullgraph=True, options={"post_grad_custom_post_pass": fusion})
     got, (code, *_) = run_and_get_code(compiled, *args)
     assert "torch.ops.fp4fuse" not in code and "fp4fuse.mm_fp4" not in code
+    # the norm + quant pass turns rms_norm -> scaled_fp4_quant (one static scale) into the fused op,
+    # whose one-kernel launch must give the two eager ops' bits
     assert fusion.match_counts == {"lowering.mm_fp4": 2, "lowering.fused_add_rms_norm": 1,
-                                   "lowering.rms_norm": 1, "lowering.scaled_fp4_quant": 1}
+                                   "norm_quant.rms_norm_fp4_quant": 1, "lowering.rms_norm_fp4_quant": 1}
     for e, g in zip(eager, got):
         assert g.dtype == e.dtype and torch.equal(g.view(torch.uint8) if g.dtype == torch.float8_e4m3fn else g,
                                                   e.view(torch.uint8) if e.dtype == torch.float8_e4m3fn else e)

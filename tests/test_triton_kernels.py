@@ -207,11 +207,13 @@ def test_cuda_mm_fp4_matches_float64(m, n, k, out_dtype):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("m,n,k", [(1, 3072, 4096), (3, 423, 208), (16, 8192, 1040), (17, 200, 48),
-                                   (64, 1000, 1024), (128, 4096, 7168)])
+                                   (64, 1000, 1024), (128, 4096, 7168), (5, 4104, 8208), (20, 2056, 8208)])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cuda_mm_fp4_decode_matches_float64(m, n, k, out_dtype):
     """The one-launch decode GEMM (default config and a 3-way split that does not divide the K
-    steps) against float64; bitwise repeatable; counters back to zero; a NaN scale poisons its row."""
+    steps) against float64; bitwise repeatable; counters back to zero; a NaN scale poisons its row.
+    5 x 4104 x 8208 and 20 x 2056 x 8208: the default's 256-element K steps
+    (mm_decode.wide_step_config) with a partial last step and a partial weight tile."""
     _require_triton_backend()
     from fp4fuse.kernels.triton import mm_decode
     gen = torch.Generator(device="cuda").manual_seed(m * 31 + n + k)
@@ -337,16 +339,18 @@ def _norm_inputs(t: int, h: int, dtype, gen, misaligned: bool = False):
 
 
 @pytest.mark.cuda
-@pytest.mark.xfail(reason="the one-pass norm + quant kernel gave other codes than the two kernels at some "
-                          "shapes on an H100 (e.g. 130 x 1040); the ops run the two kernels until it is fixed",
-                   strict=False)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("t,h", [(1, 16), (3, 48), (130, 1040), (7, 4112), (33, 5120), (129, 8192), (3, 20000)])
+@pytest.mark.parametrize("t,h", [(1, 16), (2, 32), (3, 48), (5, 112), (4, 208), (7, 272), (9, 784), (130, 1040),
+                                 (6, 2064), (7, 4112), (33, 5120), (129, 8192), (3, 12288), (3, 20000)])
 @pytest.mark.parametrize("misaligned", [False, True])
 def test_cuda_norm_quant_bit_equal_to_unfused(dtype, t, h, misaligned):
     """Fused RMSNorm + quantize (with and without the residual add) == the Triton norm kernel followed
     by the Triton quantization kernel, and == the reference quantizer on that norm output, bit for
-    bit; residual_out == the reference sum; the norm output within one ulp of the reference."""
+    bit; residual_out == the reference sum; the norm output within one ulp of the reference.
+
+    The hidden sizes give every launch variant of ``norm_launch_config`` (BLOCK 16 .. 16384 and the
+    two-pass chunks), each dtype, with and without 16-byte alignment: a miscompiled variant gives
+    wrong codes whatever the data (as fp32 spans of 4-element rows did at 4 warps and more)."""
     _require_triton_backend()
     from fp4fuse.kernels.triton import norm as triton_norm, norm_quant as triton_norm_quant
     from fp4fuse.kernels.triton.quant import scaled_fp4_quant_triton

@@ -35,11 +35,11 @@ _KERNELS: dict[tuple[str, Backend], tuple[str, str]] = {
     ("fused_add_rms_norm", Backend.REFERENCE): ("fp4fuse.nvfp4.norms", "fused_add_rms_norm_reference"),
     ("fused_add_rms_norm", Backend.TRITON): ("fp4fuse.kernels.triton.norm", "fused_add_rms_norm_triton"),
     ("rms_norm_fp4_quant", Backend.REFERENCE): ("fp4fuse.nvfp4.norms", "rms_norm_fp4_quant_reference"),
-    ("rms_norm_fp4_quant", Backend.TRITON): ("fp4fuse.kernels.triton.norm_quant", "rms_norm_then_fp4_quant_triton"),
+    ("rms_norm_fp4_quant", Backend.TRITON): ("fp4fuse.kernels.triton.norm_quant", "rms_norm_fp4_quant_triton"),
     ("fused_add_rms_norm_fp4_quant", Backend.REFERENCE):
         ("fp4fuse.nvfp4.norms", "fused_add_rms_norm_fp4_quant_reference"),
     ("fused_add_rms_norm_fp4_quant", Backend.TRITON):
-        ("fp4fuse.kernels.triton.norm_quant", "fused_add_rms_norm_then_fp4_quant_triton"),
+        ("fp4fuse.kernels.triton.norm_quant", "fused_add_rms_norm_fp4_quant_triton"),
 }
 
 #: Ops whose Triton implementation can be traced into a compiled graph (plain Triton launches and

@@ -77,7 +77,9 @@ __all__ = [
     "empty_decode_workspace",
     "filling_split",
     "mm_fp4_decode",
+    "narrow_step_config",
     "predecode_activation",
+    "wide_step_config",
 ]
 
 
@@ -287,6 +289,12 @@ INKERNEL_DECODE_MAX_M = 64
 MAX_SPLIT = 16
 #: Programs per multiprocessor that split-K aims at with the pre-decoded 128 x 64 tiles.
 PREDECODE_PROGRAMS_PER_SM = 2
+#: ``wide_step_config`` serves up to this many activation rows (up to 16 only on weights of at
+#: least ``WIDE_STEP_MIN_WEIGHT`` elements), with split-K aiming at this many programs per
+#: multiprocessor.
+WIDE_STEP_MAX_M = 32
+WIDE_STEP_MIN_WEIGHT = 1 << 24
+WIDE_STEP_PROGRAMS_PER_SM = 4
 
 
 def filling_split(tiles: int, k: int, num_sms: int, programs_per_sm: int, block_k: int = 128) -> int:
@@ -297,33 +305,57 @@ def filling_split(tiles: int, k: int, num_sms: int, programs_per_sm: int, block_
 
 
 def decode_config_for(m: int, n: int, k: int, num_sms: int = 132) -> DecodeConfig:
-    """Launch configuration for an ``[m, k] x [n, k]^T`` product on ``num_sms`` multiprocessors.
-
-    How it was chosen (no GPU was available when it was written; ``benchmarks/bench_ops.py
-    --decode-sweep`` measures it against its neighbours): every candidate tile was compiled for
-    sm_90 with Triton 3.6 and ranked by SASS instructions in the K loop per weight element
-    (the kernel is bound by decode instructions as much as by HBM) and by programs per
-    multiprocessor (registers). Picked, by activation rows: M <= 16 -> 16 x 128 weight rows,
-    4 warps, capped at 128 registers (3.3 instructions per weight element, 4 programs per
-    multiprocessor); M <= 32 -> 32 rows, same (3.5, 4); M <= 64 -> 64 rows (4.0, 3). All use 128 K elements a step (64: 20% more
-    instructions per element; 256: 210 registers) and 3 stages (two steps of loads in flight, about
-    18 KiB per 128-row program).
-
-    Split-K fills one wave: ``split = min(programs that fit / tiles, K steps / MIN_STEPS_PER_SPLIT,
-    MAX_SPLIT)``, and when 128-row weight tiles would leave more than 40% of those slots empty
-    (small N at M <= 16), 64-row tiles (8 programs per multiprocessor) are used instead.
-    Above ``INKERNEL_DECODE_MAX_M`` rows the activation is pre-decoded (``predecode``), since every
-    weight tile's program would decode it again, and the tile is 128 activation rows x 64 weight
-    rows, 4 warps, split-K bringing the grid to ``PREDECODE_PROGRAMS_PER_SM`` programs per
-    multiprocessor: the best or within 3% of the best of 7 tiles at M = 128 and 256 on five
-    Llama-3-8B / 8192^2 shapes, 1.4-2.1x faster than the tiled kernel and dequantize + cuBLAS
-    there (benchmarks/results/).
+    """Launch configuration for an ``[m, k] x [n, k]^T`` product on ``num_sms`` multiprocessors:
+    ``wide_step_config`` from 17 to ``WIDE_STEP_MAX_M`` rows, and up to 16 rows on weights of
+    ``WIDE_STEP_MIN_WEIGHT`` elements or more; ``narrow_step_config`` on other products up to
+    ``INKERNEL_DECODE_MAX_M`` rows;
+    and above, the activation pre-decoded (``predecode``, since every weight tile's program would
+    decode it again) with tiles of 128 activation rows x 64 weight rows, 4 warps, split-K bringing
+    the grid to ``PREDECODE_PROGRAMS_PER_SM`` programs per multiprocessor: the best or within 3% of
+    the best of 7 tiles at M = 128 and 256 on five Llama-3-8B / 8192^2 shapes, 1.4-2.1x faster than
+    the tiled kernel and dequantize + cuBLAS there (benchmarks/results/).
 
     No autotuning at run time: a serving engine sees many M."""
     if m > INKERNEL_DECODE_MAX_M:
         split = filling_split(triton.cdiv(m, 128) * triton.cdiv(n, 64), k, num_sms, PREDECODE_PROGRAMS_PER_SM)
         return DecodeConfig(block_m=128, block_n=64, block_k=128, split_k=split, num_warps=4, num_stages=3,
                             predecode=True)
+    if m <= WIDE_STEP_MAX_M and (m > 16 or n * k >= WIDE_STEP_MIN_WEIGHT):
+        return wide_step_config(m, n, k, num_sms)
+    return narrow_step_config(m, n, k, num_sms)
+
+
+def wide_step_config(m: int, n: int, k: int, num_sms: int = 132) -> DecodeConfig:
+    """Up to ``WIDE_STEP_MAX_M`` rows: tiles of 16 (or 32) activation rows x 64 weight rows, 256 K
+    elements a step (128 code bytes of a weight row per load), 4 warps, 3 stages, split-K bringing
+    the grid to ``WIDE_STEP_PROGRAMS_PER_SM`` programs per multiprocessor.
+
+    How it was chosen: CUDA-graph replays on an H100 (``benchmarks/bench_ops.py --wide-step-sweep``,
+    benchmarks/results/) of this tile at split 1..8 against ``narrow_step_config`` on the TP=1 and
+    TP=2 Llama-3-8B shapes and 8192^2: at up to 16 rows faster on every weight of 2**24 elements
+    or more (up to 1.3x on the largest), a tie on smaller ones; at 32 rows faster on every shape;
+    at 64 rows slower on the large weights, so not used there."""
+    block_m = 16 if m <= 16 else 32
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, 64)
+    split = filling_split(tiles, k, num_sms, WIDE_STEP_PROGRAMS_PER_SM, block_k=256)
+    return DecodeConfig(block_m=block_m, block_n=64, block_k=256, split_k=split, num_warps=4, num_stages=3)
+
+
+def narrow_step_config(m: int, n: int, k: int, num_sms: int = 132) -> DecodeConfig:
+    """Up to ``INKERNEL_DECODE_MAX_M`` rows, 128 K elements a step.
+
+    How it was chosen (no GPU was available when it was written): every candidate tile was
+    compiled for sm_90 with Triton 3.6 and ranked by SASS instructions in the K loop per weight
+    element (the kernel is bound by decode instructions as much as by HBM) and by programs per
+    multiprocessor (registers). Picked, by activation rows: M <= 16 -> 16 x 128 weight rows,
+    4 warps, capped at 128 registers (3.3 instructions per weight element, 4 programs per
+    multiprocessor); M <= 32 -> 32 rows, same (3.5, 4); M <= 64 -> 64 rows (4.0, 3). All use 128 K
+    elements a step (64: 20% more instructions per element) and 3 stages (two steps of loads in
+    flight, about 18 KiB per 128-row program).
+
+    Split-K fills one wave: ``split = min(programs that fit / tiles, K steps / MIN_STEPS_PER_SPLIT,
+    MAX_SPLIT)``, and when 128-row weight tiles would leave more than 40% of those slots empty
+    (small N at M <= 16), 64-row tiles (8 programs per multiprocessor) are used instead."""
     if m <= 16:
         block_m, warps = 16, 4
     elif m <= 32:

@@ -14,8 +14,10 @@ Contracts (fp4fuse/ops/norm_ops.py holds the references):
   values >= 0 the bit patterns order like the values, and NaN's lie above inf).
 
 The row statistic uses IEEE ``div_rn`` / ``sqrt_rn`` (one evaluation per row, so exactness is
-free); the per-element order is the reference's ``(x * inv_rms) * weight``. Rows up to
-``MAX_SINGLE_PASS`` elements stay in registers (one read of x); longer rows take two passes.
+free); the per-element order is the reference's ``(x * inv_rms) * weight``. Each program reads its
+row twice: once for the sum of squares (``_row_inv_rms``, shared with the fused norm + quantize
+kernels so that they sum in the same order), once for the output; rows up to ``MAX_SINGLE_PASS``
+elements are one chunk, whose second read comes from the cache, longer rows are walked in chunks.
 """
 from __future__ import annotations
 
@@ -54,12 +56,6 @@ def _normalize_f32(xf, inv, w):
 
 
 @triton.jit
-def _normalize(xf, inv, w, out_dtype: tl.constexpr):
-    """:func:`_normalize_f32` rounded once to ``out_dtype``."""
-    return _normalize_f32(xf, inv, w).to(out_dtype)
-
-
-@triton.jit
 def _max_abs_nan(v):
     """``max |v|`` of a 1-D tensor as fp32, NaN if any element is NaN."""
     return tl.reduce(tl.abs(v.to(tl.float32)), 0, _max_nan)
@@ -71,48 +67,76 @@ def _max_nan(a, b):
 
 
 @triton.jit
+def _row_chunk(x_ptr, res_ptr, res_out_ptr, row, start, cols, N, HAS_RESIDUAL: tl.constexpr):
+    """fp32 values of row elements ``start + cols`` (0 past N): x, or ``x + residual`` rounded to x's
+    dtype, which is also stored to residual_out."""
+    mask = start + cols < N
+    x = tl.load(x_ptr + row + start + cols, mask=mask, other=0.0, eviction_policy="evict_last")
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row + start + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row + start + cols, x, mask=mask)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _row_inv_rms(x_ptr, res_ptr, res_out_ptr, row, N, eps,
+                 HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr):
+    """First pass over a row: ``inv_rms`` of x (or of x + residual, storing residual_out).
+
+    The order of the fp32 row sum is fixed by the register layout of the loaded row, which Triton
+    derives from every use of the loaded values. Here the loads feed nothing but this sum (and the
+    residual_out store): the caller reads the row again for its output. So every kernel that calls
+    this helper -- the norm kernel, and the fused norm + quantize kernels of norm_quant.py, whose
+    quantization wants another layout -- sums in the same order and gets the same bits."""
+    cols = tl.arange(0, BLOCK)
+    if SINGLE_PASS:
+        xf = _row_chunk(x_ptr, res_ptr, res_out_ptr, row, 0, cols, N, HAS_RESIDUAL)
+        sum_sq = tl.sum(xf * xf, axis=0)
+    else:
+        sq = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, N, BLOCK):
+            xf = _row_chunk(x_ptr, res_ptr, res_out_ptr, row, start, cols, N, HAS_RESIDUAL)
+            sq += xf * xf
+        sum_sq = tl.sum(sq, axis=0)
+    # the second pass re-reads this program's own residual_out writes
+    tl.debug_barrier()
+    return _inv_rms(sum_sq, N, eps)
+
+
+@triton.jit
+def _normalized_chunk(src_ptr, w_ptr, row, start, cols, N, inv):
+    """Second pass: ``(x * inv_rms) * weight`` in fp32 for row elements ``start + cols`` of ``src``
+    (x, or residual_out), and the mask of those below N. A load of its own (evict-first: its
+    cache hint also keeps it distinct from the first pass's load of the same addresses)."""
+    mask = start + cols < N
+    xf = tl.load(src_ptr + row + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    w = tl.load(w_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+    return _normalize_f32(xf, inv, w), mask
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, amax_ptr, N, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr, AMAX: tl.constexpr,
 ):
-    """amax_ptr: int32 view of the fp32 amax (AMAX only; it must hold 0 before the launch)."""
+    """One program per row: ``_row_inv_rms``, then the normalized row (in ``BLOCK`` chunks unless
+    SINGLE_PASS). amax_ptr: int32 view of the fp32 amax (AMAX only; it must hold 0 before the launch)."""
     row = tl.program_id(0).to(tl.int64) * N
     cols = tl.arange(0, BLOCK)
+    inv = _row_inv_rms(x_ptr, res_ptr, res_out_ptr, row, N, eps, HAS_RESIDUAL, BLOCK, SINGLE_PASS)
+    src_ptr = res_out_ptr if HAS_RESIDUAL else x_ptr
     if SINGLE_PASS:
-        mask = cols < N
-        x = tl.load(x_ptr + row + cols, mask=mask, other=0.0)
-        if HAS_RESIDUAL:
-            r = tl.load(res_ptr + row + cols, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-            tl.store(res_out_ptr + row + cols, x, mask=mask)
-        xf = x.to(tl.float32)
-        inv = _inv_rms(tl.sum(xf * xf, axis=0), N, eps)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        out = _normalize(xf, inv, w, out_ptr.dtype.element_ty)
+        out, mask = _normalized_chunk(src_ptr, w_ptr, row, 0, cols, N, inv)
+        out = out.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row + cols, out, mask=mask)
         if AMAX:
             tl.atomic_max(amax_ptr, _max_abs_nan(out).to(tl.int32, bitcast=True))
     else:
-        sq = tl.zeros((BLOCK,), dtype=tl.float32)
-        for start in range(0, N, BLOCK):
-            mask = start + cols < N
-            x = tl.load(x_ptr + row + start + cols, mask=mask, other=0.0)
-            if HAS_RESIDUAL:
-                r = tl.load(res_ptr + row + start + cols, mask=mask, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-                tl.store(res_out_ptr + row + start + cols, x, mask=mask)
-            xf = x.to(tl.float32)
-            sq += xf * xf
-        inv = _inv_rms(tl.sum(sq, axis=0), N, eps)
-        # the second pass re-reads this program's own residual_out writes
-        tl.debug_barrier()
-        src_ptr = res_out_ptr if HAS_RESIDUAL else x_ptr
         amax = 0.0
         for start in range(0, N, BLOCK):
-            mask = start + cols < N
-            xf = tl.load(src_ptr + row + start + cols, mask=mask, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
-            out = _normalize(xf, inv, w, out_ptr.dtype.element_ty)
+            out, mask = _normalized_chunk(src_ptr, w_ptr, row, start, cols, N, inv)
+            out = out.to(out_ptr.dtype.element_ty)
             tl.store(out_ptr + row + start + cols, out, mask=mask)
             if AMAX:
                 amax = _max_nan(amax, _max_abs_nan(out))

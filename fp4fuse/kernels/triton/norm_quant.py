@@ -1,4 +1,4 @@
-"""RMSNorm (optionally after a residual add) fused with NVFP4 quantization, one Triton pass.
+"""RMSNorm (optionally after a residual add) fused with NVFP4 quantization, one Triton kernel.
 
 Contracts (x ``[T, H]`` bf16/fp16/fp32 contiguous, H a multiple of 16, weight ``[H]``, global_scale a
 one-element fp32 device tensor, encode convention ``448 * 6 / amax``):
@@ -9,22 +9,32 @@ one-element fp32 device tensor, encode convention ``448 * 6 / amax``):
   with ``residual_out = x + residual`` rounded to x's dtype and ``(q, s)`` the quantized norm of it.
 
 q uint8 ``[T, H/2]``, s float8_e4m3fn ``[T, H/16]`` as in fp4fuse.nvfp4.format. x (and residual) are read
-once; the norm output is never written: each element is normalized in fp32 and rounded to x's
-dtype in registers, exactly as the norm kernel rounds it before storing, then quantized.
+from memory once (the row's second read, as in the norm kernel, comes from the cache); the norm
+output is never written: each element is normalized in fp32 and rounded to x's dtype in
+registers, exactly as the norm kernel rounds it before storing, then quantized.
 
 Bit-exactness. The result equals quantizing the output of the unfused Triton norm kernel
 (norm.py) with any exact quantizer (fp4fuse.nvfp4.format.quantize_reference, the Triton
 quantization kernel): this kernel uses the norm kernel's launch configuration
-(``norm_launch_config``: one program per row, same BLOCK and warps), the same loads (so Triton
-gives the row the same register layout) and the same ``tl.sum`` of ``x * x`` over it, i.e. the
-same reduction tree (per-thread partial sums in register order, then the warp and cross-warp
-combines of ``tl.sum`` on that layout), and the shared helpers ``_inv_rms`` / ``_normalize`` for
-the row statistic and the per-element ``(x * inv_rms) * weight``; rows over ``MAX_SINGLE_PASS``
-elements take the same two passes. The quantization is ``QuantDivision.FMA_SAT`` of
-quant.py on the rounded values (the same helpers; every division mode gives the same
-bits). Against the pure-torch composition :func:`fp4fuse.nvfp4.norms.rms_norm_fp4_quant_reference`, the norm output
-itself may differ by one unit in the last place (fp32 sums in another order, see norm.py),
-and Triton's interpreter truncates fp32 -> bf16 where the GPU rounds to nearest.
+(``norm_launch_config``: one program per row, same BLOCK and warps) and its two passes:
+``_row_inv_rms``, whose loads feed only the row's sum of squares, so that the sum's reduction tree
+(per-thread partial sums in register order, then the warp and cross-warp combines of ``tl.sum``)
+is the same in both kernels whatever layout the quantization wants for its own read, and
+``_normalized_chunk``, the per-element ``(x * inv_rms) * weight``. The quantization is
+``QuantDivision.FMA_SAT`` of quant.py on the rounded values (the same helpers; every division
+mode gives the same bits). Against the pure-torch composition
+:func:`fp4fuse.nvfp4.norms.rms_norm_fp4_quant_reference`, the norm output itself may differ by one
+unit in the last place (fp32 sums in another order, see norm.py), and Triton's interpreter
+truncates fp32 -> bf16 where the GPU rounds to nearest.
+
+fp32 x runs the norm kernel, then the quantization kernel (two launches, the same bits). A
+one-kernel fp32 variant (fp32 spans cut into rows of 4, and also into the 16-bit path's rows of 8)
+gave wrong codes -- half of them or more, scales right -- at every launch with 4 warps or more on
+an H100 with Triton 3.6 (tests/test_triton_kernels.py::test_cuda_norm_quant_bit_equal_to_unfused),
+while each of its pieces (reshape + split, byte permutes, join) computed right alone; the 16-bit
+variants give the two kernels' bits at every launch configuration the test covers (all BLOCK
+sizes, aligned and not). The quantization kernel has a fault of the same kind
+(quant.MAX_BLOCKS_PER_THREAD).
 
 Global scale. It is an input: the fused op is for static (calibrated) scales. A dynamic scale
 ``448 * 6 / amax(norm_out)`` needs the amax of the whole norm output (all-reduced over the
@@ -43,8 +53,8 @@ import triton.language as tl
 
 from fp4fuse.kernels.triton.launch import traceable
 from fp4fuse.kernels.triton.norm import (
-    _inv_rms,
-    _normalize_f32,
+    _normalized_chunk,
+    _row_inv_rms,
     fused_add_rms_norm_triton,
     norm_launch_config,
     rms_norm_triton,
@@ -52,14 +62,11 @@ from fp4fuse.kernels.triton.norm import (
 from fp4fuse.kernels.triton.quant import (
     _INPUT_KIND,
     _KIND_BF16,
-    _KIND_FP32,
     _block_scale,
-    _columns,
     _fma_sat_constants,
     _magic_codes,
     _max_nan,
     _pack_magic_codes,
-    _prmt,
     _sign_bytes_pairs,
     _signed_word,
     _unpack_words,
@@ -72,9 +79,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "fused_add_rms_norm_fp4_quant_triton",
-    "fused_add_rms_norm_then_fp4_quant_triton",
     "rms_norm_fp4_quant_triton",
-    "rms_norm_then_fp4_quant_triton",
 ]
 
 
@@ -109,50 +114,34 @@ def _quant_span(v, row, start, N, gs, q_ptr, s_ptr, SPAN: tl.constexpr, IN_KIND:
     """Round the normalized fp32 values ``v`` (``[SPAN]``: elements ``start .. start + SPAN`` of row
     ``row``) to x's dtype and quantize them; blocks at or past N are not stored.
 
-    The span is cut into rows of one thread's 16-byte load (8 elements for 16-bit x, 4 for fp32),
-    so each thread rounds, packs and signs its own elements as the quantization kernel does
-    (``_magic_codes``, ``_pack_magic_codes``, ``_signed_word``) and stores one code word (half word
-    for fp32); the block amax combines the rows of a block, and both threads of a block compute
-    its scale."""
+    The span is cut into rows of 8 elements (two per block, one thread's 16-byte load), split into
+    their even and odd elements (``[SPAN / 8, 4]`` each), so each row is rounded, packed and signed
+    as the quantization kernel does (``_magic_codes``, ``_pack_magic_codes``, ``_signed_word``) and
+    stored as one code word; the block amax combines the two rows of a block, and the rows of a
+    block both compute its scale. 16-bit x only (module docstring: fp32)."""
     NB: tl.constexpr = SPAN // 16
     blk = tl.arange(0, NB)
     valid = start + blk * 16 < N
-    if IN_KIND == _KIND_FP32:
-        ROWS: tl.constexpr = 4
-        e = tl.reshape(v, (NB * ROWS, 4))
-        amax = tl.reduce(tl.reshape(tl.reduce(tl.abs(e), 1, _max_nan), (NB, ROWS)), 1, _max_nan)
+    even, odd = tl.split(tl.reshape(v, (NB * 2, 4, 2)))
+    words = _round_pairs(even, odd, IN_KIND, ON_CUDA)
+    lo, hi = _unpack_words(words, IN_KIND, ON_CUDA)
+    even_signs, odd_signs = _sign_bytes_pairs(words, ON_CUDA)
+    if ON_CUDA:
+        amax_rows = _words_amax(words, IN_KIND)
     else:
-        ROWS: tl.constexpr = 2
-        even, odd = tl.split(tl.reshape(v, (NB * ROWS, 4, 2)))
-        words = _round_pairs(even, odd, IN_KIND, ON_CUDA)
-        lo, hi = _unpack_words(words, IN_KIND, ON_CUDA)
-        if ON_CUDA:
-            amax_rows = _words_amax(words, IN_KIND)
-        else:
-            amax_rows = tl.reduce(_max_nan(tl.abs(lo), tl.abs(hi)), 1, _max_nan)
-        amax = tl.reduce(tl.reshape(amax_rows, (NB, ROWS)), 1, _max_nan)
+        amax_rows = tl.reduce(_max_nan(tl.abs(lo), tl.abs(hi)), 1, _max_nan)
+    amax = tl.reduce(tl.reshape(amax_rows, (NB, 2)), 1, _max_nan)
     s_bits, sd = _block_scale(amax, gs, ON_CUDA)
     tl.store(s_ptr + row * (N // 16) + start // 16 + blk, s_bits, mask=valid)
 
-    gsa, r8, s8n, magic, keep = _fma_sat_constants(_per_row(sd, NB, ROWS), gs, ON_CUDA)
+    gsa, r8, s8n, magic, keep = _fma_sat_constants(_per_row(sd, NB, 2), gs, ON_CUDA)
     r8 = r8[:, None]
     s8n = s8n[:, None]
     magic = magic[:, None]
-    r_valid = _per_row(valid, NB, ROWS)
-    r_idx = tl.arange(0, NB * ROWS)
-    if IN_KIND == _KIND_FP32:
-        p0, p1, p2, p3 = _columns(_magic_codes(e, gsa, r8, s8n, magic, ON_CUDA))
-        half = _prmt(p0 + (p1 << 4), p2 + (p3 << 4), 0x0040, ON_CUDA)
-        b0, b1, b2, b3 = _columns(e.to(tl.int32, bitcast=True))
-        half = _signed_word(half, _prmt(b0, b2, 0xFBFB, ON_CUDA), _prmt(b1, b3, 0xFBFB, ON_CUDA), keep)
-        q16 = q_ptr.to(tl.pointer_type(tl.int16))
-        tl.store(q16 + row * (N // 4) + start // 4 + r_idx, half.to(tl.int16), mask=r_valid)
-    else:
-        word = _pack_magic_codes(_magic_codes(lo, gsa, r8, s8n, magic, ON_CUDA),
-                                 _magic_codes(hi, gsa, r8, s8n, magic, ON_CUDA), True, ON_CUDA)
-        even_signs, odd_signs = _sign_bytes_pairs(words, ON_CUDA)
-        word = _signed_word(word, even_signs, odd_signs, keep)
-        tl.store(q_ptr + row * (N // 8) + start // 8 + r_idx, word, mask=r_valid)
+    word = _pack_magic_codes(_magic_codes(lo, gsa, r8, s8n, magic, ON_CUDA),
+                             _magic_codes(hi, gsa, r8, s8n, magic, ON_CUDA), True, ON_CUDA)
+    word = _signed_word(word, even_signs, odd_signs, keep)
+    tl.store(q_ptr + row * (N // 8) + start // 8 + tl.arange(0, NB * 2), word, mask=_per_row(valid, NB, 2))
 
 
 @triton.jit
@@ -161,44 +150,22 @@ def _norm_quant_kernel(
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr, IN_KIND: tl.constexpr,
     ON_CUDA: tl.constexpr,
 ):
-    """One program per row; the norm part is norm._rms_norm_kernel's, statement for statement,
-    with the output store replaced by the quantization. q_ptr: int32 code words; s_ptr: uint8
-    scales; IN_KIND: x's dtype (quant._InputKind)."""
+    """One program per row: norm._rms_norm_kernel with the output store replaced by the
+    quantization (the same first pass ``_row_inv_rms``, the same ``_normalized_chunk``). q_ptr:
+    int32 code words; s_ptr: uint8 scales; IN_KIND: x's dtype (quant._InputKind)."""
     pid = tl.program_id(0).to(tl.int64)
     row = pid * N
     cols = tl.arange(0, BLOCK)
     gs = tl.load(gs_ptr)
+    inv = _row_inv_rms(x_ptr, res_ptr, res_out_ptr, row, N, eps, HAS_RESIDUAL, BLOCK, SINGLE_PASS)
+    src_ptr = res_out_ptr if HAS_RESIDUAL else x_ptr
     if SINGLE_PASS:
-        mask = cols < N
-        x = tl.load(x_ptr + row + cols, mask=mask, other=0.0)
-        if HAS_RESIDUAL:
-            r = tl.load(res_ptr + row + cols, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-            tl.store(res_out_ptr + row + cols, x, mask=mask)
-        xf = x.to(tl.float32)
-        inv = _inv_rms(tl.sum(xf * xf, axis=0), N, eps)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        _quant_span(_normalize_f32(xf, inv, w), pid, 0, N, gs, q_ptr, s_ptr, BLOCK, IN_KIND, ON_CUDA)
+        v, _ = _normalized_chunk(src_ptr, w_ptr, row, 0, cols, N, inv)
+        _quant_span(v, pid, 0, N, gs, q_ptr, s_ptr, BLOCK, IN_KIND, ON_CUDA)
     else:
-        sq = tl.zeros((BLOCK,), dtype=tl.float32)
         for start in range(0, N, BLOCK):
-            mask = start + cols < N
-            x = tl.load(x_ptr + row + start + cols, mask=mask, other=0.0)
-            if HAS_RESIDUAL:
-                r = tl.load(res_ptr + row + start + cols, mask=mask, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-                tl.store(res_out_ptr + row + start + cols, x, mask=mask)
-            xf = x.to(tl.float32)
-            sq += xf * xf
-        inv = _inv_rms(tl.sum(sq, axis=0), N, eps)
-        # the second pass re-reads this program's own residual_out writes
-        tl.debug_barrier()
-        src_ptr = res_out_ptr if HAS_RESIDUAL else x_ptr
-        for start in range(0, N, BLOCK):
-            mask = start + cols < N
-            xf = tl.load(src_ptr + row + start + cols, mask=mask, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
-            _quant_span(_normalize_f32(xf, inv, w), pid, start, N, gs, q_ptr, s_ptr, BLOCK, IN_KIND, ON_CUDA)
+            v, _ = _normalized_chunk(src_ptr, w_ptr, row, start, cols, N, inv)
+            _quant_span(v, pid, start, N, gs, q_ptr, s_ptr, BLOCK, IN_KIND, ON_CUDA)
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -224,7 +191,10 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
 def rms_norm_fp4_quant_triton(
     x: torch.Tensor, weight: torch.Tensor, eps: float, global_scale: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """NVFP4 quantization of RMSNorm of each row of contiguous ``x [T, H]`` (validated by the caller)."""
+    """NVFP4 quantization of RMSNorm of each row of contiguous ``x [T, H]`` (validated by the caller);
+    fp32 x: the norm kernel, then the quantization kernel."""
+    if x.dtype == torch.float32:
+        return scaled_fp4_quant_triton(rms_norm_triton(x, weight, eps), global_scale)
     q, s, _ = _launch(x, None, weight, eps, global_scale)
     return q, s
 
@@ -232,27 +202,10 @@ def rms_norm_fp4_quant_triton(
 def fused_add_rms_norm_fp4_quant_triton(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, global_scale: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(q, s, x + residual)``: NVFP4 quantization of the norm of ``x + residual`` (rounded to x's dtype)."""
+    """``(q, s, x + residual)``: NVFP4 quantization of the norm of ``x + residual`` (rounded to x's dtype);
+    fp32 x: the residual-add norm kernel, then the quantization kernel."""
+    if x.dtype == torch.float32:
+        out, res_out = fused_add_rms_norm_triton(x, residual, weight, eps)
+        return (*scaled_fp4_quant_triton(out, global_scale), res_out)
     q, s, res_out = _launch(x, residual, weight, eps, global_scale)
-    return q, s, res_out
-
-
-def rms_norm_then_fp4_quant_triton(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, global_scale: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """What ``fp4fuse::rms_norm_fp4_quant`` runs on CUDA for now: the norm kernel, then the
-    quantization kernel (two passes; bit-equal to the unfused ops by construction). The one-pass
-    kernel above is not: on an H100 it gave other codes than this pair at some shapes
-    (tests/test_triton_kernels.py::test_cuda_norm_quant_bit_equal_to_unfused, e.g. 130 x 1040), so it
-    stays out of the op until that is found."""
-    return scaled_fp4_quant_triton(rms_norm_triton(x, weight, eps), global_scale)
-
-
-def fused_add_rms_norm_then_fp4_quant_triton(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, global_scale: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``fp4fuse::fused_add_rms_norm_fp4_quant`` on CUDA for now: the residual-add norm kernel, then the
-    quantization kernel (see :func:`rms_norm_then_fp4_quant_triton`)."""
-    out, res_out = fused_add_rms_norm_triton(x, residual, weight, eps)
-    q, s = scaled_fp4_quant_triton(out, global_scale)
     return q, s, res_out

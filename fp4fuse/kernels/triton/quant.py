@@ -517,9 +517,12 @@ def _quant_kernel(
 
 # ------------------------------------------------------------------------------ host side
 
-#: Most 16-element blocks one thread may own on CUDA. With 4 per thread (BLOCKS 512 at 4 warps, 1024
-#: at 8) the FMA_SAT kernel wrote wrong codes on an H100 (Triton 3.6; 8 per thread and IEEE_DIV
-#: were right; the cause was not found), so configurations are held to the tested 1 and 2.
+#: Most 16-element blocks one thread may own on CUDA. On an H100 with Triton 3.6 the FMA_SAT kernel
+#: wrote wrong codes (about half of them; scales right) with 4 per thread at 4 and 8 warps and with
+#: 8 per thread at 8 warps, for bf16, fp16 and fp32 alike (8 per thread at 4 warps and IEEE_DIV were
+#: right). Its pieces -- the [B, 4] column split, the byte permutes, the join -- each compute right
+#: alone at those shapes, so the fault is in how Triton compiles them together; it was not isolated
+#: further. Configurations are held to the tested 1 and 2 per thread.
 MAX_BLOCKS_PER_THREAD = 2
 
 
