@@ -448,12 +448,12 @@ def wide_step_sweep(ceil: Ceilings, raw: dict) -> None:
 
             wide = mm_decode.wide_step_config(m, n, k, sms) if m <= mm_decode.WIDE_STEP_MAX_M else \
                 dataclasses.replace(mm_decode.wide_step_config(32, n, k, sms), block_m=64)
+            shipped = mm_decode.decode_config_for(m, n, k, sms)
+            narrow = mm_decode.narrow_step_config(m, n, k, sms)
             row = {"m": m, "n": n, "k": k, "bf16_us": 1e3 * bench_graph([functools.partial(torch.mm, x, wt) for wt in w_t]),
                    "floor_us": (n * k // 2 + n * k // 16) / ceil.copy_gbs / 1e3,
-                   "shipped_cfg": _cfg_str(mm_decode.decode_config_for(m, n, k, sms)),
-                   "shipped_us": graph_us(mm_decode.decode_config_for(m, n, k, sms)),
-                   "narrow_cfg": _cfg_str(mm_decode.narrow_step_config(m, n, k, sms)),
-                   "narrow_us": graph_us(mm_decode.narrow_step_config(m, n, k, sms)),
+                   "shipped_cfg": _cfg_str(shipped), "shipped_us": graph_us(shipped),
+                   "narrow_cfg": _cfg_str(narrow), "narrow_us": graph_us(narrow),
                    "wide_us": {s: graph_us(dataclasses.replace(wide, split_k=s)) for s in WIDE_SPLITS}}
             rows.append(row)
             print(f"WIDE m={m} n={n} k={k}: bf16 {row['bf16_us']:.1f} shipped {row['shipped_us']:.1f} "
