@@ -20,7 +20,7 @@ def _no_ranks(*_args, **_kwargs):
 def _cuda_flag_case() -> tuple[list[str], str]:
     if torch.version.cuda is None:
         return ["--device", "cuda"], "--device cuda: this torch (" + torch.__version__ + ") is built without CUDA"
-    return ["--device", "cuda", "--tp", str(torch.cuda.device_count() + 1)], "GPUs (one per rank)"
+    return ["--device", "cuda", "--tp", str(max(2, torch.cuda.device_count() + 1))], "GPUs (one per rank)"
 
 
 BAD_FLAGS = [

@@ -10,6 +10,11 @@ readers, which the rewrite changes (fp4fuse.patterns.sequence_parallel, "Numeric
 * Inductor's default: fp32 bitwise; bf16/fp16 norm outputs differ by at most 2 ulp, in about a
   fifth of the elements (the sum itself is bitwise: both graphs round it when they store it).
 
+torch 2.11's Inductor (the GPU machines' torch) does not honour ``emulate_precision_casts`` inside a
+fused reduction: its CPU kernel for ``add -> pow -> mean`` computes the bf16-rounded sum and then
+squares the unrounded fp32 one, so there the emulated case only meets the default's bound. torch
+2.13 rounds it (the CI torch), and there the emulated case is bitwise.
+
 One module holds every case (one graph per setting: 4 compiles in one spawn).
 """
 from __future__ import annotations
@@ -27,6 +32,9 @@ CASES += [("llama", "bfloat16", rows, hidden) for rows, hidden in SHAPES]
 CASES.append(("functional", "float32", 8, 64))
 IDS = [f"{form}-{dtype}-{rows}x{hidden}" for form, dtype, rows, hidden in CASES]
 MAX_ULP = 2
+#: whether Inductor rounds a fused bf16/fp16 intermediate before a reduction reads it, under
+#: ``emulate_precision_casts`` (see the module docstring)
+EMULATES_CASTS_IN_REDUCTIONS = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
 
 
 def _rank_main(cases: list[tuple[str, str, int, int]]) -> dict:
@@ -97,18 +105,23 @@ def test_every_norm_is_rewritten(results, emulate):
     assert counts["sequence_parallel.middle.torch_fp32"] == sum(c[0] == "llama" for c in CASES)
 
 
-@pytest.mark.parametrize("case", range(len(CASES)), ids=IDS)
-def test_bitwise_when_inductor_rounds_as_eager(results, case):
-    got = results[True]["cases"][case]
-    assert got["sum_equal"] and got["max_ulp"] == 0, got
-
-
-@pytest.mark.parametrize("case", range(len(CASES)), ids=IDS)
-def test_bound_under_inductor_defaults(results, case):
-    dtype = CASES[case][1]
-    got = results[False]["cases"][case]
+def _assert_within_default_bound(got: dict, dtype: str) -> None:
     assert got["sum_equal"], got
     if dtype == "float32":
         assert got["max_ulp"] == 0, got
     else:
         assert got["max_ulp"] <= MAX_ULP and got["differ"] < 0.3, got
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=IDS)
+def test_bitwise_when_inductor_rounds_as_eager(results, case):
+    got = results[True]["cases"][case]
+    if EMULATES_CASTS_IN_REDUCTIONS:
+        assert got["sum_equal"] and got["max_ulp"] == 0, got
+    else:
+        _assert_within_default_bound(got, CASES[case][1])
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=IDS)
+def test_bound_under_inductor_defaults(results, case):
+    _assert_within_default_bound(results[False]["cases"][case], CASES[case][1])
