@@ -452,8 +452,8 @@ def _gpu_suite() -> dict[str, object]:
     report["capacity"] = ws.capacity
     t = _case_inputs(8, 99, device)
     from fp4fuse.ops.collective_gemm import RowBlockGemm
-    report["modes"] = {rows: RowBlockGemm(t["b"], t["sb"], t["alpha"], torch.bfloat16, rows // 2, rows).mode.name
-                       for rows in (80, 2080)}
+    report["modes"] = {f"{str(dtype)[6:]}/{rows}": RowBlockGemm(t["b"], t["sb"], t["alpha"], dtype, rows // 2, rows).mode.name
+                       for dtype, rows in ((torch.bfloat16, 80), (torch.bfloat16, 2080), (torch.float32, 400))}
     report["graph"] = [_gpu_graph_capture(device, group, mode) for mode in ("first", "always")]
     return report
 
@@ -505,9 +505,11 @@ def test_symmetric_memory_pipelines_on_gpus(world):
     results = run_on_ranks(_gpu_suite, world, backend="nccl", timeout=300, env=_GPU_ENV)
     for r in results:
         assert r["graph"] == ["first", "always"] and r["capacity"] > 0 and r["empty"] == 18
-        assert r["modes"] == {80: "TILED", 2080: "DEQUANT_CUBLAS"}, r["modes"]
+        # as mm_fp4 on the whole GEMM: decode GEMM up to 256 rows, then dequantize + cuBLAS for bf16
+        # output and the tiled kernel for the others (fp4fuse/kernels/triton/mm.py)
+        assert r["modes"] == {"bfloat16/80": "DECODE", "bfloat16/2080": "DEQUANT_CUBLAS", "float32/400": "TILED"}, r["modes"]
     print("fused vs one full GEMM, differing elements:", results[0]["full_gemm_mismatches"])
-    print("row-block GEMM modes (bf16):", results[0]["modes"], "workspace bytes:", results[0]["capacity"])
+    print("row-block GEMM modes:", results[0]["modes"], "workspace bytes:", results[0]["capacity"])
 
 
 def _captured_signature_mismatch() -> None:
