@@ -544,6 +544,34 @@ def test_always_check_fails_a_mismatched_captured_graph_on_every_rank():
     assert all("device-side assert" in text for text in failures.values()), failures
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize(("out_dtype", "total_rows", "blocks", "n", "k", "mode"), [
+    (torch.bfloat16, 40, 2, N, K, "DECODE"),            # activation decoded in the kernel
+    (torch.bfloat16, 16, 2, 4104, 4096, "DECODE"),      # 256-element K steps, split-K
+    (torch.bfloat16, 80, 2, N, K, "DECODE"),            # activation pre-decoded
+    (torch.bfloat16, 250, 5, N, K, "DECODE"),
+    (torch.float32, 400, 2, N, K, "TILED"),
+    (torch.float16, 300, 3, N, K, "TILED"),
+])
+def test_row_block_gemm_equals_one_mm_fp4_bitwise(out_dtype, total_rows, blocks, n, k, mode):
+    """On one GPU, what makes the fused collective GEMMs bitwise equal to the unfused graph: row
+    blocks run with the mode and configuration of the whole GEMM give exactly the rows of one
+    ``mm_fp4`` over all of them. (DEQUANT_CUBLAS is left out: cuBLAS picks kernels by shape.)"""
+    from fp4fuse.ops.collective_gemm import RowBlockGemm
+    device = torch.device("cuda")
+    a, sa = _quantized(total_rows, k, 11, device)
+    b, sb = _quantized(n, k, 12, device)
+    alpha = (1.0 / (GS * GS)).to(device)
+    whole = ops.mm_fp4(a, b, sa, sb, alpha, out_dtype)
+    rows = total_rows // blocks
+    gemm = RowBlockGemm(b, sb, alpha, out_dtype, rows, total_rows)
+    assert gemm.mode.name == mode
+    out = torch.full((total_rows, n), float("nan"), dtype=out_dtype, device=device)
+    for i in range(blocks):
+        gemm(out[i * rows:(i + 1) * rows], a[i * rows:(i + 1) * rows], sa[i * rows:(i + 1) * rows])
+    assert torch.equal(out, whole)
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_sum_in_rank_order_is_the_rank_ordered_fp32_sum(world, dtype):
