@@ -30,12 +30,6 @@ every timed call, so weights are read from HBM as in a real decode step):
    and 8192^2, every GEMM path as CUDA-graph replays over rotating weights: the shipped dispatch,
    the tiled kernel, dequantize + cuBLAS, the decode kernel at several tiles with and without the
    pre-decoded activation, and cuBLAS bf16.
-8. ``--chunk-sweep`` (only this, after the ceilings): the dequantize + cuBLAS path (M in
-   512..8192, the middle-range shapes) with the weight decoded and multiplied in weight-row chunks
-   of several sizes, the one-call path and the shipped chunk rule (``dequant_chunk_rows``), as
-   CUDA-graph replays over rotating weights against cuBLAS bf16; each chunked result is compared
-   with the one-call result (elements that differ: cuBLAS may pick another kernel for the
-   narrower product).
 """
 from __future__ import annotations
 
@@ -535,43 +529,6 @@ def mid_sweep(ceil: Ceilings, raw: dict) -> None:
     raw["mid_sweep"] = rows
 
 
-CHUNK_MS = (512, 1024, 2048, 4096, 8192)
-CHUNK_ROWS = (512, 1024, 2048, 4096)
-
-
-def chunk_sweep(ceil: Ceilings, raw: dict) -> None:
-    """``--chunk-sweep``: the dequantize + cuBLAS path over weight-row chunks (module docstring, 8)."""
-    rows = []
-    for n, k in MID_SHAPES:
-        weights = [quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16)) for _ in range(ROTATIONS)]
-        w_t = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() for _ in range(2)]
-        for m in CHUNK_MS:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            a, sa, ga = quantize(x)
-            alpha = 1.0 / (ga * weights[0][2])
-            rule = triton_mm.dequant_chunk_rows(m, n, k)
-            chunks = {"whole": n, "rule": rule, **{str(c): c for c in CHUNK_ROWS if c < n}}
-            row = {"m": m, "n": n, "k": k, "rule_rows": rule, "us": {}, "diff_elems": {}}
-            whole = triton_mm.mm_fp4_dequant_mm(a, weights[0][0], sa, weights[0][1], alpha, chunk_rows=n)
-            for name, c in chunks.items():
-                fn = lambda wq, ws, c=c: triton_mm.mm_fp4_dequant_mm(a, wq, sa, ws, alpha, chunk_rows=c)  # noqa: E731
-                row["us"][name] = bench_graph([functools.partial(fn, wq, wsq) for wq, wsq, _ in weights], reps=5) * 1e3
-                got = fn(weights[0][0], weights[0][1])
-                row["diff_elems"][name] = int((got != whole).sum().item())
-            row["us"]["bf16"] = bench_graph([functools.partial(torch.mm, x, wt) for wt in w_t], reps=5) * 1e3
-            rows.append(row)
-            us = row["us"]
-            best = min((kk for kk in us if kk != "bf16"), key=us.get)
-            print(f"CHUNK m={m:<5d} n={n:<6d} k={k:<6d} bf16 {us['bf16']:7.1f} whole {us['whole']:7.1f} "
-                  f"({us['bf16'] / us['whole']:.2f}x) rule[{rule}] {us['rule']:7.1f} ({us['bf16'] / us['rule']:.2f}x) "
-                  f"best {best} {us[best]:7.1f} | " + " ".join(f"{kk}={v:.1f}" for kk, v in us.items()
-                                                           if kk not in ("bf16", "whole", "rule"))
-                  + f" | diff {row['diff_elems']}", flush=True)
-        weights = w_t = None
-        torch.cuda.empty_cache()
-    raw["chunk_sweep"] = rows
-
-
 def markdown(dev: str, ceil: Ceilings, op_rows: list[dict], mm_rows: list[dict]) -> str:
     lines = [
         f"# fp4fuse single-GPU ops, {datetime.date.today().isoformat()}",
@@ -613,8 +570,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the decode-GEMM configuration sweep (after the ceilings)")
     parser.add_argument("--mid-sweep", action="store_true",
                         help="only the M=64..2048 sweep of every GEMM path as CUDA-graph replays")
-    parser.add_argument("--chunk-sweep", action="store_true",
-                        help="only the M=512..8192 sweep of the dequantize + cuBLAS path's weight-row chunks")
     parser.add_argument("--wide-step-sweep", action="store_true",
                         help="only the M<=64 sweep of the decode GEMM's 256-K-step tile as CUDA-graph replays")
     args = parser.parse_args(argv)
@@ -627,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     ceil = measure_ceilings()
     print(f"copy {ceil.copy_gbs:.0f} GB/s, bf16 mm {ceil.mm_tflops:.0f} TFLOP/s", flush=True)
     sweeps = [fn for flag, fn in ((args.decode_sweep, decode_sweep), (args.mid_sweep, mid_sweep),
-                                  (args.wide_step_sweep, wide_step_sweep), (args.chunk_sweep, chunk_sweep)) if flag]
+                                  (args.wide_step_sweep, wide_step_sweep)) if flag]
     if sweeps:
         raw = {"device": dev, "torch": torch.__version__, "triton": triton.__version__,
                "ceilings": dataclasses.asdict(ceil)}

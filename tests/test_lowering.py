@@ -58,11 +58,11 @@ def _ops_graph(a, b, sa, sb, alpha, x, r, w, gs):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("m,n,k", [(3, 96, 208), (17, 96, 208), (200, 96, 208), (600, 6144, 4096)])
-def test_cuda_compiled_graph_launches_kernels_and_matches_the_eager_ops(m, n, k):
-    """600 x 6144 x 4096: the bf16 GEMM takes the dequantize + cuBLAS path in weight-row chunks."""
+@pytest.mark.parametrize("m", [3, 17, 200])
+def test_cuda_compiled_graph_launches_kernels_and_matches_the_eager_ops(m):
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(m)
+    n, k = 96, 208
     a, sa, ga = _quantized(m, k, gen, "cuda")
     b, sb, gb = _quantized(n, k, gen, "cuda")
     alpha = (1.0 / (ga * gb)).reshape(1)

@@ -253,59 +253,6 @@ def test_cuda_mm_fp4_decode_matches_float64(m, n, k, out_dtype):
         assert torch.isfinite(out[0]).all() and torch.isfinite(out[2:]).all()
 
 
-@pytest.mark.parametrize("m,n,k", [(257, 300, 48), (600, 6144, 4096), (1024, 28672, 4096), (8192, 4096, 14336),
-                                   (2048, 100000, 8192), (65536, 4096, 4096)])
-def test_dequant_chunk_rows_rule(m, n, k):
-    """The chunk rule of the dequantize + cuBLAS path, from its stated contract: the whole weight
-    when its bf16 decode and the product fit DEQUANT_CHUNK_BYTES, else the largest multiple of
-    DEQUANT_CHUNK_ALIGN rows that fits (one multiple at least)."""
-    from fp4fuse.kernels.triton import mm as triton_mm
-    budget, align = triton_mm.DEQUANT_CHUNK_BYTES, triton_mm.DEQUANT_CHUNK_ALIGN
-    rows = triton_mm.dequant_chunk_rows(m, n, k)
-    working_set = lambda r: 2 * r * (k + m)  # noqa: E731  (bytes: bf16 weight rows + product columns)
-    if working_set(n) <= budget:
-        assert rows == n
-    else:
-        assert 0 < rows < n and rows % align == 0
-        assert working_set(rows) <= budget or rows == align
-        assert working_set(rows + align) > budget
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("m,n,k,chunk_rows", [(600, 6144, 4096, None), (513, 2100, 1040, 1000), (700, 1000, 208, 256)])
-def test_cuda_dequant_mm_weight_row_chunks(m, n, k, chunk_rows):
-    """The dequantize + cuBLAS path in weight-row chunks (600 x 6144 x 4096: the default rule's
-    chunks; the others explicit, one not a multiple of the alignment): every chunk's columns are
-    bitwise ``bf16(fp32(bf16(A @ W_chunk^T)) * alpha)`` of the oracle's decodes (cuBLAS on the same
-    shapes), within bf16 of float64, and a NaN block scale in the last chunk poisons its row's column."""
-    _require_triton_backend()
-    from fp4fuse.kernels.triton import mm as triton_mm
-    gen = torch.Generator(device="cuda").manual_seed(m + n + k)
-    xa, xb = _blocks(m, k, gen), _blocks(n, k, gen)
-    ga = nvfp4.global_scale_from_amax(xa.float().abs().amax()).reshape(1)
-    gb = nvfp4.global_scale_from_amax(xb.float().abs().amax()).reshape(1)
-    a, sa = ops.scaled_fp4_quant(xa, ga)
-    b, sb = ops.scaled_fp4_quant(xb, gb)
-    alpha = 1.0 / (ga * gb)
-    chunk = triton_mm.dequant_chunk_rows(m, n, k) if chunk_rows is None else chunk_rows
-    assert chunk < n, "the case must run more than one chunk"
-    out = triton_mm.mm_fp4_dequant_mm(a, b, sa, sb, alpha, chunk_rows=chunk_rows)
-    if chunk_rows is None:
-        assert torch.equal(ops.mm_fp4(a, b, sa, sb, alpha, torch.bfloat16), out)
-    a16 = oracle.dequantize(a.cpu(), sa.cpu()).to(device="cuda", dtype=torch.bfloat16)
-    w16 = oracle.dequantize(b.cpu(), sb.cpu()).to(device="cuda", dtype=torch.bfloat16)
-    for r0 in range(0, n, chunk):
-        expected = (torch.mm(a16, w16[r0:r0 + chunk].t()).float() * alpha).to(torch.bfloat16)
-        assert torch.equal(out[:, r0:r0 + chunk], expected), r0
-    ref = nvfp4.mm_fp4_reference(a.cpu(), b.cpu(), sa.cpu(), sb.cpu(), alpha.cpu(), torch.float64)
-    assert ((out.double().cpu() - ref).norm() / ref.norm()).item() <= 1e-2
-    sb_nan = sb.clone()
-    sb_nan.view(torch.uint8)[n - 2, 1] = 0x7F
-    poisoned = triton_mm.mm_fp4_dequant_mm(a, b, sa, sb_nan, alpha, chunk_rows=chunk_rows)
-    assert torch.isnan(poisoned[:, n - 2]).all()
-    assert torch.equal(poisoned[:, : n - 2], out[:, : n - 2]) and torch.equal(poisoned[:, n - 1], out[:, n - 1])
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 5), (130, 4099), (1000, 2047)])

@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 class GemmMode(enum.Enum):
     """How :class:`RowBlockGemm` writes a row block's ``mm_fp4`` into an output view."""
-    DEQUANT_CUBLAS = "exact bf16 dequantize + cuBLAS (weight-row chunks), alpha scale into out"
+    DEQUANT_CUBLAS = "exact bf16 dequantize + cuBLAS into out="
     DECODE = "one-launch decode GEMM with the whole GEMM's configuration, then copy"
     TILED = "tiled Triton kernel with the whole GEMM's configuration, then copy"
     COPY = "mm_fp4 then copy"
@@ -40,9 +40,9 @@ class RowBlockGemm:
     a full extra pass over ``[M, N]`` (7% of a large GEMM), so this picks, once per op call:
 
     * ``DEQUANT_CUBLAS``: the Triton backend's own large-M bf16 path, reproduced through its public
-      functions so it can write into the view: ``torch.mm(dequant(a), dequant(b).T)`` over the same
-      weight-row chunks, then the alpha scale into the view -- the same kernels and arithmetic as
-      ``triton_mm.mm_fp4_dequant_mm``, with ``b`` dequantized once per call instead of once per block;
+      functions so it can write into the view: ``torch.mm(dequant(a), dequant(b).T, out=view)`` then
+      the in-place alpha scale -- the same kernels and arithmetic as ``triton_mm.mm_fp4_dequant_mm``, so
+      bit-identical, with ``b`` dequantized once per call instead of once per block;
     * ``DECODE``: up to ``DECODE_MAX_M`` total rows, the one-launch decode GEMM with the
       configuration ``mm_fp4`` would pick for the whole GEMM (each row's sums do not depend on the
       other rows, so bitwise equal to the unfused graph);
@@ -78,8 +78,7 @@ class RowBlockGemm:
         if triton_mm is not None and out_dtype == torch.bfloat16 and total_rows >= triton_mm.DEQUANT_MIN_M:
             self.mode = GemmMode.DEQUANT_CUBLAS
             self._dequantize = triton_mm.dequantize_fp4_triton
-            self._scaled_decoded_mm = triton_mm.scaled_decoded_mm
-            self._chunk_rows = triton_mm.dequant_chunk_rows(total_rows, b.shape[0], b.shape[1] * 2)
+            self._scale_by_alpha = triton_mm.scale_by_alpha_
         elif triton_mm is not None and total_rows <= triton_mm.DECODE_MAX_M:
             self.mode = GemmMode.DECODE
             self._decode_gemm = triton_mm.mm_fp4_decode
@@ -122,11 +121,9 @@ class RowBlockGemm:
 
     def run_decoded(self, out: torch.Tensor, a_dequant: torch.Tensor) -> None:
         """DEQUANT_CUBLAS: ``out[:] = alpha * (a_dequant @ decode(b)^T)`` as ``triton_mm.mm_fp4_dequant_mm``
-        computes it for ``total_rows`` rows: the same weight-row chunks (``dequant_chunk_rows``), each
-        a ``torch.mm`` then the alpha scale, here over row ranges of the weight decoded once."""
-        weight = self.decoded_weight()
-        self._scaled_decoded_mm(a_dequant, lambda r0, r1: weight[r0:r1], self.out_features, self.alpha,
-                                self._chunk_rows, out=out)
+        computes it (cuBLAS into ``out``, then the in-place alpha scale)."""
+        torch.mm(a_dequant, self.decoded_weight().t(), out=out)
+        self._scale_by_alpha(out, self.alpha)
 
     def run(self, out: torch.Tensor, block: PreparedBlock) -> None:
         """``out[:] = mm_fp4(block.a, b, block.a_scale, b_scale, alpha, out_dtype)`` on the current

@@ -29,18 +29,11 @@ Kernels and dispatch (``mm_fp4_triton``; measurements in benchmarks/results/):
   to bf16: ``bf16(fp32(bf16(acc)) * alpha)``). PyTorch's ``out.mul_(alpha)`` with a CUDA 0-dim
   fp32 alpha would round alpha to bf16 first and runs a non-vectorized mixed-dtype loop at about a
   quarter of the copy bandwidth. fp16/fp32 outputs always use the tiled kernel (a bf16 cuBLAS output would lose precision).
-  Where the bf16 weight would not stay in L2, the weight goes through in chunks of
-  ``dequant_chunk_rows`` rows: decode a chunk, ``torch.mm`` it into a chunk of the output, and
-  ``_scale_into_kernel`` writes that chunk times alpha into its columns of ``out``; the decoded
-  chunk and the chunk's product are read back while they are still in L2, instead of a full bf16
-  weight and a full product going through HBM twice. Same arithmetic per element (cuBLAS may pick
-  another kernel for the narrower product, as it may for any shape).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable
 
 import torch
 import triton
@@ -67,10 +60,7 @@ __all__ = [
     "mm_fp4_dequant_mm",
     "mm_fp4_tiled",
     "mm_fp4_triton",
-    "DEQUANT_CHUNK_BYTES",
-    "dequant_chunk_rows",
     "scale_by_alpha_",
-    "scaled_decoded_mm",
 ]
 
 # bf16 output above the decode GEMM's range goes to dequantize + cuBLAS: from M = 512 on it was the
@@ -81,12 +71,6 @@ DEQUANT_MIN_M = DECODE_MAX_M + 1
 # (16-element blocks per program, warps) of _dequant_kernel: the sweep over (256..2048, 8..16)
 # on 8192x8192 put (256, 8) first (55 us, 74% of the copy bandwidth).
 DEQUANT_LAUNCH = (256, 8)
-
-# L2 working set of one chunk of the dequantize + cuBLAS path (``dequant_chunk_rows``): the bf16
-# decode of the weight rows plus the chunk's bf16 product, in bytes.
-DEQUANT_CHUNK_BYTES = 24 << 20
-# Chunks are whole multiples of this many weight rows (cuBLAS tile widths divide it).
-DEQUANT_CHUNK_ALIGN = 256
 
 
 @triton.jit
@@ -235,20 +219,6 @@ def _scale_kernel(x_ptr, alpha_ptr, n_elements, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _scale_into_kernel(part_ptr, alpha_ptr, out_ptr, M, NC, out_row_stride, col0,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``out[m, col0 + j] = out_dtype(fp32(part[m, j]) * alpha)`` for a contiguous ``part [M, NC]``
-    (round to nearest even); ``out`` rows ``out_row_stride`` elements apart."""
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows < M)[:, None] & (cols < NC)[None, :]
-    x = tl.load(part_ptr + rows[:, None] * NC + cols[None, :], mask=mask)
-    alpha = tl.load(alpha_ptr)
-    y = (x.to(tl.float32) * alpha).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows[:, None] * out_row_stride + col0 + cols[None, :], y, mask=mask)
-
-
-@triton.jit
 def _e2m1_to_fp32(code):
     """e2m1 code (int32, 0..15) -> fp32 value with integer ops."""
     mag = code & 7
@@ -373,73 +343,18 @@ def dequantize_fp4_triton(q: torch.Tensor, s: torch.Tensor, config: tuple[int, i
     return out
 
 
-def dequant_chunk_rows(m: int, n: int, k: int, chunk_bytes: int = DEQUANT_CHUNK_BYTES) -> int:
-    """Weight rows per cuBLAS call of the dequantize + cuBLAS path for an ``[m, k] x [n, k]^T``
-    product: ``n`` (one call) when the bf16 weight and product fit ``chunk_bytes`` together, else
-    the most rows ``r`` (a multiple of ``DEQUANT_CHUNK_ALIGN``, at least one multiple) with
-    ``2 * r * (k + m) <= chunk_bytes``: a chunk's decoded rows and its product then stay in L2."""
-    if 2 * n * (k + m) <= chunk_bytes:
-        return n
-    rows = chunk_bytes // (2 * (k + m)) // DEQUANT_CHUNK_ALIGN * DEQUANT_CHUNK_ALIGN
-    return min(n, max(DEQUANT_CHUNK_ALIGN, rows))
-
-
-def scaled_decoded_mm(
-    a_dequant: torch.Tensor, weight_rows: Callable[[int, int], torch.Tensor], n: int, alpha: torch.Tensor,
-    chunk_rows: int, out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``bf16(fp32(bf16(a_dequant @ W^T)) * alpha)`` as ``[M, n]`` bf16, where ``weight_rows(r0, r1)``
-    returns rows ``[r0, r1)`` of the bf16 weight ``W [n, K]`` (contiguous) and ``torch.mm`` runs
-    over ``chunk_rows`` weight rows at a time (``chunk_rows >= n``: one call, scaled in place).
-    ``out``: a contiguous ``[M, n]`` bf16 tensor (or row range of one) to write into."""
-    if chunk_rows >= n:
-        return scale_by_alpha_(torch.mm(a_dequant, weight_rows(0, n).t(), out=out), alpha)
-    if chunk_rows < 1:
-        raise ValueError(f"scaled_decoded_mm: chunk_rows must be >= 1; got {chunk_rows}")
-    m = a_dequant.shape[0]
-    if out is None:
-        out = torch.empty((m, n), dtype=torch.bfloat16, device=a_dequant.device)
-    elif out.shape != (m, n) or out.dtype != torch.bfloat16 or not out.is_contiguous():
-        raise ValueError(f"scaled_decoded_mm: out must be a contiguous bf16 [{m}, {n}] tensor; got {out.dtype} "
-                         f"{list(out.shape)} (contiguous={out.is_contiguous()})")
-    _check_alpha("scaled_decoded_mm", alpha)
-    alpha = alpha.reshape(1)
-    for r0 in range(0, n, chunk_rows):
-        r1 = min(n, r0 + chunk_rows)
-        part = torch.mm(a_dequant, weight_rows(r0, r1).t())
-        grid = (triton.cdiv(m, SCALE_INTO_TILE[0]), triton.cdiv(r1 - r0, SCALE_INTO_TILE[1]))
-        if m:
-            traceable(_scale_into_kernel)[grid](part, alpha, out, m, r1 - r0, n, r0, BLOCK_M=SCALE_INTO_TILE[0],
-                                                BLOCK_N=SCALE_INTO_TILE[1], num_warps=4)
-    return out
-
-
 def mm_fp4_dequant_mm(
     a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
-    alpha: torch.Tensor, chunk_rows: int | None = None,
+    alpha: torch.Tensor,
 ) -> torch.Tensor:
-    """bf16 output through exact bf16 dequantization, cuBLAS and the alpha multiply (fp32
-    accumulate, rounded to bf16, times alpha, rounded again); the weight is decoded and multiplied
-    ``chunk_rows`` rows at a time (default ``dequant_chunk_rows``)."""
-    m, n, k = a.shape[0], b.shape[0], a.shape[1] * 2
-    if chunk_rows is None:
-        chunk_rows = dequant_chunk_rows(m, n, k)
-
-    def weight_rows(r0: int, r1: int) -> torch.Tensor:
-        return dequantize_fp4_triton(b[r0:r1], b_scale[r0:r1])
-
-    return scaled_decoded_mm(dequantize_fp4_triton(a, a_scale), weight_rows, n, alpha, chunk_rows)
+    """bf16 output through exact bf16 dequantization, cuBLAS and an in-place alpha multiply
+    (fp32 accumulate, rounded to bf16, times alpha, rounded again)."""
+    out = torch.mm(dequantize_fp4_triton(a, a_scale), dequantize_fp4_triton(b, b_scale).t())
+    return scale_by_alpha_(out, alpha)
 
 
 #: Elements per program of ``_scale_kernel`` (16 per thread at 4 warps: 32-byte bf16 accesses).
 SCALE_BLOCK = 2048
-#: ``(rows, columns)`` per program of ``_scale_into_kernel`` (2048 elements, as SCALE_BLOCK).
-SCALE_INTO_TILE = (8, 256)
-
-
-def _check_alpha(fn: str, alpha: torch.Tensor) -> None:
-    if alpha.numel() != 1 or alpha.dtype != torch.float32:
-        raise ValueError(f"{fn}: alpha must be a one-element float32 tensor; got {alpha.dtype} {list(alpha.shape)}")
 
 
 def scale_by_alpha_(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
@@ -447,7 +362,9 @@ def scale_by_alpha_(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     ``alpha`` a one-element fp32 device tensor (not synchronised), ``x`` contiguous bf16/fp16."""
     if not x.is_contiguous():
         raise ValueError(f"scale_by_alpha_: x must be contiguous; got strides {x.stride()}")
-    _check_alpha("scale_by_alpha_", alpha)
+    if alpha.numel() != 1 or alpha.dtype != torch.float32:
+        raise ValueError(f"scale_by_alpha_: alpha must be a one-element float32 tensor; got {alpha.dtype} "
+                         f"{list(alpha.shape)}")
     n = x.numel()
     if n:
         traceable(_scale_kernel)[(triton.cdiv(n, SCALE_BLOCK),)](x, alpha, n, BLOCK=SCALE_BLOCK, num_warps=4)
