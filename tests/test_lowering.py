@@ -57,10 +57,7 @@ def _ops_graph(a, b, sa, sb, alpha, x, r, w, gs):
     return out16, out32, summed, q, s
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("m", [3, 17, 200])
-def test_cuda_compiled_graph_launches_kernels_and_matches_the_eager_ops(m):
-    torch._dynamo.reset()
+def _cuda_ops_graph_args(m: int) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(m)
     n, k = 96, 208
     a, sa, ga = _quantized(m, k, gen, "cuda")
@@ -70,12 +67,10 @@ def test_cuda_compiled_graph_launches_kernels_and_matches_the_eager_ops(m):
     r = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
     w = (torch.rand(k, generator=gen) + 0.5).to("cuda", torch.bfloat16)
     gs = torch.tensor([7.5], device="cuda")
-    args = (a, b, sa, sb, alpha, x, r, w, gs)
-    eager = _ops_graph(*args)
-    fusion = fp4fuse.FusionPass(FusionConfig())
-    compiled = torch.compile(_ops_graph, fullgraph=True, options={"post_grad_custom_post_pass": fusion})
-    got, (code, *_) = run_and_get_code(compiled, *args)
-    assert "torch.ops.fp4fuse" not in code and "fp4fuse.mm_fp4" not in code
+    return a, b, sa, sb, alpha, x, r, w, gs
+
+
+def _assert_lowered_and_bitwise_equal(fusion: fp4fuse.FusionPass, eager: tuple, got: tuple) -> None:
     # the norm + quant pass turns rms_norm -> scaled_fp4_quant (one static scale) into the fused op,
     # whose one-kernel launch must give the two eager ops' bits
     assert fusion.match_counts == {"lowering.mm_fp4": 2, "lowering.fused_add_rms_norm": 1,
@@ -83,6 +78,35 @@ def test_cuda_compiled_graph_launches_kernels_and_matches_the_eager_ops(m):
     for e, g in zip(eager, got):
         assert g.dtype == e.dtype and torch.equal(g.view(torch.uint8) if g.dtype == torch.float8_e4m3fn else g,
                                                   e.view(torch.uint8) if e.dtype == torch.float8_e4m3fn else e)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", [3, 17, 200, 300])
+def test_cuda_compiled_graph_launches_kernels_and_matches_the_eager_ops(m):
+    """m = 3, 17: the decode GEMM with the activation decoded in the kernel; 200: pre-decoded;
+    300: the bf16 GEMM through dequantize + cuBLAS (fp32 through the tiled kernel)."""
+    torch._dynamo.reset()
+    args = _cuda_ops_graph_args(m)
+    eager = _ops_graph(*args)
+    fusion = fp4fuse.FusionPass(FusionConfig())
+    compiled = torch.compile(_ops_graph, fullgraph=True, options={"post_grad_custom_post_pass": fusion})
+    got, (code, *_) = run_and_get_code(compiled, *args)
+    assert "torch.ops.fp4fuse" not in code and "fp4fuse.mm_fp4" not in code
+    _assert_lowered_and_bitwise_equal(fusion, eager, got)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", [17, 300])
+def test_cuda_cpp_wrapper_runs_the_lowered_kernels_bitwise(m):
+    """Inductor's C++ wrapper (README, Troubleshooting: less host time without CUDA graphs) launches
+    the lowered kernels and gives the eager ops' bits."""
+    torch._dynamo.reset()
+    args = _cuda_ops_graph_args(m)
+    eager = _ops_graph(*args)
+    fusion = fp4fuse.FusionPass(FusionConfig())
+    compiled = torch.compile(_ops_graph, fullgraph=True,
+                             options={"cpp_wrapper": True, "post_grad_custom_post_pass": fusion})
+    _assert_lowered_and_bitwise_equal(fusion, eager, compiled(*args))
 
 
 def test_dynamic_sizes_keep_the_op_call(monkeypatch):
