@@ -459,8 +459,9 @@ def _gpu_suite() -> dict[str, object]:
 
 
 def _gpu_graph_capture(device: torch.device, group: str, check_mode: str) -> str:
-    """Reserve, capture both fused ops in one CUDA graph, replay on new inputs. Under ``always`` the
-    capture holds the device-side signature check (groups module doc), which must pass."""
+    """Reserve, capture both fused ops in one CUDA graph, replay on new inputs; grow the workspace
+    with a larger eager call and replay again. Under ``always`` the capture holds the device-side
+    signature check (groups module doc), which must pass."""
     os.environ[groups.ENV_CHECK] = check_mode
     m, out_dtype = 136, torch.bfloat16
     world = dist.get_world_size()
@@ -481,18 +482,34 @@ def _gpu_graph_capture(device: torch.device, group: str, check_mode: str) -> str
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # NCCL's watchdog thread polls events
         ag_out, rs_out = step()
-    for case in (51, 52):
+
+    def replay_equals_eager(case: int) -> None:
         fresh = _case_inputs(m, case, device)
         for name, tensor in fresh.items():
             static[name].copy_(tensor)
         graph.replay()
         a, sa = _expected_gather(m, case, device)
         exact, magnitude = _exact_gemm(a, sa, fresh["b"], fresh["sb"], fresh["alpha"])
-        assert _within_gemm_bound(ag_out, exact, magnitude, K), f"captured AG ({check_mode})"
+        assert _within_gemm_bound(ag_out, exact, magnitude, K), f"captured AG ({check_mode}, case {case})"
         assert torch.equal(ag_out, ops.fused_all_gather_fp4_matmul(
-            fresh["a_shard"], fresh["s_shard"], fresh["b"], fresh["sb"], fresh["alpha"], out_dtype, group))
+            fresh["a_shard"], fresh["s_shard"], fresh["b"], fresh["sb"], fresh["alpha"], out_dtype, group)), case
         assert torch.equal(rs_out, ops.fused_fp4_matmul_reduce_scatter(
-            fresh["a_rs"], fresh["b_rs"], fresh["s_rs"], fresh["sb_rs"], fresh["alpha"], out_dtype, group))
+            fresh["a_rs"], fresh["b_rs"], fresh["s_rs"], fresh["sb_rs"], fresh["alpha"], out_dtype, group)), case
+
+    replay_equals_eager(51)
+    replay_equals_eager(52)
+    # A larger eager call grows the workspace after the capture; the generation the graph captured
+    # stays mapped (workspace module doc), so its replays still give the eager results.
+    ws = workspace._REGISTRY[(group, device.index)]
+    generation, retired = ws.generation, len(ws.retired)
+    big = m
+    while reduce_scatter_layout(world, big, N, out_dtype).nbytes <= ws.capacity:
+        big *= 2
+    grow = _case_inputs(big, 53, device)
+    ops.fused_fp4_matmul_reduce_scatter(grow["a_rs"], grow["b_rs"], grow["s_rs"], grow["sb_rs"], grow["alpha"],
+                                        out_dtype, group)
+    assert (ws.generation, len(ws.retired)) == (generation + 1, retired + 1), (generation, ws.generation)
+    replay_equals_eager(54)
     os.environ.pop(groups.ENV_CHECK)
     return check_mode
 

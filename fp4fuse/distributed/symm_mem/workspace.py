@@ -14,8 +14,12 @@ checking, before their first overlapped call with a given shape, that all ranks 
 (:func:`fp4fuse.distributed.groups.check_ranks_agree`); sizes are a pure function of those shapes.
 
 Growing cannot happen while a CUDA graph is being captured (the rendezvous synchronizes the host):
-call :func:`reserve_workspace` with the largest shapes first. Handles and peer views are cached,
-so steady-state calls do no rendezvous.
+a graph captures with the buffer its warm-up call sized (CUDA-graph trees run every graph eagerly
+before capturing it), or :func:`reserve_workspace` sizes it first. A captured graph holds the
+addresses of its buffer generation (this rank's and the peers' mappings), so a generation that any
+capture used is kept mapped when a later, larger call grows the workspace, until the process ends;
+replaying the graph then still reads and writes live memory. Handles and peer views are cached, so
+steady-state calls do no rendezvous.
 
 Signal-pad channels used by the pipelines (see :class:`Channel`): ``READY`` (data in a buffer may
 be read) and ``DONE`` (every peer finished reading this call's buffers; the buffer may be
@@ -178,14 +182,22 @@ class SymmWorkspace:
         self.generation = 0
         self._buffer: torch.Tensor | None = None
         self._handle = None
+        # The last generation a CUDA-graph capture used, and the buffers (with their handles, which
+        # hold the peer mappings) of earlier captured generations, kept alive for their graphs.
+        self._captured_generation: int | None = None
+        self.retired: list[tuple[torch.Tensor, object]] = []
         self._views: dict[tuple[int, Region], torch.Tensor] = {}
 
     # -- capacity -------------------------------------------------------------------------------
     def ensure_capacity(self, nbytes: int) -> None:
-        """Grow the buffer to hold ``nbytes`` (collective when it grows; see the module doc)."""
+        """Grow the buffer to hold ``nbytes`` (collective when it grows; see the module doc).
+        Every call that uses the buffer makes this call first, so a capture's use is recorded here."""
+        capturing = torch.cuda.is_current_stream_capturing()
         if nbytes <= self.capacity:
+            if capturing:
+                self._captured_generation = self.generation
             return
-        if torch.cuda.is_current_stream_capturing():
+        if capturing:
             raise RuntimeError(
                 f"fp4fuse: the symmetric workspace of group {self.group_name!r} holds {self.capacity} bytes "
                 f"but this call needs {nbytes}; it cannot grow during CUDA-graph capture. Call "
@@ -198,6 +210,11 @@ class SymmWorkspace:
             # waiting for the device covers it (the barrier needs every peer's reads finished).
             torch.cuda.synchronize(self.device)
             self._views.clear()
+            if self._captured_generation == self.generation:
+                self.retired.append((self._buffer, self._handle))
+                logger.info("fp4fuse: symmetric workspace of group %r on %s: generation %d (%d bytes) stays "
+                            "mapped for the CUDA graphs captured with it", self.group_name, self.device,
+                            self.generation, self.capacity)
             self._handle = None
             self._buffer = None
         buffer = symm.empty_strided_p2p(
