@@ -34,6 +34,12 @@ device sync), so it includes host overhead where the host is the bottleneck.
 Results: a dated markdown table (per mode and T: ms per forward of each variant, fp4fuse / nvfp4 and
 fp4fuse / bf16 speedups) with the device, torch, Triton and transformers versions, the JSON of every
 measurement, and (``--render``) a PNG plot. Progress goes to stderr as it compiles and runs.
+
+``--profile``: after the timings of each T, every variant runs ``--iters`` more forwards under
+``torch.profiler`` (every rank runs them; rank 0 reports): per forward, the wall time, the summed
+device-kernel time (``device busy``: kernels that overlap count twice) and the host time of the
+profiled ops, and the ops with the most device and host time. Wall time well above device busy
+means the host is the limit; the tables say which ops cost it.
 """
 from __future__ import annotations
 
@@ -67,6 +73,7 @@ class BenchArgs:
     ffn: int
     partial: str | None = None
     static: bool = False
+    profile: bool = False
 
 
 def log(msg: str) -> None:
@@ -164,6 +171,47 @@ def _time_ms(fn, iters: int) -> float:
     return (time.perf_counter() - start) * 1e3 / iters
 
 
+#: Ops listed per profiled variant, by device time and by host time.
+PROFILE_TOP = 6
+
+
+def profile_summary(prof: Any, forwards: int, wall_ms: float) -> dict[str, Any]:
+    """Per-forward milliseconds of a ``torch.profiler`` run over ``forwards`` forwards that took
+    ``wall_ms`` each: ``device_busy_ms`` (summed self device time of every op: overlapping kernels
+    count twice), ``host_ms`` (summed self CPU time of the profiled ops) and the ``PROFILE_TOP`` ops
+    with the most of each, as ``(name, ms per forward, calls per forward)``."""
+    rows = []
+    for e in prof.key_averages():
+        device_us = getattr(e, "self_device_time_total", None)
+        if device_us is None:
+            device_us = getattr(e, "self_cuda_time_total", 0.0)
+        rows.append((e.key, device_us / 1e3 / forwards, e.self_cpu_time_total / 1e3 / forwards, e.count / forwards))
+
+    def top(col: int) -> list[tuple[str, float, float]]:
+        ranked = sorted((r for r in rows if r[col] > 0), key=lambda r: -r[col])[:PROFILE_TOP]
+        return [(r[0][:80], round(r[col], 4), round(r[3], 2)) for r in ranked]
+
+    return {"wall_ms": wall_ms, "device_busy_ms": sum(r[1] for r in rows), "host_ms": sum(r[2] for r in rows),
+            "top_device": top(1), "top_host": top(2)}
+
+
+def _profiled(fn, iters: int) -> dict[str, Any]:
+    """``profile_summary`` of ``iters`` forwards of ``fn`` (ranks aligned before, device synced after)."""
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3 / iters
+    return profile_summary(prof, iters, wall_ms)
+
+
 def _rank_main(args: BenchArgs) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -183,7 +231,7 @@ def _rank_main(args: BenchArgs) -> dict[str, Any]:
     say = log if rank == 0 else (lambda msg: None)
     say(f"building {args.layers}-layer Llama (hidden {args.hidden}, ffn {args.ffn}) at TP={args.tp}")
     models = _build_models(args, device, group)
-    results: dict[str, Any] = {"times": {}, "counts": {}, "max_rel_diff": {}, "errors": {},
+    results: dict[str, Any] = {"times": {}, "counts": {}, "max_rel_diff": {}, "errors": {}, "profiles": {},
                                "emulate_precision_casts": torch._inductor.config.emulate_precision_casts}
     for mode in args.modes:
         variants = _compiled_variants(args, models, mode)
@@ -220,6 +268,12 @@ def _rank_main(args: BenchArgs) -> dict[str, Any]:
                 results["times"][f"{mode}/{tokens}/{name}"] = statistics.median(values)
             line = ", ".join(f"{n} {statistics.median(v):.3f}" for n, v in samples.items())
             say(f"{mode} T={tokens} ms/forward: {line}")
+            for name, fn in calls.items() if args.profile else ():
+                with _ForcedOverlap(name == "forced"), torch.no_grad():
+                    summary = _profiled(fn, args.iters)
+                results["profiles"][f"{mode}/{tokens}/{name}"] = summary
+                say(f"{mode} T={tokens} {name} profile: wall {summary['wall_ms']:.3f} ms, device busy "
+                    f"{summary['device_busy_ms']:.3f} ms, host ops {summary['host_ms']:.3f} ms per forward")
             if rank == 0 and args.partial:  # what a run cut short by its time limit still leaves
                 with open(args.partial, "w") as f:
                     json.dump({**results, "args": dataclasses.asdict(args)}, f)
@@ -283,7 +337,22 @@ def render_markdown(raw: dict[str, Any]) -> str:
     if diffs:
         worst = max((v for k, v in diffs.items() if not k.endswith("/bf16")), default=0.0)
         lines += ["", f"Largest relative difference of an NVFP4 variant's output from `nvfp4`: {worst:.2e}."]
+    lines += render_profiles(raw.get("profiles", {}))
     return "\n".join(lines) + "\n"
+
+
+def render_profiles(profiles: dict[str, Any]) -> list[str]:
+    """Markdown lines for ``--profile`` (nothing without it): one row per mode / T / variant."""
+    if not profiles:
+        return []
+    lines = ["", "## Where the time goes (`--profile`, rank 0, ms per forward)", "",
+             "| mode / tokens / variant | wall | device busy | host ops | top device ops | top host ops |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for key, p in profiles.items():
+        ops = lambda col: "; ".join(f"`{n}` {ms:.3f} ({calls:g}x)" for n, ms, calls in p[col][:3])  # noqa: E731
+        lines.append(f"| {key} | {p['wall_ms']:.3f} | {p['device_busy_ms']:.3f} | {p['host_ms']:.3f} | "
+                     f"{ops('top_device')} | {ops('top_host')} |")
+    return lines
 
 
 def render_plot(raw: dict[str, Any], path: str) -> None:
@@ -336,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--partial", help="rank 0 rewrites this JSON after every token count (survives a time limit)")
     p.add_argument("--render", help="render --out/--plot from a JSON written earlier; runs nothing")
     p.add_argument("--static", action="store_true", help="compile each token count separately (static sizes)")
+    p.add_argument("--profile", action="store_true",
+                   help="after each token count's timings, profile --iters forwards per variant (module doc)")
     ns = p.parse_args(argv)
     if ns.render:
         with open(ns.render) as f:
@@ -348,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args = BenchArgs(ns.tp, ns.layers, tuple(int(t) for t in ns.tokens.split(",")),
                      tuple(ns.modes.split(",")), tuple(ns.variants.split(",")), ns.iters, ns.rounds,
-                     ns.hidden, ns.heads, ns.kv_heads, ns.ffn, ns.partial, ns.static)
+                     ns.hidden, ns.heads, ns.kv_heads, ns.ffn, ns.partial, ns.static, ns.profile)
     unknown = set(args.variants) - set(VARIANTS)
     if unknown or set(args.modes) - {"default", "cudagraphs"}:
         p.error(f"unknown variants {sorted(unknown)} or modes {args.modes}")
