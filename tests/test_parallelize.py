@@ -1,4 +1,5 @@
-"""fp4fuse.tp.parallelize on Hugging Face Llama and Qwen2 (q/k/v biases), tiny configs, random
+"""fp4fuse.tp.parallelize on Hugging Face Llama, Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms,
+replicated by its plan) and Gemma 3 (a scaled input embedding, left replicated), tiny configs, random
 weights (tests/hf_tiny.py).
 
 Single process (a fake 2-rank group, no collectives run): plan resolution and its errors,
@@ -21,6 +22,7 @@ activations ``[batch, seq, hidden]`` in every linear):
 from __future__ import annotations
 
 import copy
+import re
 import math
 
 import pytest
@@ -107,6 +109,41 @@ def test_layers_replace_only_planned_linears(fake_group):
     assert type(dense.model.layers[0].mlp.down_proj) is RowParallelLinear
 
 
+def test_replicated_plan_entries_leave_their_modules_whole(fake_group):
+    """Qwen3's plan names its per-head q/k norms ``replicated_with_grad_allreduce``: accepted for
+    any module type, not split, and still checked for conflicts with a splitting entry."""
+    model = hf_tiny.build("qwen3")
+    plan = model.config.base_model_tp_plan
+    assert "layers.*.self_attn.q_norm" in plan and ParallelStyle(plan["layers.*.self_attn.q_norm"]) is (
+        ParallelStyle.REPLICATED)
+    assert set(resolve_plan(model, plan)) == set(hf_tiny.planned())
+    norm = model.model.layers[0].self_attn.q_norm
+    parallelize(model)
+    assert model.model.layers[0].self_attn.q_norm is norm
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.q_proj' is replicated_with_grad_allreduce by "
+                                         r"plan entry 'layers.0.self_attn.q_proj' and colwise"):
+        resolve_plan(hf_tiny.build("qwen3"), {"layers.0.self_attn.q_proj": "replicated_with_grad_allreduce",
+                                              "layers.*.self_attn.q_proj": "colwise"})
+
+
+@pytest.mark.parametrize("kind, why", [
+    ("gemma3", "a Gemma3TextScaledWordEmbedding, overrides nn.Embedding.forward"),
+    ("llama", r"renormalizes the rows it looks up \(max_norm=1.0\)"),
+], ids=["forward-override", "max-norm"])
+def test_an_embedding_that_is_more_than_a_lookup_stays_replicated(fake_group, caplog, kind, why):
+    """A vocab-parallel embedding computes a plain lookup; an input embedding that computes more
+    (Gemma 3 scales the lookup by sqrt(hidden); ``max_norm`` renormalizes rows) stays whole, with
+    the reason in the warning."""
+    model = hf_tiny.build(kind)
+    table = model.get_input_embeddings()
+    if kind == "llama":
+        table.max_norm = 1.0
+    with caplog.at_level("WARNING", logger="fp4fuse.tp.parallelize"):
+        parallelize(model)
+    assert model.get_input_embeddings() is table
+    assert re.search(why + r".*the input embedding stays replicated", caplog.text), caplog.text
+
+
 def test_static_activation_scales_are_buffers_in_the_state_dict(fake_group):
     q_name, down_name = "model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"
     model = parallelize(hf_tiny.build("llama"), activation_scales={q_name: 96.5, down_name: torch.tensor([3.25])})
@@ -154,7 +191,7 @@ def _quantized_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: hf_tiny.fake_quantized_weight(model.get_submodule(name)) for name in hf_tiny.planned()}
 
 
-KINDS = ("llama", "qwen2")
+KINDS = ("llama", "qwen2", "qwen3", "gemma3")
 
 
 def _rank_main() -> dict[str, torch.Tensor]:

@@ -84,7 +84,8 @@ def parallelize(model: nn.Module, group: dist.ProcessGroup | None = None, plan: 
     state_dict and a tensor input of compiled graphs. Names not in the plan are an error.
     ``embedding``: shard the input embedding over the vocabulary (``VocabParallelEmbedding``, its
     lookups summed by a functional all-reduce); left replicated, with a warning, when the vocabulary
-    does not divide by the TP size or the model has no ``nn.Embedding`` input embedding.
+    does not divide by the TP size, the model has no ``nn.Embedding`` input embedding, or its
+    embedding computes more than a lookup (a subclass overriding ``forward``, ``max_norm``).
 
     Raises ``ValueError`` naming the module for a dimension that does not split (features not
     divisible by the TP size; NVFP4 needs 16 | K and 16 | K / size for row-parallel), a head count
@@ -120,19 +121,24 @@ def parallelize(model: nn.Module, group: dist.ProcessGroup | None = None, plan: 
 
 
 def _shard_input_embedding(model: nn.Module, tp: TPGroup) -> None:
-    """Replace ``model.get_input_embeddings()`` by a ``VocabParallelEmbedding`` of its weight."""
+    """Replace ``model.get_input_embeddings()`` by a ``VocabParallelEmbedding`` of its weight,
+    where that computes what the embedding computes; else warn why it stays replicated."""
     getter = getattr(model, "get_input_embeddings", None)
     table = getter() if callable(getter) else None
     if not isinstance(table, nn.Embedding):
-        logger.warning("parallelize: %s has no nn.Embedding input embedding; it stays as it is",
-                       type(model).__name__)
+        reason = f"{type(model).__name__} has no nn.Embedding input embedding"
+    elif type(table).forward is not nn.Embedding.forward:
+        # e.g. Gemma 3's Gemma3TextScaledWordEmbedding multiplies the lookup by sqrt(hidden)
+        reason = f"its input embedding, a {type(table).__name__}, overrides nn.Embedding.forward"
+    elif table.max_norm is not None:
+        reason = f"its input embedding renormalizes the rows it looks up (max_norm={table.max_norm})"
+    elif table.num_embeddings % tp.size:
+        reason = f"the vocabulary {table.num_embeddings} does not divide by the TP size {tp.size}"
+    else:
+        model.set_input_embeddings(VocabParallelEmbedding(table.weight.detach(), tp))
         return
-    if table.num_embeddings % tp.size:
-        logger.warning("parallelize: vocabulary %d does not divide by the TP size %d; the input embedding "
-                       "stays replicated (sequence parallelism then needs FusionConfig(rank_check='always'))",
-                       table.num_embeddings, tp.size)
-        return
-    model.set_input_embeddings(VocabParallelEmbedding(table.weight.detach(), tp))
+    logger.warning("parallelize: %s; the input embedding stays replicated (sequence parallelism then needs "
+                   "FusionConfig(rank_check='always'))", reason)
 
 
 def _config_plan(model: nn.Module) -> Mapping[str, object]:

@@ -14,7 +14,10 @@ spells them).
 Every pattern must match at least one ``nn.Linear`` and nothing else, every module at most one
 style, and the style must be one fp4fuse implements; anything else is a ``ValueError`` naming the
 pattern, the module and the rule (a plan that half applies would shard q but not k and compute
-garbage, not fail).
+garbage, not fail). One style leaves its modules as they are, of any type:
+``replicated_with_grad_allreduce`` (Qwen3's and Gemma 3's per-head ``q_norm`` / ``k_norm``, whose
+weights every rank holds whole). Its name asks for the gradients to be all-reduced; ``parallelize``
+builds inference models (frozen weights), where no gradient arises, so replicating is all it means.
 """
 from __future__ import annotations
 
@@ -29,10 +32,12 @@ __all__ = ["ParallelStyle", "base_model_prefix", "resolve_plan"]
 
 class ParallelStyle(enum.Enum):
     """How a linear is split: ``COLWISE`` shards output features (and bias); ``ROWWISE`` shards
-    input features and all-reduces the output (bias added once)."""
+    input features and all-reduces the output (bias added once). ``REPLICATED``: any module, left
+    whole on every rank (module docstring)."""
 
     COLWISE = "colwise"
     ROWWISE = "rowwise"
+    REPLICATED = "replicated_with_grad_allreduce"
 
 
 def _style(value: object, pattern: str, module: str) -> ParallelStyle:
@@ -63,7 +68,8 @@ def base_model_prefix(model: nn.Module) -> str:
 
 
 def resolve_plan(model: nn.Module, plan: Mapping[str, object]) -> dict[str, ParallelStyle]:
-    """``{full module name: style}`` for every ``nn.Linear`` that ``plan`` names, in module order."""
+    """``{full module name: style}`` for every ``nn.Linear`` that ``plan`` splits, in module order
+    (modules it replicates are checked, not returned)."""
     if not isinstance(plan, Mapping) or not plan:
         raise ValueError(f"parallelize: the plan must be a non-empty mapping of module patterns to styles, got {plan!r}")
     prefix = base_model_prefix(model)
@@ -79,11 +85,12 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, object]) -> dict[str, Para
                              f"{where}")
         for name in names:
             style = _style(value, pattern, name)
-            if not isinstance(modules[name], nn.Linear):
+            if style is not ParallelStyle.REPLICATED and not isinstance(modules[name], nn.Linear):
                 raise ValueError(f"parallelize: plan entry {pattern!r} names {name!r}, a "
                                  f"{type(modules[name]).__name__}; only nn.Linear modules can be split")
             if name in matched and matched[name][1] is not style:
                 raise ValueError(f"parallelize: module {name!r} is {matched[name][1].value} by plan entry "
                                  f"{matched[name][0]!r} and {style.value} by {pattern!r}")
             matched[name] = (pattern, style)
-    return {name: matched[name][1] for name in modules if name in matched}
+    return {name: matched[name][1] for name in modules
+            if name in matched and matched[name][1] is not ParallelStyle.REPLICATED}

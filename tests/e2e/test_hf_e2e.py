@@ -1,4 +1,5 @@
-"""End to end, TP=2 on gloo: Hugging Face ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` (q/k/v biases),
+"""End to end, TP=2 on gloo: Hugging Face ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` (q/k/v biases),
+``Qwen3ForCausalLM`` (per-head q/k norms) and ``Gemma3ForCausalLM`` (its own test: sandwich norms),
 tiny configs with random weights (tests/hf_tiny.py), put on TP with ``fp4fuse.tp.parallelize``
 (NVFP4 linears, ``config.base_model_tp_plan``), compiled with and without
 ``fp4fuse.FusionPass(FusionConfig(enable_async_tp=True, ...))``. Inputs ``[batch, seq]`` token ids,
@@ -69,6 +70,7 @@ def expected_counts(layers: int, static: bool, vocab_parallel: bool = True) -> d
 
 # (model, static activation scales, rank_check, vocab-parallel embedding, batches)
 RUNS = (("llama", False, "first", True, (1, 3)), ("qwen2", True, "first", True, (3,)),
+        ("qwen3", False, "first", True, (3,)), ("gemma3", False, "first", True, (3,)),
         ("llama", False, "first", False, (1,)), ("llama", False, "always", False, (1,)))
 
 
@@ -117,8 +119,9 @@ def results(tmp_path_factory) -> dict:
     return first
 
 
-@pytest.mark.parametrize("kind, static, batch", [("llama", False, 1), ("llama", False, 3), ("qwen2", True, 3)],
-                         ids=["llama-dynamic-b1", "llama-dynamic-b3", "qwen2-static-b3"])
+@pytest.mark.parametrize("kind, static, batch", [("llama", False, 1), ("llama", False, 3), ("qwen2", True, 3),
+                                                 ("qwen3", False, 3)],
+                         ids=["llama-dynamic-b1", "llama-dynamic-b3", "qwen2-static-b3", "qwen3-dynamic-b3"])
 def test_fusion_counts_and_bitwise_logits(results, kind, static, batch):
     got = results[kind, static, "first", True, batch]
     assert got["graphs"] == 1 and got["shape"] == (batch, SEQ, hf_tiny.VOCAB)
@@ -127,6 +130,22 @@ def test_fusion_counts_and_bitwise_logits(results, kind, static, batch):
     # HF's LlamaRMSNorm is a torch-form norm: its quants are not fused with it, and say why
     assert got["norm_quant"] == ({}, ["norm_quant.torch_norm"]), got["norm_quant"]
     assert got["equal"], f"{kind} batch {batch}: logits differ from the model compiled without fp4fuse"
+
+
+def test_gemma3_fuses_its_sandwich_norms_and_reduce_scatters_bitwise(results):
+    """Gemma 3 writes its norms ``x * rsqrt(mean(x^2) + eps) * (1 + weight)`` (the torch_manual form,
+    with ``1 + weight`` as the weight) and applies one to each all-reduced attention and MLP output
+    before the residual add: those 2L norms take the sequence-parallel ``first`` rewrite, and the 2L
+    row-parallel GEMMs fuse with their reduce-scatters. The norms before q/k/v and gate/up read the
+    residual sum, not an all-reduce, so no gather feeds a quant there. Its scaled input embedding
+    stays replicated (parallelize: more than a lookup), which the ``first`` rewrites do not need."""
+    got = results["gemma3", False, "first", True, 3]
+    layers = hf_tiny.LAYERS
+    assert got["graphs"] == 1 and got["shape"] == (3, SEQ, hf_tiny.VOCAB)
+    assert got["counts"] == {"sequence_parallel.first.torch_manual": 2 * layers,
+                             "async_tp.mm_fp4_reduce_scatter": 2 * layers}, got["counts"]
+    assert got["skips"] == [], got["skips"]
+    assert got["equal"], "gemma3: logits differ from the model compiled without fp4fuse"
 
 
 def test_the_check_names_what_the_rewrites_rely_on(results):
