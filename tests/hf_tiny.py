@@ -29,7 +29,8 @@ ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 
 
 def build(kind: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
-    """A ``LlamaForCausalLM`` (``kind="llama"``), ``Qwen2ForCausalLM`` (``"qwen2"``),
+    """A ``LlamaForCausalLM`` (``kind="llama"``; ``"llama-tied"``: LM head tied to the input
+    embedding), ``Qwen2ForCausalLM`` (``"qwen2"``),
     ``Qwen3ForCausalLM`` (``"qwen3"``: per-head q/k norms, replicated by its TP plan) or
     ``Gemma3ForCausalLM`` (``"gemma3"``: those norms, a scaled input embedding, sandwich norms of
     the ``(1 + weight)`` form, one sliding-window layer), eval mode."""
@@ -38,8 +39,8 @@ def build(kind: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Mo
     sizes = dict(vocab_size=VOCAB, hidden_size=96, intermediate_size=160, num_hidden_layers=LAYERS,
                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1)
     torch.manual_seed(seed)
-    if kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**sizes))
+    if kind in ("llama", "llama-tied"):  # llama-tied: the LM head is the input embedding (Llama 3.2 1B/3B)
+        model = LlamaForCausalLM(LlamaConfig(**sizes, tie_word_embeddings=kind == "llama-tied"))
     elif kind == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**sizes, head_dim=16))
     elif kind == "gemma3":

@@ -90,7 +90,10 @@ def _write(model: nn.Module, path: pathlib.Path, layout: str | None, input_scale
     """``layout`` None writes the model unquantized (bf16). Returns the file or directory to load."""
     planned = hf_tiny.planned()
     tensors: dict[str, torch.Tensor] = {}
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     for name, t in model.state_dict().items():
+        if tied and name == "lm_head.weight":  # stored once, as the input embedding (what HF writes)
+            continue
         module, _, attr = name.rpartition(".")
         if layout is not None and module in planned and attr == "weight":
             tensors.update(_nvfp4_entries(module, t, layout, None if input_scales is None else input_scales[module],
@@ -124,7 +127,8 @@ def _reference(kind: str, path: pathlib.Path, layout: str | None, tp: int) -> nn
     quantized = {f"{m}.weight" for m in planned} if layout is not None else set()
     plain = {k: v.float() for k, v in stored.items() if k in model.state_dict() and k not in quantized}
     missing, _ = model.load_state_dict(plain, strict=False)
-    assert set(missing) == quantized
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert set(missing) - ({"lm_head.weight"} if tied else set()) == quantized
     if layout is None:
         return model.double()
     weights, input_scales = {}, {}
@@ -153,6 +157,8 @@ CASES = {
     "qwen2-compressed-tensors-2-files": ("qwen2", COMPRESSED, True, False, 2),
     "llama-compressed-tensors-swizzled-dynamic": ("llama", COMPRESSED, False, True, 1),
     "qwen2-unquantized-into-bf16": ("qwen2", None, False, False, 1),
+    # the LM head tied to the input embedding: the file holds the embedding only
+    "llama-tied-modelopt": ("llama-tied", MODELOPT, True, False, 1),
 }
 
 

@@ -16,7 +16,10 @@ What each module reads (names as the model spells them, e.g. ``model.layers.0.ml
   one the layer keeps what it had (dynamic by default).
 * Model-dtype TP linears (fp4fuse.tp.dense): ``<name>.weight`` / ``.bias`` sliced the same way.
 * Everything else in the state_dict (embeddings, norms, LM head): read whole, cast to the model
-  tensor's dtype; tied tensors (an LM head sharing the embedding) are read once.
+  tensor's dtype; tied tensors (an LM head sharing the embedding) are read once. A model whose
+  config ties its word embeddings (``tie_word_embeddings``: Llama 3.2 1B/3B, small Qwen3, Gemma 3)
+  stores only the input embedding; where ``parallelize`` sharded that embedding the LM head keeps
+  a whole table of its own, read from the input embedding's tensor.
 
 Missing tensors, shapes that do not match, scales that are not finite and > 0 and an NVFP4 layer
 whose checkpoint entry is unquantized are errors naming the tensor. Tensors nothing read are
@@ -40,7 +43,7 @@ from fp4fuse.tp.layers import VocabParallelEmbedding
 from fp4fuse.tp.linear import ColumnParallelNVFP4Linear, NVFP4Linear, RowParallelNVFP4Linear
 from fp4fuse.tp.safetensors_files import CheckpointFiles
 
-__all__ = ["LoadReport", "load_checkpoint"]
+__all__ = ["LoadReport", "load_checkpoint", "tied_word_embedding_keys"]
 
 logger = logging.getLogger(__name__)
 
@@ -229,7 +232,9 @@ class _Loader:
             module._buffers[attr] = value
 
     def plain_state(self, model: nn.Module, skip: set[str]) -> None:
-        """Every persistent parameter / buffer outside the TP linears, tied ones read once."""
+        """Every persistent parameter / buffer outside the TP linears, tied ones read once; a
+        tensor the checkpoint lacks is read from the one the model's config ties it to."""
+        ties = tied_word_embedding_keys(model)
         owners: dict[int, list[tuple[str, nn.Module, str]]] = {}
         for mod_name, module in model.named_modules(remove_duplicate=False):
             if any(mod_name == s or mod_name.startswith(f"{s}.") for s in skip):
@@ -242,6 +247,7 @@ class _Loader:
         missing = []
         for aliases in owners.values():
             found = [key for key, _, _ in aliases if key in self.files]
+            found += [ties[key] for key, _, _ in aliases if ties.get(key) in self.files]
             if not found:
                 missing.append(aliases[0][0])
                 continue
@@ -251,6 +257,21 @@ class _Loader:
             self.report.tensors.append(found[0])
         if missing:
             raise ValueError(f"load_checkpoint: the checkpoint lacks {len(missing)} tensors of the model: {missing}")
+
+
+def tied_word_embedding_keys(model: nn.Module) -> dict[str, str]:
+    """``{output embedding weight key: input embedding weight key}`` for a model whose config says
+    ``tie_word_embeddings`` (Hugging Face), found by module identity; ``{}`` otherwise."""
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return {}
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    if not (callable(get_in) and callable(get_out)):
+        return {}
+    names = {id(module): name for name, module in model.named_modules()}
+    inputs, outputs = get_in(), get_out()
+    if id(inputs) not in names or id(outputs) not in names:
+        return {}
+    return {f"{names[id(outputs)]}.weight": f"{names[id(inputs)]}.weight"}
 
 
 def load_checkpoint(model: nn.Module, path: str | pathlib.Path, *, layout: CheckpointLayout | None = None,
