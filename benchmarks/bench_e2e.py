@@ -196,19 +196,11 @@ def profile_summary(prof: Any, forwards: int, wall_ms: float) -> dict[str, Any]:
 
 
 def _profiled(fn, iters: int) -> dict[str, Any]:
-    """``profile_summary`` of ``iters`` forwards of ``fn`` (ranks aligned before, device synced after)."""
-    import torch
-    import torch.distributed as dist
+    """``profile_summary`` of ``iters`` forwards of ``fn``, timed as ``_time_ms`` times them."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
-    dist.barrier()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-        wall_ms = (time.perf_counter() - start) * 1e3 / iters
+        wall_ms = _time_ms(fn, iters)
     return profile_summary(prof, iters, wall_ms)
 
 

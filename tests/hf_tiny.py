@@ -57,6 +57,11 @@ def build(kind: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Mo
     return model.to(dtype).eval()
 
 
+def ties_lm_head(model: nn.Module) -> bool:
+    """Whether the model's LM head is its input embedding (one tensor, stored once by HF)."""
+    return model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
 def planned(prefix: str = "model.") -> dict[str, int]:
     """``{full module name: chunks}`` of the planned linears, written from the HF plan by hand:
     1 for column-parallel, 0 for row-parallel (the caller substitutes the TP size)."""

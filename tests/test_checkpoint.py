@@ -90,7 +90,7 @@ def _write(model: nn.Module, path: pathlib.Path, layout: str | None, input_scale
     """``layout`` None writes the model unquantized (bf16). Returns the file or directory to load."""
     planned = hf_tiny.planned()
     tensors: dict[str, torch.Tensor] = {}
-    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    tied = hf_tiny.ties_lm_head(model)
     for name, t in model.state_dict().items():
         if tied and name == "lm_head.weight":  # stored once, as the input embedding (what HF writes)
             continue
@@ -127,8 +127,7 @@ def _reference(kind: str, path: pathlib.Path, layout: str | None, tp: int) -> nn
     quantized = {f"{m}.weight" for m in planned} if layout is not None else set()
     plain = {k: v.float() for k, v in stored.items() if k in model.state_dict() and k not in quantized}
     missing, _ = model.load_state_dict(plain, strict=False)
-    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    assert set(missing) - ({"lm_head.weight"} if tied else set()) == quantized
+    assert set(missing) - ({"lm_head.weight"} if hf_tiny.ties_lm_head(model) else set()) == quantized
     if layout is None:
         return model.double()
     weights, input_scales = {}, {}

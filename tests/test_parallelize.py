@@ -22,8 +22,8 @@ activations ``[batch, seq, hidden]`` in every linear):
 from __future__ import annotations
 
 import copy
-import re
 import math
+import re
 
 import pytest
 import torch
