@@ -204,6 +204,17 @@ def _profiled(fn, iters: int) -> dict[str, Any]:
     return profile_summary(prof, iters, wall_ms)
 
 
+def _drop_failed(results: dict[str, Any], variants: dict[str, Any], key: str, exc: Exception, rank: int) -> None:
+    """Record ``exc`` (with the innermost frames, where the cause is) under ``key`` and drop the
+    variant, so that the others still run."""
+    import traceback
+
+    frames = "".join(traceback.format_tb(exc.__traceback__)[-3:])
+    log(f"rank {rank}: {key} failed: {type(exc).__name__}: {exc}\n{frames}"[-3000:])
+    results["errors"][key] = f"{type(exc).__name__}: {exc}"[:2000] + f"\n{frames}"[-1500:]
+    variants.pop(key.rsplit("/", 1)[-1], None)
+
+
 def _rank_main(args: BenchArgs) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -241,9 +252,7 @@ def _rank_main(args: BenchArgs) -> dict[str, Any]:
                             out = model(input_ids=ids).last_hidden_state
                         outs[name] = out.float().clone()
                 except Exception as exc:  # noqa: BLE001 - reported; the other variants still run
-                    log(f"rank {rank}: {mode} T={tokens} {name} failed: {type(exc).__name__}: {exc}"[:2000])
-                    results["errors"][f"{mode}/{tokens}/{name}"] = f"{type(exc).__name__}: {exc}"[:2000]
-                    del variants[name]
+                    _drop_failed(results, variants, f"{mode}/{tokens}/{name}", exc, rank)
                     continue
                 calls[name] = (lambda m=model: m(input_ids=ids).last_hidden_state)
             ref = outs.get("nvfp4")
@@ -252,10 +261,15 @@ def _rank_main(args: BenchArgs) -> dict[str, Any]:
                     rel = ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
                     results["max_rel_diff"][f"{mode}/{tokens}/{name}"] = rel
             samples: dict[str, list[float]] = {name: [] for name in variants}
+            say(f"{mode} T={tokens}: timing {', '.join(calls)}")
             for _ in range(args.rounds):
-                for name, fn in calls.items():
-                    with _ForcedOverlap(name == "forced"), torch.no_grad():
-                        samples[name].append(_time_ms(fn, args.iters))
+                for name, fn in list(calls.items()):
+                    try:
+                        with _ForcedOverlap(name == "forced"), torch.no_grad():
+                            samples[name].append(_time_ms(fn, args.iters))
+                    except Exception as exc:  # noqa: BLE001 - every rank runs the same graphs, so all fail alike
+                        _drop_failed(results, variants, f"{mode}/{tokens}/{name}", exc, rank)
+                        del calls[name], samples[name]
             for name, values in samples.items():
                 results["times"][f"{mode}/{tokens}/{name}"] = statistics.median(values)
             line = ", ".join(f"{n} {statistics.median(v):.3f}" for n, v in samples.items())

@@ -9,13 +9,15 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 import torch.distributed as dist
 from torch._inductor import pattern_matcher as pm
 from torch._inductor.pattern_matcher import fwd_only
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 from fp4fuse.patterns.base import (
     CollectiveKind, MatchRecorder, ReplacementPattern, erase_if_unused, fake_value, find_collectives, insert_call,
-    token_count_reason,
+    shapes_known_equal, token_count_reason,
 )
+from fp4fuse.passes.cleanup import read_sizes_from_graph_inputs
 
 fc = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -92,6 +94,57 @@ def test_insert_call_fills_fake_value_and_erase_if_unused():
         view = insert_call(gm.graph, aten.view.dtype, (sin, torch.int32))
     assert fake_value(view).dtype == torch.int32 and fake_value(view).shape == (4, 8)
     assert erase_if_unused([view, sin]) == 1 and len(gm.graph.nodes) == 3
+
+
+def symbolic_view_graph() -> torch.fx.GraphModule:
+    """``cos(view(view(sin(x), [x0 * x1]), [n, -1]))`` traced with symbolic sizes and a SymInt input ``n``
+    (how Dynamo lifts a dynamic dimension): the inner view's size is a ``sym_size`` read times a size."""
+    def f(x, n):
+        a = x.sin()
+        return a.view(a.shape[0] * a.shape[1]).view(n, -1).cos()
+    return make_fx(f, tracing_mode="symbolic")(torch.randn(4, 6), 4)
+
+
+def calls(gm: torch.fx.GraphModule) -> list:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_erase_if_unused_also_takes_the_views_and_size_reads_only_erased_nodes_read():
+    gm = symbolic_view_graph()
+    (sin,) = gm.graph.find_nodes(op="call_function", target=aten.sin.default)
+    (cos,) = gm.graph.find_nodes(op="call_function", target=aten.cos.default)
+    outer = cos.args[0]
+    cos.replace_input_with(outer, sin)
+    # the outer view, then the inner view it read, the size product and the sym_size read it needed
+    assert erase_if_unused([outer]) == 4
+    assert calls(gm) == [aten.sin.default, aten.cos.default]
+    assert [p.name for p in gm.graph.find_nodes(op="placeholder")] == ["x_1", "n_1"]  # inputs stay
+
+
+def test_read_sizes_from_graph_inputs_frees_the_tensor_a_size_was_read_from():
+    gm = symbolic_view_graph()
+    graph = gm.graph
+    (sin,) = graph.find_nodes(op="call_function", target=aten.sin.default)
+    n_input = graph.find_nodes(op="placeholder")[1]
+    outer = next(u for u in graph.nodes if u.op == "call_function" and u.target is aten.view.default
+                 and n_input in u.args[1])
+    with graph.inserting_before(outer):  # read the batch from an intermediate, as a traced replacement does
+        read = insert_call(graph, aten.sym_size.int, (sin, 0))
+    outer.update_arg(1, [read, -1])
+    assert len(sin.users) == 2 and fake_value(read).node.expr == fake_value(n_input).node.expr
+    assert read_sizes_from_graph_inputs(graph) == 1
+    assert outer.args[1] == [n_input, -1] and len(sin.users) == 1 and read not in graph.nodes
+
+
+def test_shapes_known_equal_compares_symbolic_sizes_without_guards():
+    shape_env = ShapeEnv()
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.DYNAMIC])
+    x = FakeTensorMode(shape_env=shape_env).from_tensor(torch.empty(4, 6), symbolic_context=ctx)
+    (a, b) = x.shape
+    assert shapes_known_equal((a, 8), (a, 8)) and shapes_known_equal([a * b], (b * a,))
+    assert not shapes_known_equal((a,), (b,)) and not shapes_known_equal((a, 8), (a,))
+    assert not shapes_known_equal((a,), (4,))  # equal at the hint only: would need a guard
+    assert not shape_env.guards
 
 
 def test_match_recorder_counts_skips_and_snapshots(caplog):

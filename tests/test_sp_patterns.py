@@ -348,6 +348,50 @@ def test_hugging_face_layers_3d(sp_pass, batch):
     assert fake_value_of_output(gm)[-1].shape == (batch, seq, H)
 
 
+def symbolic_hf_trace(batch_hint: int, seq: int):
+    """``hf_layers`` the way Dynamo hands a model with a dynamic batch to Inductor: the batch is a
+    SymInt graph input (``arg0_1``) and the activations ``[batch, seq, H]`` / ``[batch * seq, H]``."""
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env)
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC, DimDynamic.STATIC])
+    e = mode.from_tensor(torch.empty(batch_hint, seq, H, dtype=BF16), symbolic_context=ctx)
+    batch = e.shape[0]
+    with mode:
+        p1, p2 = (e.new_empty(batch * seq, H) for _ in range(2))
+        w1, w2 = (torch.empty(H, dtype=BF16) for _ in range(2))
+    layers = hf_layers(hf_norm)
+    gm = aot_trace(lambda _batch, *args: layers(*args), [batch, e, p1, p2, w1, w2])
+    return shape_env, as_model_state(gm, {4: "layers.0.post_attention_layernorm.weight", 5: "norm.weight"})
+
+
+@pytest.mark.parametrize("seq", [1, 5])
+def test_hugging_face_layers_with_a_dynamic_batch(sp_pass, seq):
+    """Decode steps ``[batch, 1]`` and prefill chunks with a dynamic batch fuse as static ones do
+    (the views around the all-reduces have symbolic shapes), under a divisibility guard, and each
+    reduced activation keeps one reader, its collective's: no size read or view of it is left
+    behind, which would keep the GEMM that produces it from fusing with a reduce-scatter."""
+    shape_env, gm = symbolic_hf_trace(batch_hint=4, seq=seq)
+    reduced = gm.graph.find_nodes(op="placeholder")[1:4]
+    assert run(sp_pass, gm) == 3
+    assert counts(sp_pass) == {"middle.torch_fp32": 1, "last.torch_fp32": 1, "quant_before_gather": 1}
+    assert any("Mod(" in str(g.expr) for g in shape_env.guards)
+    assert ops(gm)[fc.reduce_scatter_tensor.default] == 2
+    for activation in reduced:
+        assert len(activation.users) == 1, (activation, list(activation.users))
+    assert not [n for n in gm.graph.nodes if n.op == "call_function" and not n.users and not n.is_impure()]
+    assert fake_value_of_output(gm)[-1].shape[1:] == (seq, H)
+
+
+def test_a_dynamic_batch_hinted_at_one_row_per_rank_is_left_alone(sp_pass, caplog):
+    """Two tokens over two ranks: tracing the shards at one row would specialize the batch (sizes
+    0 and 1 are static to torch.compile), breaking a ``mark_dynamic``; no rewrite, no guard."""
+    caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
+    shape_env, gm = symbolic_hf_trace(batch_hint=2, seq=1)
+    assert run(sp_pass, gm) == 0
+    assert not shape_env.guards and not shape_env.replacements
+    assert_skipped(sp_pass, caplog, "(hint 2) gives 1 row per rank")
+
+
 def test_3d_token_count_is_the_product_of_the_leading_dims(sp_pass, caplog):
     caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
     gm = trace(three_layers(torch_fp32_norm, quant=rows_quant), layer_shapes(tokens=3, lead=(3,)), state=NORM_WEIGHTS)
@@ -667,3 +711,4 @@ def test_shard_rows_op_contract():
     assert out.is_contiguous() and torch.equal(out, x[:3])  # a fresh row-major tensor, not a view
     out.add_(100.0)
     assert torch.equal(column_major, x)
+

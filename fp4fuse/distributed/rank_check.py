@@ -58,21 +58,24 @@ class RankMismatchError(RuntimeError):
 
 
 @functools.cache
-def _weights(device: torch.device) -> torch.Tensor:
-    """int64 ``[CHUNK_BYTES]``, odd values in ``[2**20, 2**21)``: the same on every rank (fixed seed)."""
+def _weights() -> torch.Tensor:
+    """int64 ``[CHUNK_BYTES]``, odd values in ``[2**20, 2**21)``: the same on every rank (fixed seed).
+    Cached on the CPU only: a device copy cached for the process would be allocated inside the
+    CUDA-graph pool when the first check runs in a CUDA-graph tree's warm-up, which the tree
+    rejects (a live allocation it does not track)."""
     gen = torch.Generator().manual_seed(0x5EED_F4F5)
-    w = torch.randint(1 << 19, 1 << 20, (CHUNK_BYTES,), generator=gen, dtype=torch.int64) * 2 + 1
-    return w.to(device)
+    return torch.randint(1 << 19, 1 << 20, (CHUNK_BYTES,), generator=gen, dtype=torch.int64) * 2 + 1
 
 
-def fingerprint(t: torch.Tensor) -> torch.Tensor:
+def fingerprint(t: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """int64 ``[1 + ceil(nbytes / CHUNK_BYTES)]`` on ``t``'s device: the byte count, then per chunk
-    ``sum(byte[i] * w[i])`` (module docstring). Equal bytes, equal fingerprints, on any backend."""
+    ``sum(byte[i] * w[i])`` (module docstring). Equal bytes, equal fingerprints, on any backend.
+    ``weights``: ``w`` already on ``t``'s device (a caller fingerprinting many tensors copies it once)."""
     data = t.detach().reshape(-1).contiguous().view(torch.uint8)
     n = data.numel()
     if n >= _MAX_BYTES:
         raise ValueError(f"fp4fuse rank check: a tensor of {n} bytes is too large to fingerprint (limit {_MAX_BYTES})")
-    w = _weights(data.device)
+    w = weights if weights is not None else _weights().to(data.device)
     full, rest = divmod(n, CHUNK_BYTES)
     parts = [torch.tensor([n], dtype=torch.int64, device=data.device)]
     for first in range(0, full, _SLAB_CHUNKS):
@@ -106,7 +109,8 @@ def verify_same_on_every_rank(tensors: Sequence[torch.Tensor], names: Sequence[s
         raise ValueError(f"fp4fuse rank check: {len(tensors)} tensors but {len(names)} names")
     world = dist.get_world_size(resolve_group(group_name))
     device = _collective_device(group_name, tensors)
-    prints = [fingerprint(t).to(device) for t in tensors]
+    weights = {where: _weights().to(where) for where in {t.device for t in tensors}}
+    prints = [fingerprint(t, weights[t.device]).to(device) for t in tensors]
     lengths = torch.tensor([p.numel() for p in prints], dtype=torch.int64, device=device)
     all_lengths = _all_gather_rows(lengths, group_name, world)
     if not bool((all_lengths == all_lengths[0]).all()):

@@ -22,7 +22,7 @@ from fp4fuse.passes.base import GraphPass
 from fp4fuse.patterns import base
 from fp4fuse.patterns.base import erase_if_unused, fake_value, is_call
 
-__all__ = ["NoOpViewCleanupPass", "find_noop_source", "fold_noop_views"]
+__all__ = ["NoOpViewCleanupPass", "find_noop_source", "fold_noop_views", "read_sizes_from_graph_inputs"]
 
 aten = torch.ops.aten
 
@@ -75,11 +75,29 @@ def fold_noop_views(graph: fx.Graph) -> int:
         chain = [node]
         while _is_view(chain[-1]) and isinstance(chain[-1].args[0], fx.Node):
             chain.append(chain[-1].args[0])
-        views = [n for n in chain if _is_view(n)]
-        sizes = [a for n in views for a in n.all_input_nodes if is_call(a, aten.sym_size)]  # a symbolic shape's reads
-        erase_if_unused(views)
-        erase_if_unused(sizes)
+        erase_if_unused([n for n in chain if _is_view(n)])  # with the size reads only they needed
     return len(touched)
+
+
+def read_sizes_from_graph_inputs(graph: fx.Graph) -> int:
+    """Point every ``aten.sym_size`` read of an intermediate tensor whose size is one of the graph's
+    SymInt inputs (a dynamic dimension Dynamo lifted, e.g. the batch) at that input, and erase the
+    read; returns how many reads moved. Rewrites that view a tensor to rows and back (sequence
+    parallelism) size the way back from the first view; read from the input instead, that size no
+    longer keeps the view, and through it the producer, alive as an extra reader."""
+    inputs: dict[object, fx.Node] = {}
+    for placeholder in graph.find_nodes(op="placeholder"):
+        val = fake_value(placeholder)
+        if isinstance(val, torch.SymInt) and val.node.expr.is_Symbol:
+            inputs.setdefault(val.node.expr, placeholder)
+    moved = 0
+    for read in list(graph.find_nodes(op="call_function", target=aten.sym_size.int)):
+        val, source = fake_value(read), read.args[0]
+        if isinstance(val, torch.SymInt) and source.op != "placeholder" and val.node.expr in inputs:
+            read.replace_all_uses_with(inputs[val.node.expr])
+            erase_if_unused([read])
+            moved += 1
+    return moved
 
 
 class NoOpViewCleanupPass(GraphPass):

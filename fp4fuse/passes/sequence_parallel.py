@@ -49,7 +49,7 @@ from fp4fuse.config import FusionConfig
 from fp4fuse.distributed.groups import resolve_group
 from fp4fuse.ops import fp4_ops, norm_ops, rank_check, sp_ops
 from fp4fuse.passes.base import GraphPass
-from fp4fuse.passes.cleanup import fold_noop_views
+from fp4fuse.passes.cleanup import fold_noop_views, read_sizes_from_graph_inputs
 from fp4fuse.patterns import base, collectives, quant_before_gather, rank_uniform, sequence_parallel
 from fp4fuse.patterns.base import CollectiveKind, erase_if_unused, fake_value, find_collectives, get_arg, is_call
 from fp4fuse.patterns.quant_before_gather import QuantBeforeGather
@@ -131,6 +131,7 @@ class SequenceParallelismPass(GraphPass):
                 self._patterns_for(group, graph).apply(graph)
                 round_residual_adds(graph, group.name)
                 self._record_unmatched(graph, group)
+            read_sizes_from_graph_inputs(graph)
             fold_noop_views(graph)
             self.quant_before_gather.apply(graph, self.recorder)
             self._cleanup(graph)

@@ -45,10 +45,11 @@ if TYPE_CHECKING:
 __all__ = [
     "CollectiveKind", "FunctionalCollective", "GraphRewrite", "MatchRecorder", "QuantCall",
     "ReplacementPattern", "Skip", "aot_trace", "decode_collective", "erase_if_unused", "insert_traced",
-    "fake_value", "find_collectives", "get_arg", "insert_call", "is_call", "registration_mode",
-    "threshold_reason", "token_count_reason",
+    "fake_value", "find_collectives", "get_arg", "insert_call", "is_call", "is_size_computation", "registration_mode",
+    "shapes_known_equal", "threshold_reason", "token_count_reason",
 ]
 
+aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 
@@ -106,6 +107,13 @@ def fake_value(node: Any) -> Any:
     if not isinstance(node, fx.Node):
         return None
     return node.meta.get("val", node.meta.get("example_value"))
+
+
+def shapes_known_equal(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    """Whether two shapes are provably equal where their sizes may be SymInts (graphs compiled with
+    dynamic shapes): an equality the shape environment cannot prove without a new guard counts as
+    unequal. SymInts are unhashable, so shapes are compared with this, never in a set or dict."""
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
 
 
 def is_call(node: Any, *targets: Any) -> bool:
@@ -263,13 +271,34 @@ def insert_call(graph: fx.Graph, target: Callable[..., Any], args: tuple[Any, ..
     return node
 
 
+_VIEW_OPS = (aten.view, aten.reshape, aten._unsafe_view)
+
+
+def is_size_computation(node: Any) -> bool:
+    """``node`` computes a symbolic size, side-effect free: ``aten.sym_size`` / ``sym_stride`` /
+    ``sym_numel`` of a tensor, or Python arithmetic whose recorded value is a SymInt (how a graph
+    with dynamic shapes computes the sizes of its views)."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return False
+    if is_call(node, aten.sym_size, aten.sym_stride, aten.sym_numel):
+        return True
+    return getattr(node.target, "__module__", None) in ("_operator", "operator") and isinstance(
+        fake_value(node), torch.SymInt)
+
+
 def erase_if_unused(nodes: Iterable[fx.Node]) -> int:
-    """Erase the given nodes that no longer have users, last first; returns how many went."""
-    erased = 0
-    for node in sorted(set(nodes), reverse=True):
-        if len(node.users) == 0:
+    """Erase the given nodes that no longer have users, last first, and then, in turn, the size
+    computations (:func:`is_size_computation`) and views that only erased nodes read (side-effect
+    free); returns how many nodes went. A dead size read or view left behind would count as an
+    extra reader of the tensor it reads (and a fusion that needs a sole reader would refuse)."""
+    candidates, erased = set(nodes), 0
+    while dead := sorted((n for n in candidates if not n.users), reverse=True):
+        for node in dead:
+            inputs = node.all_input_nodes
             node.graph.erase_node(node)
             erased += 1
+            candidates.discard(node)
+            candidates.update(n for n in inputs if is_size_computation(n) or is_call(n, *_VIEW_OPS))
     return erased
 
 

@@ -66,7 +66,7 @@ from fp4fuse.distributed import groups
 from fp4fuse.ops import sp_ops  # noqa: F401  (registers fp4fuse::shard_rows)
 from fp4fuse.patterns.base import (
     CollectiveKind, ReplacementPattern, erase_if_unused, fake_value, find_collectives, get_arg, insert_call, is_call,
-    threshold_reason,
+    shapes_known_equal, threshold_reason,
 )
 from fp4fuse.patterns.rank_uniform import RankUniformity
 
@@ -179,8 +179,9 @@ def guard_token_count(tokens: int | torch.SymInt, group_size: int, min_tokens: i
     """Why an SP rewrite over ``tokens`` rows must not fire, or None (and then it may).
 
     A static count must be divisible by the group size and at least ``min_tokens``. A symbolic
-    count whose size hint is divisible gets the guard ``tokens % size == 0`` (``torch._check`` on a
-    backed size installs one), and ``min_tokens`` is decided by the hint with a guard on either
+    count whose size hint is divisible, with at least two rows per rank (a hint of one row would
+    specialize the shard size), gets the guard ``tokens % size == 0`` (``torch._check`` on a backed
+    size installs one), and ``min_tokens`` is decided by the hint with a guard on either
     side (:func:`fp4fuse.patterns.base.threshold_reason`), so the compiled graph only ever runs on
     sizes it is correct and wanted for; other sizes recompile. A count without a hint (unbacked) is
     left alone.
@@ -195,6 +196,10 @@ def guard_token_count(tokens: int | torch.SymInt, group_size: int, min_tokens: i
     hint = int(node.hint)
     if hint % group_size:
         return f"dynamic token count {tokens} (hint {hint}) is not divisible by the group size {group_size}"
+    if hint // group_size < 2:
+        return (f"dynamic token count {tokens} (hint {hint}) gives {hint // group_size} row per rank: tracing the "
+                "sharded graph at that hint would specialize the count (sizes 0 and 1 are static to torch.compile), "
+                "which breaks a mark_dynamic constraint; a first call with more tokens compiles a graph that fuses")
     reason = threshold_reason(tokens, min_tokens)
     if reason is None:
         torch._check(tokens % group_size == 0)
@@ -283,8 +288,9 @@ class SPPattern(ReplacementPattern):
         if len(m.shape) < 2:
             return f"input of the all_reduce has shape {list(m.shape)}: need [..., hidden]"
         hidden = m.shape[-1]
-        if m.residual is not None and _shape_of(m.residual) != m.shape:
-            return (f"residual shape {_shape_of(m.residual)} differs from the all_reduce's {list(m.shape)} "
+        residual_shape = _shape_of(m.residual) if m.residual is not None else None
+        if m.residual is not None and (residual_shape is None or not shapes_known_equal(residual_shape, m.shape)):
+            return (f"residual shape {residual_shape} differs from the all_reduce's {list(m.shape)} "
                     "(a broadcast residual cannot be sharded by rows)")
         weight_shape = _shape_of(m.weight)
         if weight_shape is None or len(weight_shape) != 1 or not _is_exactly(weight_shape[0], hidden):
@@ -401,14 +407,17 @@ def views_before_all_reduces(graph: fx.Graph, group_name: str) -> int:
 
         y = wait(all_reduce(p, op, g)); v = view(y, shape)  ->  v = wait(all_reduce(reshape(p, shape), op, g))
 
-    Only an all-reduce whose every reader is a view to one shape moves (exact: a reduction over
+    Only an all-reduce whose every reader is a view to one (provably) same shape moves (exact: a reduction over
     ranks commutes with a view)."""
     moved = 0
     for c in find_collectives(graph, CollectiveKind.ALL_REDUCE):
         if c.group_name != group_name or c.wait is None or not c.wait.users:
             continue
         views = sorted(c.wait.users)
-        if not all(is_call(v, *_VIEWS) for v in views) or len({tuple(fake_value(v).shape) for v in views}) != 1:
+        if not all(is_call(v, *_VIEWS) for v in views):
+            continue
+        shapes = [_shape_of(v) for v in views]
+        if shapes[0] is None or not all(s is not None and shapes_known_equal(s, shapes[0]) for s in shapes[1:]):
             continue
         first = views[0]
         with graph.inserting_before(first):

@@ -24,6 +24,10 @@ vocab-parallel embedding:
   with dynamic activation scales, plain with static ones (buffers);
 * async_tp: all_gather_mm_fp4 = 5L, mm_fp4_reduce_scatter = 2L (o_proj, down).
 
+A dynamic batch (what a serving engine compiles: decode steps ``[batch, 1]``, ``mark_dynamic`` on
+the batch) fuses as the static model does under a divisibility guard, and a batch that fails the
+guard recompiles into a graph that fuses nothing, with the reasons.
+
 With a replicated embedding and ``always``: first = 0 and layer 0's q, k, v stay unfused
 (quant_before_gather = all_gather_mm_fp4 = 5L - 3).
 
@@ -44,6 +48,9 @@ import hf_tiny  # noqa: E402
 WORLD = 2
 SEQ = 4
 TIMEOUT_S = 600.0
+#: decode steps ``[batch, 1]`` with ``mark_dynamic`` on the batch: compiled at 4 tokens (2 rows per rank),
+#: reused at 6 (the divisibility guard holds), recompiled at 5 (it fails; nothing shards)
+DYNAMIC_BATCHES = (4, 6, 5)
 
 
 # Dynamo names the model ``L['self']``, or ``L['args'][0]`` where transformers wraps ``forward`` (5.24 does),
@@ -68,10 +75,11 @@ def expected_counts(layers: int, static: bool, vocab_parallel: bool = True) -> d
     return counts
 
 
-# (model, static activation scales, rank_check, vocab-parallel embedding, batches)
-RUNS = (("llama", False, "first", True, (1, 3)), ("qwen2", True, "first", True, (3,)),
-        ("qwen3", False, "first", True, (3,)), ("gemma3", False, "first", True, (3,)),
-        ("llama", False, "first", False, (1,)), ("llama", False, "always", False, (1,)))
+# (model, static activation scales, rank_check, vocab-parallel embedding, dynamic batch, batches)
+RUNS = (("llama", False, "first", True, False, (1, 3)), ("qwen2", True, "first", True, False, (3,)),
+        ("qwen3", False, "first", True, False, (3,)), ("gemma3", False, "first", True, False, (3,)),
+        ("llama", False, "first", False, False, (1,)), ("llama", False, "always", False, False, (1,)),
+        ("llama", False, "first", True, True, DYNAMIC_BATCHES))
 
 
 def _rank_main(runs: tuple) -> dict:
@@ -83,21 +91,24 @@ def _rank_main(runs: tuple) -> dict:
     from fp4fuse.tp import parallelize
 
     results = {}
-    for kind, static, mode, embedding, batches in runs:
+    for kind, static, mode, embedding, dynamic, batches in runs:
         torch._dynamo.reset()  # every run compiles the same HF forward: keep under the recompile limit
         hf = tiny.build(kind)
         scales = tiny.calibrate(hf, tiny.token_ids(3, seq=SEQ)) if static else None
         model = parallelize(hf, activation_scales=scales, embedding=embedding)
         fusion = FusionPass(FusionConfig(enable_async_tp=True, rank_check=mode))
-        fused = torch.compile(model, dynamic=False, options={"post_grad_custom_post_pass": fusion})
-        plain = torch.compile(model, dynamic=False, options={"post_grad_custom_post_pass": FusionPass()})
+        shapes = None if dynamic else False  # dynamic: the batch is marked dynamic below
+        fused = torch.compile(model, dynamic=shapes, options={"post_grad_custom_post_pass": fusion})
+        plain = torch.compile(model, dynamic=shapes, options={"post_grad_custom_post_pass": FusionPass()})
         for batch in batches:
-            ids = tiny.token_ids(batch, seq=SEQ)
+            ids = tiny.token_ids(batch, seq=1 if dynamic else SEQ)
+            if dynamic:
+                torch._dynamo.mark_dynamic(ids, 0)
             calls = fusion.calls
             with torch.no_grad():
                 out = fused(ids, use_cache=False).logits
                 ref = plain(ids, use_cache=False).logits
-            results[kind, static, mode, embedding, batch] = {
+            results[kind, static, mode, embedding, dynamic, batch] = {
                 "graphs": fusion.calls - calls, "equal": bool(torch.equal(out, ref)), "shape": tuple(out.shape),
                 "counts": {k: v for k, v in fusion.last_match_counts.items() if k.startswith(("sequence", "async"))},
                 "skips": [(s.key, s.reason) for s in fusion.last_skips if s.key.startswith(("sequence", "async"))],
@@ -123,7 +134,7 @@ def results(tmp_path_factory) -> dict:
                                                  ("qwen3", False, 3)],
                          ids=["llama-dynamic-b1", "llama-dynamic-b3", "qwen2-static-b3", "qwen3-dynamic-b3"])
 def test_fusion_counts_and_bitwise_logits(results, kind, static, batch):
-    got = results[kind, static, "first", True, batch]
+    got = results[kind, static, "first", True, False, batch]
     assert got["graphs"] == 1 and got["shape"] == (batch, SEQ, hf_tiny.VOCAB)
     assert got["counts"] == expected_counts(hf_tiny.LAYERS, static), got["counts"]
     assert got["skips"] == [], got["skips"]
@@ -139,7 +150,7 @@ def test_gemma3_fuses_its_sandwich_norms_and_reduce_scatters_bitwise(results):
     row-parallel GEMMs fuse with their reduce-scatters. The norms before q/k/v and gate/up read the
     residual sum, not an all-reduce, so no gather feeds a quant there. Its scaled input embedding
     stays replicated (parallelize: more than a lookup), which the ``first`` rewrites do not need."""
-    got = results["gemma3", False, "first", True, 3]
+    got = results["gemma3", False, "first", True, False, 3]
     layers = hf_tiny.LAYERS
     assert got["graphs"] == 1 and got["shape"] == (3, SEQ, hf_tiny.VOCAB)
     assert got["counts"] == {"sequence_parallel.first.torch_manual": 2 * layers,
@@ -151,7 +162,7 @@ def test_gemma3_fuses_its_sandwich_norms_and_reduce_scatters_bitwise(results):
 def test_the_check_names_what_the_rewrites_rely_on(results):
     """Model state on the first call: the norm weights and the static scales of the quants moved
     before the gather (nothing per call: the residual is the embedding's all-reduce)."""
-    (state, per_call), = results["qwen2", True, "first", True, 3]["checked"]
+    (state, per_call), = results["qwen2", True, "first", True, False, 3]["checked"]
     sources = {state_path(label.split(" (", 1)[1].rstrip(")")) for label in state}
     layers = hf_tiny.LAYERS
     norms = {f".model.layers[{i}].{n}.weight" for i in range(layers)
@@ -165,14 +176,30 @@ def test_the_check_names_what_the_rewrites_rely_on(results):
 def test_replicated_embedding_fuses_only_with_the_per_call_check(results):
     """A replicated embedding's residual comes from the per-call token ids: left alone (with the
     reason) in the default mode, fused under rank_check='always', which compares the ids every call."""
-    got = results["llama", False, "first", False, 1]
+    got = results["llama", False, "first", False, False, 1]
     assert got["counts"] == {} and got["checked"] == [] and got["equal"]
     assert got["skips"] and all(
         "a per-call graph input, whose values are compared across ranks only with rank_check='always'" in reason
         and _TOKEN_IDS.search(reason) for _, reason in got["skips"])
-    got = results["llama", False, "always", False, 1]
+    got = results["llama", False, "always", False, False, 1]
     assert got["counts"] == expected_counts(hf_tiny.LAYERS, static=False, vocab_parallel=False), got["counts"]
     assert got["equal"]
     (_, per_call), = got["checked"]
     (label,) = per_call
     assert _TOKEN_IDS.fullmatch(label.split(" (", 1)[1].rstrip(")")), label
+
+
+def test_a_dynamic_batch_fuses_under_a_guard_and_recompiles_where_it_fails(results):
+    """What a serving engine compiles: decode steps with ``mark_dynamic`` on the batch. Compiled at 4
+    tokens, every rewrite of the static model fires (the divisibility guard goes into the graph);
+    6 tokens reuse that graph; 5 fail the guard and recompile into a graph that leaves each
+    all-reduce alone with the reason. Logits bitwise equal to the unfused compile at every size."""
+    first, reused, odd = (results["llama", False, "first", True, True, b] for b in DYNAMIC_BATCHES)
+    for got, batch in zip((first, reused, odd), DYNAMIC_BATCHES):
+        assert got["shape"] == (batch, 1, hf_tiny.VOCAB) and got["equal"], (batch, got)
+    assert first["graphs"] == 1 and first["skips"] == []
+    assert first["counts"] == expected_counts(hf_tiny.LAYERS, static=False), first["counts"]
+    assert reused["graphs"] == 0
+    assert odd["graphs"] == 1 and odd["counts"] == {}
+    assert odd["skips"] and all("(hint 5) is not divisible by the group size 2" in reason
+                                for key, reason in odd["skips"] if key.startswith("sequence_parallel"))

@@ -15,7 +15,9 @@ checking, before their first overlapped call with a given shape, that all ranks 
 
 Growing cannot happen while a CUDA graph is being captured (the rendezvous synchronizes the host):
 a graph captures with the buffer its warm-up call sized (CUDA-graph trees run every graph eagerly
-before capturing it), or :func:`reserve_workspace` sizes it first. A captured graph holds the
+before capturing it), or :func:`reserve_workspace` sizes it first. The buffer and the rendezvous'
+tables are allocated on a helper thread (:func:`outside_cuda_graph_pools`), never in the private
+pool a CUDA-graph tree's warm-up routes its thread's allocations to. A captured graph holds the
 addresses of its buffer generation (this rank's and the peers' mappings), so a generation that any
 capture used is kept mapped when a later, larger call grows the workspace, until the process ends;
 replaying the graph then still reads and writes live memory. Handles and peer views are cached, so
@@ -32,7 +34,10 @@ import dataclasses
 import enum
 import logging
 import socket
+import threading
 import zlib
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -160,6 +165,37 @@ def _host_id() -> int:
     return zlib.crc32(socket.gethostname().encode())
 
 
+_T = TypeVar("_T")
+
+
+def outside_cuda_graph_pools(fn: Callable[[], _T], device: torch.device) -> _T:
+    """``fn()``, run on a helper thread (joined before returning; its exception re-raised here).
+
+    CUDA-graph trees route every CUDA allocation of the thread that warms a graph up to the graph's
+    private pool (``torch._inductor.cudagraph_trees._use_cuda_memory_pool_manager``), and refuse a
+    pool allocation that outlives the warm-up without being an output ("tensor(s) in the cudagraph
+    pool not tracked as outputs"), since the pool reuses that memory. A workspace lives for the
+    process, and the symmetric-memory rendezvous allocates its peer-pointer tables from the caching
+    allocator: made on another thread, they come from the ordinary pool, whatever the caller's
+    thread is routed to."""
+    result: list[_T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with torch.cuda.device(device):
+                result.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
+            error.append(exc)
+
+    worker = threading.Thread(target=run, name="fp4fuse-symm-alloc")
+    worker.start()
+    worker.join()
+    if error:
+        raise error[0]
+    return result[0]
+
+
 class SymmWorkspace:
     """One group's symmetric buffer on one device, its side stream and its events.
 
@@ -217,10 +253,13 @@ class SymmWorkspace:
                             self.generation, self.capacity)
             self._handle = None
             self._buffer = None
-        buffer = symm.empty_strided_p2p(
-            (new_capacity,), (1,), torch.uint8, self.device, self.group_name)
         from torch.distributed._symmetric_memory import rendezvous
-        handle = rendezvous(buffer, self.group_name)
+
+        def allocate_and_map() -> tuple[torch.Tensor, object]:
+            buffer = symm.empty_strided_p2p((new_capacity,), (1,), torch.uint8, self.device, self.group_name)
+            return buffer, rendezvous(buffer, self.group_name)
+
+        buffer, handle = outside_cuda_graph_pools(allocate_and_map, self.device)
         if handle.world_size != self.world_size or handle.rank != self.rank:
             raise RuntimeError(
                 f"fp4fuse: symmetric memory of group {self.group_name!r} reports rank {handle.rank} of "
