@@ -280,12 +280,12 @@ def _rank_main(args: BenchArgs) -> dict[str, Any]:
                 results["profiles"][f"{mode}/{tokens}/{name}"] = summary
                 say(f"{mode} T={tokens} {name} profile: wall {summary['wall_ms']:.3f} ms, device busy "
                     f"{summary['device_busy_ms']:.3f} ms, host ops {summary['host_ms']:.3f} ms per forward")
+            for name, (_, fusion) in variants.items():
+                if fusion is not None:
+                    results["counts"][f"{mode}/{name}"] = dict(fusion.match_counts)
             if rank == 0 and args.partial:  # what a run cut short by its time limit still leaves
                 with open(args.partial, "w") as f:
                     json.dump({**results, "args": dataclasses.asdict(args)}, f)
-        for name, (_, fusion) in variants.items():
-            if fusion is not None:
-                results["counts"][f"{mode}/{name}"] = dict(fusion.match_counts)
         del variants
         torch._dynamo.reset()
     return results
