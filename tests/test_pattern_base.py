@@ -14,8 +14,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 from fp4fuse.patterns.base import (
-    CollectiveKind, MatchRecorder, ReplacementPattern, erase_if_unused, fake_value, find_collectives, insert_call,
-    shapes_known_equal, token_count_reason,
+    CollectiveKind, MatchRecorder, ReplacementPattern, erase_if_unused, fake_value, find_collectives, hoist_before,
+    insert_call, shapes_known_equal, token_count_reason,
 )
 from fp4fuse.passes.cleanup import read_sizes_from_graph_inputs
 
@@ -134,6 +134,39 @@ def test_read_sizes_from_graph_inputs_frees_the_tensor_a_size_was_read_from():
     assert len(sin.users) == 2 and fake_value(read).node.expr == fake_value(n_input).node.expr
     assert read_sizes_from_graph_inputs(graph) == 1
     assert outer.args[1] == [n_input, -1] and len(sin.users) == 1 and read not in graph.nodes
+
+
+def late_weight_graph() -> torch.fx.GraphModule:
+    """``(x.sin() * (w.float() + 1)).cos()`` with ``w``'s computation traced after ``sin``."""
+    def f(x, w):
+        s = x.sin()
+        return (s * (w.float() + 1)).cos()
+    return fwd_only(f, [torch.randn(4, 8), torch.randn(8, dtype=torch.bfloat16)])
+
+
+def test_hoist_before_moves_a_late_pure_computation_with_its_inputs():
+    gm = late_weight_graph()
+    graph = gm.graph
+    (sin,) = graph.find_nodes(op="call_function", target=aten.sin.default)
+    (add,) = graph.find_nodes(op="call_function", target=aten.add.Tensor)
+    assert hoist_before(add, sin) is None
+    order = [n.target for n in graph.nodes if n.op == "call_function"]
+    assert order.index(aten.add.Tensor) < order.index(aten.sin.default)
+    assert order.index(torch.ops.prims.convert_element_type.default) < order.index(aten.add.Tensor)
+    graph.lint()
+    gm.recompile()
+    x, w = torch.randn(4, 8), torch.randn(8, dtype=torch.bfloat16)
+    assert torch.equal(gm(x, w), (x.sin() * (w.float() + 1)).cos())
+
+
+def test_hoist_before_refuses_to_move_what_the_caller_keeps():
+    gm = late_weight_graph()
+    graph = gm.graph
+    (sin,) = graph.find_nodes(op="call_function", target=aten.sin.default)
+    (add,) = graph.find_nodes(op="call_function", target=aten.add.Tensor)
+    before = [n.name for n in graph.nodes]
+    reason = hoist_before(add, sin, keep_out=[add])
+    assert reason is not None and "cannot move" in reason and [n.name for n in graph.nodes] == before
 
 
 def test_shapes_known_equal_compares_symbolic_sizes_without_guards():

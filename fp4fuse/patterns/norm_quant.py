@@ -46,7 +46,7 @@ from fp4fuse.patterns.base import (
     registration_mode,
 )
 from fp4fuse.patterns.sequence_parallel import (
-    EXAMPLE_EPS, NORM_SETS, NormFamily, TorchFP32Norm, TorchFunctionalNorm, TorchManualNorm,
+    EXAMPLE_EPS, NORM_SETS, NormFamily, TorchFP32Norm, TorchFunctionalNorm, TorchManualNorm, TorchOffsetFP32Norm,
 )
 
 __all__ = ["NormQuantFusion", "NormQuantMatch", "TorchNormQuants"]
@@ -245,6 +245,8 @@ _TORCH_FORMS = {
     TorchManualNorm: "x * rsqrt(mean(x^2) + eps) * weight in x's dtype",
     TorchFP32Norm: "the Hugging Face LlamaRMSNorm form, weight * (x.float() * rsqrt(...)).to(dtype): "
                    "rounded to x's dtype before the weight multiply",
+    TorchOffsetFP32Norm: "the Hugging Face Gemma RMSNorm form, (x.float() * rsqrt(...) * (1 + weight.float()))"
+                         ".to(dtype): fp32 throughout, rounded once",
 }
 
 

@@ -8,7 +8,11 @@ reads global distributed state). Norm families (:data:`NORM_SETS`):
 * ``torch_functional``: ``torch.nn.functional.rms_norm(x, (hidden,), weight, eps)``;
 * ``torch_manual``: ``x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight`` (in x's dtype);
 * ``torch_fp32``: the Hugging Face Llama form, statistics in float32:
-  ``weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)``, ``xf = x.float()``.
+  ``weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)``, ``xf = x.float()``;
+* ``torch_offset_fp32``: the Hugging Face Gemma form, the weight stored as an offset from 1 and one
+  rounding at the end: ``(xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 +
+  weight.float())).to(x.dtype)``. In fp32 it is the manual form with ``1 + weight`` as the weight,
+  which is registered first and matches it there.
 
 The torch forms add the residual with a plain ``+``, written either ``x + residual`` or
 ``residual + x`` (an FX pattern is not commutative, so both orders are registered). Before /
@@ -65,8 +69,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from fp4fuse.distributed import groups
 from fp4fuse.ops import sp_ops  # noqa: F401  (registers fp4fuse::shard_rows)
 from fp4fuse.patterns.base import (
-    CollectiveKind, ReplacementPattern, erase_if_unused, fake_value, find_collectives, get_arg, insert_call, is_call,
-    shapes_known_equal, threshold_reason,
+    CollectiveKind, ReplacementPattern, erase_if_unused, fake_value, find_collectives, get_arg, hoist_before,
+    insert_call, is_call, replacement_point, shapes_known_equal, threshold_reason,
 )
 from fp4fuse.patterns.rank_uniform import RankUniformity
 
@@ -295,6 +299,10 @@ class SPPattern(ReplacementPattern):
         weight_shape = _shape_of(m.weight)
         if weight_shape is None or len(weight_shape) != 1 or not _is_exactly(weight_shape[0], hidden):
             return f"norm weight shape {weight_shape} is not [hidden={hidden}] (it must not vary by row)"
+        if isinstance(m.weight, fx.Node):  # a weight computed in the graph (Gemma's 1 + w in fp32) may come late
+            reason = hoist_before(m.weight, replacement_point(match), keep_out=match.nodes)
+            if reason is not None:
+                return f"norm weight: {reason}"
         operands = [("norm weight", m.weight)] + ([("residual", m.residual)] if m.residual is not None else [])
         reason, relies_on = self.uniformity.prove(self.group.name, operands)
         if reason is None:
@@ -354,6 +362,14 @@ class TorchFP32Norm(_TorchNorm):
         return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+class TorchOffsetFP32Norm(_TorchNorm):
+    name = "torch_offset_fp32"
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
+
+
 # LAST before MIDDLE in registration (= priority) order, so a final norm whose residual sum nobody
 # reads counts as the last one.
 _POSITIONS = (Position.FIRST, Position.LAST, Position.MIDDLE)
@@ -393,7 +409,7 @@ class NormSet:
 NORM_SETS: tuple[NormSet, ...] = (
     NormSet("fp4fuse", (FP4FuseNorm,),
             (torch.ops.fp4fuse.rms_norm.default, torch.ops.fp4fuse.fused_add_rms_norm.default), True),
-    NormSet("torch", (TorchFunctionalNorm, TorchManualNorm, TorchFP32Norm),
+    NormSet("torch", (TorchFunctionalNorm, TorchManualNorm, TorchFP32Norm, TorchOffsetFP32Norm),
             (torch.ops.aten.rsqrt.default,), False),
 )
 

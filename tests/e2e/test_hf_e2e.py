@@ -1,10 +1,12 @@
 """End to end, TP=2 on gloo: Hugging Face ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` (q/k/v biases),
-``Qwen3ForCausalLM`` (per-head q/k norms) and ``Gemma3ForCausalLM`` (its own test: sandwich norms),
+``Qwen3ForCausalLM`` (per-head q/k norms) and ``Gemma3ForCausalLM`` (its own test: sandwich norms, in
+fp32 and in bf16),
 tiny configs with random weights (tests/hf_tiny.py), put on TP with ``fp4fuse.tp.parallelize``
 (NVFP4 linears, ``config.base_model_tp_plan``), compiled with and without
 ``fp4fuse.FusionPass(FusionConfig(enable_async_tp=True, ...))``. Inputs ``[batch, seq]`` token ids,
 activations ``[batch, seq, hidden]``; fp32 models (fp32 norms are bitwise under Inductor's defaults,
-fp4fuse.patterns.sequence_parallel "Numerics"); logits compared bit for bit.
+fp4fuse.patterns.sequence_parallel "Numerics"; the bf16 Gemma 3 compiles with
+``emulate_precision_casts``); logits compared bit for bit.
 
 The residual stream. ``parallelize`` shards the input embedding over the vocabulary by default,
 so the residual starts as an all-reduce's result, the same on every rank by construction, and the
@@ -36,6 +38,7 @@ At L = 2: first 1, middle 3, last 1, quant_before_gather 10, all_gather_mm_fp4 1
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 import pytest
 
@@ -75,11 +78,24 @@ def expected_counts(layers: int, static: bool, vocab_parallel: bool = True) -> d
     return counts
 
 
-# (model, static activation scales, rank_check, vocab-parallel embedding, dynamic batch, batches)
-RUNS = (("llama", False, "first", True, False, (1, 3)), ("qwen2", True, "first", True, False, (3,)),
-        ("qwen3", False, "first", True, False, (3,)), ("gemma3", False, "first", True, False, (3,)),
-        ("llama", False, "first", False, False, (1,)), ("llama", False, "always", False, False, (1,)),
-        ("llama", False, "first", True, True, DYNAMIC_BATCHES))
+class Run(NamedTuple):
+    """One model compiled with and without fp4fuse, called at ``batches``."""
+
+    name: str
+    kind: str                         # tests/hf_tiny.py
+    batches: tuple[int, ...] = (3,)
+    static: bool = False              # static activation scales (calibrated) instead of dynamic ones
+    rank_check: str = "first"
+    vocab_parallel: bool = True       # parallelize(embedding=...)
+    dynamic: bool = False             # decode steps [batch, 1] with mark_dynamic on the batch
+    dtype: str = "float32"            # bfloat16: compiled with emulate_precision_casts (README, "Numerics")
+
+
+RUNS = (Run("llama", "llama", batches=(1, 3)), Run("qwen2-static", "qwen2", static=True), Run("qwen3", "qwen3"),
+        Run("gemma3", "gemma3"), Run("gemma3-bf16", "gemma3", dtype="bfloat16"),
+        Run("llama-replicated", "llama", batches=(1,), vocab_parallel=False),
+        Run("llama-replicated-always", "llama", batches=(1,), rank_check="always", vocab_parallel=False),
+        Run("llama-dynamic", "llama", batches=DYNAMIC_BATCHES, dynamic=True))
 
 
 def _rank_main(runs: tuple) -> dict:
@@ -91,24 +107,24 @@ def _rank_main(runs: tuple) -> dict:
     from fp4fuse.tp import parallelize
 
     results = {}
-    for kind, static, mode, embedding, dynamic, batches in runs:
+    for run in runs:
         torch._dynamo.reset()  # every run compiles the same HF forward: keep under the recompile limit
-        hf = tiny.build(kind)
-        scales = tiny.calibrate(hf, tiny.token_ids(3, seq=SEQ)) if static else None
-        model = parallelize(hf, activation_scales=scales, embedding=embedding)
-        fusion = FusionPass(FusionConfig(enable_async_tp=True, rank_check=mode))
-        shapes = None if dynamic else False  # dynamic: the batch is marked dynamic below
+        hf = tiny.build(run.kind, dtype=getattr(torch, run.dtype))
+        scales = tiny.calibrate(hf, tiny.token_ids(3, seq=SEQ)) if run.static else None
+        model = parallelize(hf, activation_scales=scales, embedding=run.vocab_parallel)
+        fusion = FusionPass(FusionConfig(enable_async_tp=True, rank_check=run.rank_check))
+        shapes = None if run.dynamic else False  # dynamic: the batch is marked dynamic below
         fused = torch.compile(model, dynamic=shapes, options={"post_grad_custom_post_pass": fusion})
         plain = torch.compile(model, dynamic=shapes, options={"post_grad_custom_post_pass": FusionPass()})
-        for batch in batches:
-            ids = tiny.token_ids(batch, seq=1 if dynamic else SEQ)
-            if dynamic:
+        for batch in run.batches:
+            ids = tiny.token_ids(batch, seq=1 if run.dynamic else SEQ)
+            if run.dynamic:
                 torch._dynamo.mark_dynamic(ids, 0)
             calls = fusion.calls
-            with torch.no_grad():
+            with torch.no_grad(), torch._inductor.config.patch(emulate_precision_casts=run.dtype != "float32"):
                 out = fused(ids, use_cache=False).logits
                 ref = plain(ids, use_cache=False).logits
-            results[kind, static, mode, embedding, dynamic, batch] = {
+            results[run.name, batch] = {
                 "graphs": fusion.calls - calls, "equal": bool(torch.equal(out, ref)), "shape": tuple(out.shape),
                 "counts": {k: v for k, v in fusion.last_match_counts.items() if k.startswith(("sequence", "async"))},
                 "skips": [(s.key, s.reason) for s in fusion.last_skips if s.key.startswith(("sequence", "async"))],
@@ -130,39 +146,42 @@ def results(tmp_path_factory) -> dict:
     return first
 
 
-@pytest.mark.parametrize("kind, static, batch", [("llama", False, 1), ("llama", False, 3), ("qwen2", True, 3),
-                                                 ("qwen3", False, 3)],
+@pytest.mark.parametrize("run, batch", [("llama", 1), ("llama", 3), ("qwen2-static", 3), ("qwen3", 3)],
                          ids=["llama-dynamic-b1", "llama-dynamic-b3", "qwen2-static-b3", "qwen3-dynamic-b3"])
-def test_fusion_counts_and_bitwise_logits(results, kind, static, batch):
-    got = results[kind, static, "first", True, False, batch]
+def test_fusion_counts_and_bitwise_logits(results, run, batch):
+    got = results[run, batch]
+    static = run.endswith("-static")
     assert got["graphs"] == 1 and got["shape"] == (batch, SEQ, hf_tiny.VOCAB)
     assert got["counts"] == expected_counts(hf_tiny.LAYERS, static), got["counts"]
     assert got["skips"] == [], got["skips"]
     # HF's LlamaRMSNorm is a torch-form norm: its quants are not fused with it, and say why
     assert got["norm_quant"] == ({}, ["norm_quant.torch_norm"]), got["norm_quant"]
-    assert got["equal"], f"{kind} batch {batch}: logits differ from the model compiled without fp4fuse"
+    assert got["equal"], f"{run} batch {batch}: logits differ from the model compiled without fp4fuse"
 
 
-def test_gemma3_fuses_its_sandwich_norms_and_reduce_scatters_bitwise(results):
-    """Gemma 3 writes its norms ``x * rsqrt(mean(x^2) + eps) * (1 + weight)`` (the torch_manual form,
-    with ``1 + weight`` as the weight) and applies one to each all-reduced attention and MLP output
-    before the residual add: those 2L norms take the sequence-parallel ``first`` rewrite, and the 2L
-    row-parallel GEMMs fuse with their reduce-scatters. The norms before q/k/v and gate/up read the
-    residual sum, not an all-reduce, so no gather feeds a quant there. Its scaled input embedding
-    stays replicated (parallelize: more than a lookup), which the ``first`` rewrites do not need."""
-    got = results["gemma3", False, "first", True, False, 3]
+@pytest.mark.parametrize("run, form", [("gemma3", "torch_manual"), ("gemma3-bf16", "torch_offset_fp32")])
+def test_gemma3_fuses_its_sandwich_norms_and_reduce_scatters_bitwise(results, run, form):
+    """Gemma 3 writes its norms ``(xf * rsqrt(mean(xf^2) + eps) * (1 + weight.float())).type_as(x)``
+    and applies one to each all-reduced attention and MLP output before the residual add: those 2L
+    norms take the sequence-parallel ``first`` rewrite, and the 2L row-parallel GEMMs fuse with their
+    reduce-scatters. In fp32 the norm is the torch_manual form with ``1 + weight`` as its weight; in
+    bf16 it is its own form (fp32 math, one rounding), bitwise under ``emulate_precision_casts``.
+    The norms before q/k/v and gate/up read the residual sum, not an all-reduce, so no gather feeds a
+    quant there. Its scaled input embedding stays replicated (parallelize: more than a lookup),
+    which the ``first`` rewrites do not need."""
+    got = results[run, 3]
     layers = hf_tiny.LAYERS
     assert got["graphs"] == 1 and got["shape"] == (3, SEQ, hf_tiny.VOCAB)
-    assert got["counts"] == {"sequence_parallel.first.torch_manual": 2 * layers,
+    assert got["counts"] == {f"sequence_parallel.first.{form}": 2 * layers,
                              "async_tp.mm_fp4_reduce_scatter": 2 * layers}, got["counts"]
     assert got["skips"] == [], got["skips"]
-    assert got["equal"], "gemma3: logits differ from the model compiled without fp4fuse"
+    assert got["equal"], f"{run}: logits differ from the model compiled without fp4fuse"
 
 
 def test_the_check_names_what_the_rewrites_rely_on(results):
     """Model state on the first call: the norm weights and the static scales of the quants moved
     before the gather (nothing per call: the residual is the embedding's all-reduce)."""
-    (state, per_call), = results["qwen2", True, "first", True, False, 3]["checked"]
+    (state, per_call), = results["qwen2-static", 3]["checked"]
     sources = {state_path(label.split(" (", 1)[1].rstrip(")")) for label in state}
     layers = hf_tiny.LAYERS
     norms = {f".model.layers[{i}].{n}.weight" for i in range(layers)
@@ -176,12 +195,12 @@ def test_the_check_names_what_the_rewrites_rely_on(results):
 def test_replicated_embedding_fuses_only_with_the_per_call_check(results):
     """A replicated embedding's residual comes from the per-call token ids: left alone (with the
     reason) in the default mode, fused under rank_check='always', which compares the ids every call."""
-    got = results["llama", False, "first", False, False, 1]
+    got = results["llama-replicated", 1]
     assert got["counts"] == {} and got["checked"] == [] and got["equal"]
     assert got["skips"] and all(
         "a per-call graph input, whose values are compared across ranks only with rank_check='always'" in reason
         and _TOKEN_IDS.search(reason) for _, reason in got["skips"])
-    got = results["llama", False, "always", False, False, 1]
+    got = results["llama-replicated-always", 1]
     assert got["counts"] == expected_counts(hf_tiny.LAYERS, static=False, vocab_parallel=False), got["counts"]
     assert got["equal"]
     (_, per_call), = got["checked"]
@@ -194,7 +213,7 @@ def test_a_dynamic_batch_fuses_under_a_guard_and_recompiles_where_it_fails(resul
     tokens, every rewrite of the static model fires (the divisibility guard goes into the graph);
     6 tokens reuse that graph; 5 fail the guard and recompile into a graph that leaves each
     all-reduce alone with the reason. Logits bitwise equal to the unfused compile at every size."""
-    first, reused, odd = (results["llama", False, "first", True, True, b] for b in DYNAMIC_BATCHES)
+    first, reused, odd = (results["llama-dynamic", b] for b in DYNAMIC_BATCHES)
     for got, batch in zip((first, reused, odd), DYNAMIC_BATCHES):
         assert got["shape"] == (batch, 1, hf_tiny.VOCAB) and got["equal"], (batch, got)
     assert first["graphs"] == 1 and first["skips"] == []
