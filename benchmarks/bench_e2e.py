@@ -285,7 +285,7 @@ def _rank_main(args: BenchArgs) -> dict[str, Any]:
                     results["counts"][f"{mode}/{name}"] = dict(fusion.match_counts)
             if rank == 0 and args.partial:  # what a run cut short by its time limit still leaves
                 with open(args.partial, "w") as f:
-                    json.dump({**results, "args": dataclasses.asdict(args)}, f)
+                    json.dump(_raw(results, args), f)
         del variants
         torch._dynamo.reset()
     return results
@@ -294,6 +294,12 @@ def _rank_main(args: BenchArgs) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------
 # report
 # ----------------------------------------------------------------------------------------------
+def _raw(results: dict[str, Any], args: BenchArgs) -> dict[str, Any]:
+    """The JSON record of a run (``--render`` draws it): results, arguments, versions, date, command."""
+    return {**results, "args": dataclasses.asdict(args), "versions": _versions(),
+            "date": datetime.date.today().isoformat(), "command": "python " + " ".join(sys.argv)}
+
+
 def _versions() -> dict[str, str]:
     import torch
     info = {"torch": torch.__version__}
@@ -436,8 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     from fp4fuse.launch import run_on_ranks
     # CUDA-graph runs have hung in process-group teardown: ranks exit right after their result.
     results = run_on_ranks(_rank_main, args.tp, args, timeout=3600, backend="nccl", hard_exit=True)[0]
-    raw = {**results, "args": dataclasses.asdict(args), "versions": _versions(),
-           "date": datetime.date.today().isoformat(), "command": "python " + " ".join(sys.argv)}
+    raw = _raw(results, args)
     text = render_markdown(raw)
     print(text)
     if ns.out:
