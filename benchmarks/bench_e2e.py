@@ -74,6 +74,7 @@ class BenchArgs:
     partial: str | None = None
     static: bool = False
     profile: bool = False
+    deterministic: bool = False
 
 
 def log(msg: str) -> None:
@@ -228,6 +229,8 @@ def _rank_main(args: BenchArgs) -> dict[str, Any]:
     # its fusion decisions, which fp4fuse's rewrites change, and a dynamic NVFP4 scale turns one last-bit
     # change into many flipped codes, so the variants' outputs could not be held to bitwise equality.
     torch._inductor.config.emulate_precision_casts = True
+    if args.deterministic:  # no numerics-changing autotuning: a reduction's configuration no longer follows its row count
+        torch._inductor.config.deterministic = True
     if args.static:  # one graph per token count, every size known when fp4fuse's passes run
         torch._dynamo.config.automatic_dynamic_shapes = False
     group = dist.group.WORLD
@@ -419,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--static", action="store_true", help="compile each token count separately (static sizes)")
     p.add_argument("--profile", action="store_true",
                    help="after each token count's timings, profile --iters forwards per variant (module doc)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch._inductor.config.deterministic: Inductor keeps no numerics-changing autotuning result")
     ns = p.parse_args(argv)
     if ns.render:
         with open(ns.render) as f:
@@ -431,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args = BenchArgs(ns.tp, ns.layers, tuple(int(t) for t in ns.tokens.split(",")),
                      tuple(ns.modes.split(",")), tuple(ns.variants.split(",")), ns.iters, ns.rounds,
-                     ns.hidden, ns.heads, ns.kv_heads, ns.ffn, ns.partial, ns.static, ns.profile)
+                     ns.hidden, ns.heads, ns.kv_heads, ns.ffn, ns.partial, ns.static, ns.profile, ns.deterministic)
     unknown = set(args.variants) - set(VARIANTS)
     if unknown or set(args.modes) - {"default", "cudagraphs"}:
         p.error(f"unknown variants {sorted(unknown)} or modes {args.modes}")

@@ -5,8 +5,8 @@
 #
 # Stages, each under its own limit in seconds (environment): the tests marked multigpu (MG_S,
 # default 300), the end-to-end tests on CUDA (E2E_S, 240), bench_e2e.py --profile at TP=2 (BENCH_S, 600;
-# TOKENS, MODES, VARIANTS, LAYERS pick the grid). pytest gets SIGINT at its limit, so it still
-# reports which tests failed; bench_e2e rewrites out_dir/e2e_partial.json after every token count.
+# TOKENS, MODES, VARIANTS, LAYERS pick the grid; BENCH_FLAGS adds flags, e.g. --deterministic).
+# pytest gets SIGINT at its limit, so it still reports which tests failed; bench_e2e rewrites out_dir/e2e_partial.json after every token count.
 # STAGES (default "tests e2e bench") picks stages, so that a device call's time limit can split them.
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
 set -uo pipefail
@@ -28,7 +28,7 @@ if wants bench; then
 stage "bench_e2e.py at TP=${TP:-2}"
 timeout -s INT "${BENCH_S:-600}" python benchmarks/bench_e2e.py --tp "${TP:-2}" --layers "${LAYERS:-2}" \
   --tokens "${TOKENS:-16,128,1024,8192}" --modes "${MODES:-cudagraphs,default}" \
-  --variants "${VARIANTS:-bf16,nvfp4,sp,fp4fuse}" --profile \
+  --variants "${VARIANTS:-bf16,nvfp4,sp,fp4fuse}" --profile ${BENCH_FLAGS:-} \
   --partial "$out/e2e_partial.json" --json "$out/e2e.json" --out "$out/e2e.md" 2>&1 | tail -60
 fi
 stage "end"
