@@ -16,28 +16,24 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fp4fuse.passes.base import GraphPass
 from fp4fuse.patterns import base
-from fp4fuse.patterns.base import erase_if_unused, fake_value, is_call
+from fp4fuse.patterns.base import VIEW_OPS, erase_if_unused, fake_value, is_call, shapes_known_equal
 
 __all__ = ["NoOpViewCleanupPass", "find_noop_source", "fold_noop_views", "read_sizes_from_graph_inputs"]
 
 aten = torch.ops.aten
 
-_VIEW_OPS = (aten.view, aten.reshape, aten._unsafe_view)
 PATTERN = "noop_view"
 
 
 def _is_view(node: object) -> bool:
-    return is_call(node, *_VIEW_OPS)
+    return is_call(node, *VIEW_OPS)
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.dtype == b.dtype and a.dim() == b.dim()
-            and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape, strict=True))
-            and all(statically_known_true(x == y) for x, y in zip(a.stride(), b.stride(), strict=True)))
+    return a.dtype == b.dtype and shapes_known_equal(a.shape, b.shape) and shapes_known_equal(a.stride(), b.stride())
 
 
 def find_noop_source(view: fx.Node) -> fx.Node | None:

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from fp4fuse.config import FusionConfig
 
 __all__ = [
-    "CollectiveKind", "FunctionalCollective", "GraphRewrite", "MatchRecorder", "QuantCall",
+    "CollectiveKind", "FunctionalCollective", "GraphRewrite", "MatchRecorder", "QuantCall", "VIEW_OPS",
     "ReplacementPattern", "Skip", "aot_trace", "decode_collective", "erase_if_unused", "insert_traced",
     "fake_value", "find_collectives", "get_arg", "hoist_before", "insert_call", "is_call", "is_size_computation",
     "registration_mode", "replacement_point", "shapes_known_equal", "threshold_reason", "token_count_reason",
@@ -271,7 +271,8 @@ def insert_call(graph: fx.Graph, target: Callable[..., Any], args: tuple[Any, ..
     return node
 
 
-_VIEW_OPS = (aten.view, aten.reshape, aten._unsafe_view)
+#: Ops that only view their input (packets: every overload, ``view.dtype`` included).
+VIEW_OPS = (aten.view, aten.reshape, aten._unsafe_view)
 
 
 def is_size_computation(node: Any) -> bool:
@@ -298,15 +299,13 @@ def erase_if_unused(nodes: Iterable[fx.Node]) -> int:
             node.graph.erase_node(node)
             erased += 1
             candidates.discard(node)
-            candidates.update(n for n in inputs if is_size_computation(n) or is_call(n, *_VIEW_OPS))
+            candidates.update(n for n in inputs if is_size_computation(n) or is_call(n, *VIEW_OPS))
     return erased
 
 
 def replacement_point(match: pm.Match) -> fx.Node:
     """Where ``register_replacement`` inserts a match's replacement: before the match's earliest output node."""
-    outputs = [n for n in match.output_nodes() if isinstance(n, fx.Node)]
-    order = {n: i for i, n in enumerate(outputs[0].graph.nodes)}
-    return min(outputs, key=order.__getitem__)
+    return min(n for n in match.output_nodes() if isinstance(n, fx.Node))  # fx nodes order by graph position
 
 
 def hoist_before(node: fx.Node, point: fx.Node, keep_out: Iterable[fx.Node] = ()) -> str | None:
@@ -314,15 +313,12 @@ def hoist_before(node: fx.Node, point: fx.Node, keep_out: Iterable[fx.Node] = ()
     (their order kept), so that a replacement inserted there may read ``node``. Only a side-effect
     free, unseeded computation moves (such as a norm weight's ``1 + weight`` that a model computes
     next to its use), never a node of ``keep_out`` (the match's own); returns why not, or None."""
-    graph = point.graph
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    limit = order[point]
     keep_out = set(keep_out)
     needed: list[fx.Node] = []
     stack, seen = [node], set()
     while stack:
         n = stack.pop()
-        if n in seen or order[n] < limit:
+        if n in seen or n < point:
             continue
         seen.add(n)
         seeded = isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags
@@ -330,7 +326,7 @@ def hoist_before(node: fx.Node, point: fx.Node, keep_out: Iterable[fx.Node] = ()
             return f"{node.name} is computed after the rewrite's insertion point from {n.name}, which cannot move"
         needed.append(n)
         stack.extend(n.all_input_nodes)
-    for n in sorted(needed, key=order.__getitem__):
+    for n in sorted(needed):
         point.prepend(n)
     return None
 
