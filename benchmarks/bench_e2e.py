@@ -75,6 +75,7 @@ class BenchArgs:
     static: bool = False
     profile: bool = False
     deterministic: bool = False
+    profile_kernels: int = 0
 
 
 def log(msg: str) -> None:
@@ -176,33 +177,46 @@ def _time_ms(fn, iters: int) -> float:
 PROFILE_TOP = 6
 
 
-def profile_summary(prof: Any, forwards: int, wall_ms: float) -> dict[str, Any]:
+def profile_summary(prof: Any, forwards: int, wall_ms: float, kernels: int = 0) -> dict[str, Any]:
     """Per-forward milliseconds of a ``torch.profiler`` run over ``forwards`` forwards that took
     ``wall_ms`` each: ``device_busy_ms`` (summed self device time of every op: overlapping kernels
     count twice), ``host_ms`` (summed self CPU time of the profiled ops) and the ``PROFILE_TOP`` ops
-    with the most of each, as ``(name, ms per forward, calls per forward)``."""
-    rows = []
+    with the most of each, as ``(name, ms per forward, calls per forward)``; with ``kernels`` > 0,
+    also ``kernels``: that many device kernels (memsets and copies included) with the most time,
+    the same way, and ``kernel_ms`` / ``kernel_launches``: the sum of all kernels' time and count
+    per forward."""
+    from torch.autograd import DeviceType
+
+    rows, device_rows = [], []
     for e in prof.key_averages():
         device_us = getattr(e, "self_device_time_total", None)
         if device_us is None:
             device_us = getattr(e, "self_cuda_time_total", 0.0)
-        rows.append((e.key, device_us / 1e3 / forwards, e.self_cpu_time_total / 1e3 / forwards, e.count / forwards))
+        row = (e.key, device_us / 1e3 / forwards, e.self_cpu_time_total / 1e3 / forwards, e.count / forwards)
+        rows.append(row)
+        if getattr(e, "device_type", None) == DeviceType.CUDA:
+            device_rows.append(row)
 
-    def top(col: int) -> list[tuple[str, float, float]]:
-        ranked = sorted((r for r in rows if r[col] > 0), key=lambda r: -r[col])[:PROFILE_TOP]
+    def top(col: int, source: list, limit: int) -> list[tuple[str, float, float]]:
+        ranked = sorted((r for r in source if r[col] > 0), key=lambda r: -r[col])[:limit]
         return [(r[0][:80], round(r[col], 4), round(r[3], 2)) for r in ranked]
 
-    return {"wall_ms": wall_ms, "device_busy_ms": sum(r[1] for r in rows), "host_ms": sum(r[2] for r in rows),
-            "top_device": top(1), "top_host": top(2)}
+    summary = {"wall_ms": wall_ms, "device_busy_ms": sum(r[1] for r in rows), "host_ms": sum(r[2] for r in rows),
+               "top_device": top(1, rows, PROFILE_TOP), "top_host": top(2, rows, PROFILE_TOP)}
+    if kernels:
+        summary["kernels"] = top(1, device_rows, kernels)
+        summary["kernel_ms"] = sum(r[1] for r in device_rows)
+        summary["kernel_launches"] = sum(r[3] for r in device_rows)
+    return summary
 
 
-def _profiled(fn, iters: int) -> dict[str, Any]:
+def _profiled(fn, iters: int, kernels: int) -> dict[str, Any]:
     """``profile_summary`` of ``iters`` forwards of ``fn``, timed as ``_time_ms`` times them."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         wall_ms = _time_ms(fn, iters)
-    return profile_summary(prof, iters, wall_ms)
+    return profile_summary(prof, iters, wall_ms, kernels)
 
 
 def _drop_failed(results: dict[str, Any], variants: dict[str, Any], key: str, exc: Exception, rank: int) -> None:
@@ -279,10 +293,13 @@ def _rank_main(args: BenchArgs) -> dict[str, Any]:
             say(f"{mode} T={tokens} ms/forward: {line}")
             for name, fn in calls.items() if args.profile else ():
                 with _ForcedOverlap(name == "forced"), torch.no_grad():
-                    summary = _profiled(fn, args.iters)
+                    summary = _profiled(fn, args.iters, args.profile_kernels)
                 results["profiles"][f"{mode}/{tokens}/{name}"] = summary
                 say(f"{mode} T={tokens} {name} profile: wall {summary['wall_ms']:.3f} ms, device busy "
                     f"{summary['device_busy_ms']:.3f} ms, host ops {summary['host_ms']:.3f} ms per forward")
+                if "kernels" in summary:
+                    say(f"  kernels: {summary['kernel_ms']:.3f} ms in {summary['kernel_launches']:.1f} launches "
+                        f"per forward; " + "; ".join(f"{k} {ms * 1e3:.1f} us x{n}" for k, ms, n in summary["kernels"]))
             for name, (_, fusion) in variants.items():
                 if fusion is not None:
                     results["counts"][f"{mode}/{name}"] = dict(fusion.match_counts)
@@ -422,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--static", action="store_true", help="compile each token count separately (static sizes)")
     p.add_argument("--profile", action="store_true",
                    help="after each token count's timings, profile --iters forwards per variant (module doc)")
+    p.add_argument("--profile-kernels", type=int, default=0, metavar="N",
+                   help="with --profile, also list the N device kernels with the most time per forward")
     p.add_argument("--deterministic", action="store_true",
                    help="torch._inductor.config.deterministic: Inductor keeps no numerics-changing autotuning result")
     ns = p.parse_args(argv)
@@ -436,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args = BenchArgs(ns.tp, ns.layers, tuple(int(t) for t in ns.tokens.split(",")),
                      tuple(ns.modes.split(",")), tuple(ns.variants.split(",")), ns.iters, ns.rounds,
-                     ns.hidden, ns.heads, ns.kv_heads, ns.ffn, ns.partial, ns.static, ns.profile, ns.deterministic)
+                     ns.hidden, ns.heads, ns.kv_heads, ns.ffn, ns.partial, ns.static, ns.profile, ns.deterministic,
+                     ns.profile_kernels)
     unknown = set(args.variants) - set(VARIANTS)
     if unknown or set(args.modes) - {"default", "cudagraphs"}:
         p.error(f"unknown variants {sorted(unknown)} or modes {args.modes}")

@@ -30,6 +30,9 @@ every timed call, so weights are read from HBM as in a real decode step):
    and 8192^2, every GEMM path as CUDA-graph replays over rotating weights: the shipped dispatch,
    the tiled kernel, dequantize + cuBLAS, the decode kernel at several tiles with and without the
    pre-decoded activation, and cuBLAS bf16.
+8. ``--scale-words-sweep`` (only this, after the ceilings): the decode GEMM's shipped configuration at
+   M <= 64 with the activation's block scales loaded as int32 words and byte by byte
+   (``scale_words_sweep``).
 """
 from __future__ import annotations
 
@@ -396,7 +399,8 @@ def _decode_point(ceil: Ceilings, m: int, n: int, k: int, weights: list, w_bf16:
 
 def _cfg_str(cfg: mm_decode.DecodeConfig) -> str:
     cap = f",r{cfg.max_registers}" if cfg.max_registers else ""
-    return f"[{cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.split_k} w{cfg.num_warps} st{cfg.num_stages}{cap}]"
+    words = ",words" if cfg.scale_words else ""
+    return f"[{cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.split_k} w{cfg.num_warps} st{cfg.num_stages}{cap}{words}]"
 
 
 def decode_sweep(ceil: Ceilings, raw: dict) -> None:
@@ -478,6 +482,50 @@ MID_MS = (64, 128, 256, 512, 1024, 2048)
 #: Decode-kernel tiles tried in the middle range: (block_m, block_n, warps, predecode).
 MID_TILES = ((64, 128, 4, False), (64, 128, 4, True), (128, 128, 8, False), (128, 128, 8, True),
              (128, 64, 4, True), (256, 64, 4, True), (128, 256, 8, True))
+
+
+SCALE_WORDS_STAGES = (4, 5)
+
+
+def scale_words_sweep(ceil: Ceilings, raw: dict) -> None:
+    """``--scale-words-sweep`` (only this, after the ceilings): the decode GEMM's shipped configuration
+    at M in WIDE_MS on WIDE_SHAPES as CUDA-graph replays over rotating weights, with the activation's
+    block scales loaded as int32 words (``scale_words``) and byte by byte, and with words at
+    SCALE_WORDS_STAGES pipeline stages, against cuBLAS bf16 and the floor; one markdown row per point."""
+    rows = []
+    for n, k in WIDE_SHAPES:
+        weights = [quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16)) for _ in range(ROTATIONS)]
+        w_t = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() for _ in range(ROTATIONS)]
+        for m in WIDE_MS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            a, sa, ga = quantize(x)
+            alpha = 1.0 / (ga * weights[0][2])
+            cfg = mm_decode.decode_config_for(m, n, k)
+
+            def graph_us(words: bool, stages: int | None = None) -> float:
+                run = dataclasses.replace(cfg, scale_words=words, num_stages=stages or cfg.num_stages)
+                ws = mm_decode.empty_decode_workspace(*mm_decode.decode_workspace_numel(m, n, k, run), a.device)
+                return 1e3 * bench_graph([functools.partial(mm_decode.mm_fp4_decode, a, wq, sa, wsq, alpha,
+                                                            torch.bfloat16, run, ws) for wq, wsq, _ in weights])
+
+            row = {"m": m, "n": n, "k": k, "cfg": _cfg_str(cfg),
+                   "bf16_us": 1e3 * bench_graph([functools.partial(torch.mm, x, wt) for wt in w_t]),
+                   "floor_us": (n * k // 2 + n * k // 16) / ceil.copy_gbs / 1e3,
+                   "bytes_us": graph_us(False), "words_us": graph_us(True),
+                   "words_stages": {st: graph_us(True, st) for st in SCALE_WORDS_STAGES}}
+            rows.append(row)
+            print(f"scale words {m}x{n}x{k}: bytes {row['bytes_us']:.1f} us, words {row['words_us']:.1f} us, "
+                  f"bf16 {row['bf16_us']:.1f} us", flush=True)
+    raw["scale_words_sweep"] = rows
+    print("\n| M | N | K | shipped config | bf16 us | floor us | byte-loaded scales us | word-loaded scales us "
+          "| words vs bytes | words vs bf16 | words % of floor | "
+          + " | ".join(f"words, {st} stages us" for st in SCALE_WORDS_STAGES) + " |")
+    print("| --- " * (11 + len(SCALE_WORDS_STAGES)) + "|")
+    for r in rows:
+        print(f"| {r['m']} | {r['n']} | {r['k']} | `{r['cfg']}` | {r['bf16_us']:.1f} | {r['floor_us']:.1f} | "
+              f"{r['bytes_us']:.1f} | {r['words_us']:.1f} | {r['bytes_us'] / r['words_us']:.2f}x | "
+              f"{r['bf16_us'] / r['words_us']:.2f}x | {100 * r['floor_us'] / r['words_us']:.0f}% | "
+              + " | ".join(f"{t:.1f}" for t in r["words_stages"].values()) + " |", flush=True)
 
 
 def mid_sweep(ceil: Ceilings, raw: dict) -> None:
@@ -572,6 +620,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the M=64..2048 sweep of every GEMM path as CUDA-graph replays")
     parser.add_argument("--wide-step-sweep", action="store_true",
                         help="only the M<=64 sweep of the decode GEMM's 256-K-step tile as CUDA-graph replays")
+    parser.add_argument("--scale-words-sweep", action="store_true",
+                        help="only the decode GEMM at M<=64 with word- vs byte-loaded activation scales")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not torch.cuda.is_available():
@@ -582,7 +632,8 @@ def main(argv: list[str] | None = None) -> int:
     ceil = measure_ceilings()
     print(f"copy {ceil.copy_gbs:.0f} GB/s, bf16 mm {ceil.mm_tflops:.0f} TFLOP/s", flush=True)
     sweeps = [fn for flag, fn in ((args.decode_sweep, decode_sweep), (args.mid_sweep, mid_sweep),
-                                  (args.wide_step_sweep, wide_step_sweep)) if flag]
+                                  (args.wide_step_sweep, wide_step_sweep),
+                                  (args.scale_words_sweep, scale_words_sweep)) if flag]
     if sweeps:
         raw = {"device": dev, "torch": torch.__version__, "triton": triton.__version__,
                "ceilings": dataclasses.asdict(ceil)}

@@ -57,9 +57,8 @@ def _ops_graph(a, b, sa, sb, alpha, x, r, w, gs):
     return out16, out32, summed, q, s
 
 
-def _cuda_ops_graph_args(m: int) -> tuple[torch.Tensor, ...]:
+def _cuda_ops_graph_args(m: int, n: int = 96, k: int = 208) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(m)
-    n, k = 96, 208
     a, sa, ga = _quantized(m, k, gen, "cuda")
     b, sb, gb = _quantized(n, k, gen, "cuda")
     alpha = (1.0 / (ga * gb)).reshape(1)
@@ -81,12 +80,14 @@ def _assert_lowered_and_bitwise_equal(fusion: fp4fuse.FusionPass, eager: tuple, 
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("m", [3, 17, 200, 300])
-def test_cuda_compiled_graph_launches_kernels_and_matches_the_eager_ops(m):
-    """m = 3, 17: the decode GEMM with the activation decoded in the kernel; 200: pre-decoded;
-    300: the bf16 GEMM through dequantize + cuBLAS (fp32 through the tiled kernel)."""
+@pytest.mark.parametrize("m,n,k", [(3, 96, 208), (5, 4096, 4096), (17, 96, 208), (200, 96, 208), (300, 96, 208)])
+def test_cuda_compiled_graph_launches_kernels_and_matches_the_eager_ops(m, n, k):
+    """m = 3, 17: the decode GEMM with the activation decoded in the kernel; 5 x 4096 x 4096: the same
+    on its 256-element K steps, where the eager call loads the activation's scales as words and the
+    traced one cannot (mm_decode, ``scale_words``); 200: pre-decoded; 300: the bf16 GEMM through
+    dequantize + cuBLAS (fp32 through the tiled kernel)."""
     torch._dynamo.reset()
-    args = _cuda_ops_graph_args(m)
+    args = _cuda_ops_graph_args(m, n, k)
     eager = _ops_graph(*args)
     fusion = fp4fuse.FusionPass(FusionConfig())
     compiled = torch.compile(_ops_graph, fullgraph=True, options={"post_grad_custom_post_pass": fusion})

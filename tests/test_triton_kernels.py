@@ -254,6 +254,75 @@ def test_cuda_mm_fp4_decode_matches_float64(m, n, k, out_dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("m", [5, 16, 32])
+def test_cuda_decode_scale_words_equal_byte_loads(m):
+    """K/16 a multiple of 4: the activation's block scales load as int32 words (pipelined) in the
+    default configuration and the narrow-step one, both with ``scale_words``; a copy of them 1 byte off a word boundary takes
+    the byte loads. Same bits both ways, and the float64 reference; a NaN scale stays in its row."""
+    _require_triton_backend()
+    from fp4fuse.kernels.triton import mm_decode
+    n, k = 1000, 2048
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    xa, xb = _blocks(m, k, gen), _blocks(n, k, gen)
+    ga = nvfp4.global_scale_from_amax(xa.float().abs().amax()).reshape(1)
+    gb = nvfp4.global_scale_from_amax(xb.float().abs().amax()).reshape(1)
+    a, sa = ops.scaled_fp4_quant(xa, ga)
+    b, sb = ops.scaled_fp4_quant(xb, gb)
+    alpha = 1.0 / (ga * gb)
+    shifted = torch.empty(sa.numel() + 1, dtype=torch.uint8, device="cuda")[1:].view(sa.shape)
+    shifted.copy_(sa.view(torch.uint8))
+    shifted = shifted.view(torch.float8_e4m3fn)
+    assert sa.data_ptr() % 4 == 0 and shifted.data_ptr() % 4 != 0
+    ref = nvfp4.mm_fp4_reference(a.cpu(), b.cpu(), sa.cpu(), sb.cpu(), alpha.cpu(), torch.float64)
+    for cfg in (mm_decode.decode_config_for(m, n, k), mm_decode.narrow_step_config(m, n, k)):
+        cfg = dataclasses.replace(cfg, scale_words=True)
+        words = mm_decode.mm_fp4_decode(a, b, sa, sb, alpha, torch.float32, cfg)
+        assert torch.equal(words, mm_decode.mm_fp4_decode(a, b, shifted, sb, alpha, torch.float32, cfg)), cfg
+        rel = ((words.double().cpu() - ref).norm() / ref.norm()).item()
+        assert rel <= 1e-5, (cfg, rel)
+        sa_nan = sa.clone()
+        sa_nan.view(torch.uint8)[m // 2, 77] = 0x7F
+        out = mm_decode.mm_fp4_decode(a, b, sa_nan, sb, alpha, torch.bfloat16, cfg)
+        assert torch.isnan(out[m // 2]).all()
+        assert torch.isfinite(out[: m // 2]).all() and torch.isfinite(out[m // 2 + 1:]).all()
+
+
+@pytest.mark.cuda
+def test_cuda_fast_launch_reuses_only_the_kernel_triton_would_pick():
+    """FastKernel (fp4fuse.kernels.triton.launch) against Triton's own dispatch, on a kernel that
+    Triton specializes on pointer alignment and integer divisibility: for aligned and misaligned
+    pointers, ints 1, 16, 17 and 2**31 + 16, each launch gives the right values, a repeated launch is
+    served from the cache, and the cached launcher is the one ``kernel[grid]`` returns for those
+    arguments."""
+    import triton
+    import triton.language as tl
+    from fp4fuse.kernels.triton.launch import FastKernel, _arg_key
+
+    @triton.jit
+    def add_kernel(x_ptr, out_ptr, n, shift, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=mask) + (shift % 1000), mask=mask)
+
+    fast = FastKernel(add_kernel)
+    base = torch.randn(4096 + 8, device="cuda", dtype=torch.float32)
+    for offset in (0, 1, 4, 0):
+        for n, shift in ((4096, 1), (4095, 16), (4096, 17), (33, 2**31 + 16)):
+            x = base[offset:offset + n]
+            out = torch.full((n + 1,), float("nan"), device="cuda")[offset % 2:][:n]
+            for _ in range(2):
+                out.fill_(float("nan"))
+                fast[(triton.cdiv(n, 256),)](x, out, n, shift, BLOCK=256, num_warps=4)
+                torch.testing.assert_close(out, x + (shift % 1000), rtol=0, atol=0)
+            key = (torch.cuda.current_device(), (("BLOCK", 256), ("num_warps", 4)),
+                   *(_arg_key(v) for v in (x, out, n, shift)))
+            assert key in fast.cache
+            compiled = add_kernel[(triton.cdiv(n, 256),)](x, out, n, shift, BLOCK=256, num_warps=4)
+            assert fast.cache[key][0] is compiled.run and fast.cache[key][1] == compiled.function
+    # the aligned and the misaligned pointers did get kernels of their own
+    assert len({entry[1] for entry in fast.cache.values()}) > 1
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 5), (130, 4099), (1000, 2047)])
 def test_cuda_scale_by_alpha_is_the_rounded_fp32_product(dtype, shape):

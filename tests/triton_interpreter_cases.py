@@ -262,6 +262,28 @@ def case_mm_decode() -> None:
     assert torch.isnan(out[5]).all(), "decode: NaN scale lost"
     assert torch.isfinite(out[:5]).all() and torch.isfinite(out[6:]).all(), "decode: NaN leaked"
     assert not ws.counters.any(), "decode: counters not reset after NaN call"
+    # K / 16 a multiple of 4: the activation scales load as int32 words; a view of them 1 byte off
+    # a word boundary takes the byte loads. Both give the float64 reference and the same bits.
+    m, n, k = 17, 70, 1088
+    a, sa, ga = _quantized(m, k, gen)
+    b, sb, gb = _quantized(n, k, gen)
+    alpha = 1.0 / (ga * gb)
+    ref = nvfp4.mm_fp4_reference(a, b, sa, sb, alpha, torch.float64)
+    shifted = torch.empty(sa.numel() + 1, dtype=torch.uint8)[1:].view(sa.shape)
+    shifted.copy_(sa.view(torch.uint8))
+    shifted = shifted.view(torch.float8_e4m3fn)
+    assert shifted.data_ptr() % 4 != 0 and sa.data_ptr() % 4 == 0
+    for cfg in (C(16, 32, 128, 3, 4, 2, scale_words=True), C(32, 16, 256, 1, 4, 2, scale_words=True)):
+        words = mm_decode.mm_fp4_decode(a, b, sa, sb, alpha, torch.float32, cfg)
+        rel = ((words.double() - ref).norm() / ref.norm()).item()
+        assert rel <= 1e-5, f"decode {m}x{n}x{k} {cfg}, scale words: rel {rel:.2e}"
+        assert torch.equal(words, mm_decode.mm_fp4_decode(a, b, shifted, sb, alpha, torch.float32, cfg)), \
+            f"decode {m}x{n}x{k} {cfg}: scale words and bytes differ"
+    sa_nan = sa.clone()
+    sa_nan.view(torch.uint8)[5, 45] = 0x7F
+    out = mm_decode.mm_fp4_decode(a, b, sa_nan, sb, alpha, torch.bfloat16, C(16, 32, 128, 3, 4, 2, scale_words=True))
+    assert torch.isnan(out[5]).all() and torch.isfinite(out[:5]).all() and torch.isfinite(out[6:]).all(), \
+        "decode, scale words: NaN scale not confined to its row"
     for m, n in ((0, 5), (4, 0)):
         empty = mm_decode.mm_fp4_decode(a[:m], b[:n], sa[:m], sb[:n], alpha, torch.bfloat16, cfg)
         assert empty.shape == (m, n), "decode: empty shapes"

@@ -12,10 +12,12 @@ Order of the pipeline (each pass sees the previous one's output):
    reduce_scatter + norm + quant + all_gather.
 3. ``async_tp`` (``enable_async_tp``): the collectives of 2. (and any in the model) fused with
    their GEMMs.
-4. ``norm_quant`` (``enable_norm_quant_fusion``, on by default): fp4fuse's norm -> NVFP4 quant
+4. ``cse`` (always): repeated pure computations merged, above all the quantization of one
+   activation that several linears read (q/k/v, gate/up: fp4fuse.passes.cse).
+5. ``norm_quant`` (``enable_norm_quant_fusion``, on by default): fp4fuse's norm -> NVFP4 quant
    with a static global scale -> one fused norm + quantize op (fp4fuse.passes.norm_quant), also
    the shard's norm -> quant that 2. writes.
-5. ``lowering`` (``lower_kernels``, on by default): fp4fuse's op calls on CUDA replaced by the
+6. ``lowering`` (``lower_kernels``, on by default): fp4fuse's op calls on CUDA replaced by the
    Triton launches they run (fp4fuse.passes.lowering), so no op costs a Python call per kernel.
 
 Caching: ``uuid()`` is composed, not scraped: the config's ``hash_key()``, each enabled pass's own
@@ -52,6 +54,7 @@ from fp4fuse.passes import cache_record
 from fp4fuse.passes.async_tp import AsyncTPPass
 from fp4fuse.passes.base import GraphPass, process_group_fingerprint
 from fp4fuse.passes.cleanup import NoOpViewCleanupPass
+from fp4fuse.passes.cse import CommonSubexpressionPass
 from fp4fuse.passes.log_handler import apply_log_level
 from fp4fuse.passes.lowering import KernelLoweringPass
 from fp4fuse.passes.norm_quant import NormQuantFusionPass
@@ -62,23 +65,30 @@ __all__ = ["FusionPass", "is_fusion"]
 
 logger = logging.getLogger(__name__)
 
-# Pattern-key prefixes of the passes that fuse nothing: cleanup and kernel lowering.
+# Pattern-key prefixes of the passes that fuse nothing: cleanup, common subexpressions, lowering.
 _CLEANUP = f"{NoOpViewCleanupPass.name}."
+_CSE = f"{CommonSubexpressionPass.name}."
 _LOWERING = f"{KernelLoweringPass.name}."
 
 
 def is_fusion(key: str) -> bool:
-    """Whether pattern key ``key`` counts a fusion (not a no-op view removed, not an op lowered)."""
-    return not key.startswith((_CLEANUP, _LOWERING))
+    """Whether pattern key ``key`` counts a fusion (not a no-op view removed, not a repeated
+    computation merged, not an op lowered)."""
+    return not key.startswith((_CLEANUP, _CSE, _LOWERING))
 
 
-def _summary(counts: dict[str, int]) -> tuple[int, str, int, int]:
-    """(fusions, ``": key=n, ..."`` of the fusions, no-op views removed, op calls lowered)."""
+def _summary(counts: dict[str, int]) -> tuple[int, str, str]:
+    """(fusions, ``": key=n, ..."`` of the fusions, ``"N no-op views removed, N repeated computations
+    merged, N op calls lowered to kernels"``)."""
     fused = {k: v for k, v in counts.items() if is_fusion(k)}
     detail = ", ".join(f"{k}={v}" for k, v in sorted(fused.items()))
-    removed = sum(v for k, v in counts.items() if k.startswith(_CLEANUP))
-    lowered = sum(v for k, v in counts.items() if k.startswith(_LOWERING))
-    return sum(fused.values()), f": {detail}" if detail else "", removed, lowered
+
+    def total(prefix: str) -> int:
+        return sum(v for k, v in counts.items() if k.startswith(prefix))
+
+    rest = (f"{total(_CLEANUP)} no-op views removed, {total(_CSE)} repeated computations merged, "
+            f"{total(_LOWERING)} op calls lowered to kernels")
+    return sum(fused.values()), f": {detail}" if detail else "", rest
 
 
 class FusionPass(CustomGraphPass):
@@ -107,6 +117,7 @@ class FusionPass(CustomGraphPass):
             self.passes.append(SequenceParallelismPass(self.config))
         if self.config.enable_async_tp:
             self.passes.append(AsyncTPPass(self.config))
+        self.passes.append(CommonSubexpressionPass(self.config))
         if self.config.enable_norm_quant_fusion:
             self.passes.append(NormQuantFusionPass(self.config))
         if self.config.lower_kernels:
@@ -153,19 +164,18 @@ class FusionPass(CustomGraphPass):
         self.last_skips = skips
         self._run_counts.update(self.last_match_counts)
         cache_record.record_compiled(self._uuid(), self.last_match_counts, len(skips))
-        fused, detail, removed, lowered = _summary(self.last_match_counts)
-        logger.info("fp4fuse: replaced %d patterns%s (%d skipped, %d no-op views removed, %d op calls "
-                    "lowered to kernels)", fused, detail, len(skips), removed, lowered)
+        fused, detail, rest = _summary(self.last_match_counts)
+        logger.info("fp4fuse: replaced %d patterns%s (%d skipped, %s)", fused, detail, len(skips), rest)
 
     def served_from_cache(self, record: cache_record.CompileRecord) -> None:
         """Inductor served ``record.graphs`` graphs compiled under this pass's uuid from the FX
         graph cache (called by fp4fuse.passes.cache_record): count and log them."""
         self._cached_graphs += record.graphs
         self._cached_counts.update(record.counts)
-        fused, detail, removed, lowered = _summary(record.counts)
+        fused, detail, rest = _summary(record.counts)
         logger.info("fp4fuse: served %d graph(s) from the FX graph cache (the passes did not run again): %d "
-                    "fusions recorded at compile time%s (%d skipped, %d no-op views removed, %d op calls lowered "
-                    "to kernels)", record.graphs, fused, detail, record.skipped, removed, lowered)
+                    "fusions recorded at compile time%s (%d skipped, %s)", record.graphs, fused, detail,
+                    record.skipped, rest)
 
     def uuid(self) -> str:
         """sha256 over the config's ``hash_key()``, each pass's ``uuid()`` in pipeline order, this

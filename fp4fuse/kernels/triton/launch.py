@@ -1,24 +1,134 @@
-"""How fp4fuse's launchers launch a Triton kernel: directly in eager code, through
-``torch.library.wrap_triton`` while a dispatcher-based tracer (make_fx / AOT autograd, as in
-``fp4fuse.passes.lowering``) records the call.
-
-``wrap_triton`` is what makes a launch traceable: under a tracer it becomes a
-``triton_kernel_wrapper_*`` node that Inductor's generated code launches itself. Outside one it still
-dispatches the launch through that higher-order op's eager implementation, which costs hundreds of
-microseconds of host time per launch; a plain ``kernel[grid](...)`` costs tens.
+"""How fp4fuse's launchers launch a Triton kernel: through ``torch.library.wrap_triton`` while a
+dispatcher-based tracer (make_fx / AOT autograd, as in ``fp4fuse.passes.lowering``) records the call,
+and otherwise through a cache of compiled kernels that skips Triton's per-call dispatch.
 
     traceable(_quant_kernel)[grid](x, ..., BLOCKS=128, num_warps=4)
+
+``wrap_triton`` is what makes a launch traceable: under a tracer it becomes a
+``triton_kernel_wrapper_*`` node that Inductor's generated code launches itself. Outside one it
+still dispatches the launch through that higher-order op's eager implementation, which costs
+hundreds of microseconds of host time per launch, so eager calls launch the kernel directly.
+
+A direct ``kernel[grid](...)`` still spends tens of microseconds of host time in ``JITFunction.run``
+(argument binding, specialization, cache-key strings) before the driver call; an eager decode step
+is host-bound on it (benchmarks/bench_host.py; results in benchmarks/results/). ``FastKernel``
+keeps, per kernel, the compiled kernel that Triton's own dispatch returned for a launch, under a
+key that holds everything Triton specializes a launch on -- each tensor's dtype and whether its
+address is a multiple of 16 bytes, each other argument's exact value (so an integer's
+divisibility, its int32/int64 type and equality to 1 all follow), every keyword (constexprs and
+launch options) and the current device -- and launches a cache hit through the compiled kernel's
+own launcher. A miss, a Triton version it was not written for, a launch hook (profilers such as
+proton) or an argument it cannot key takes Triton's path. The launcher and its argument order are
+those of ``JITFunction.run`` in Triton 3.2 to 3.9.
 """
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Any
 
+import torch
+import triton
 from torch.library import wrap_triton
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["traceable"]
+__all__ = ["FastKernel", "traceable", "tracing"]
+
+logger = logging.getLogger(__name__)
+
+#: Triton versions whose ``CompiledKernel.run`` takes ``JITFunction.run``'s positional layout:
+#: ``(grid x, y, z, stream, function, packed_metadata, launch_metadata, enter hook, exit hook, *args)``.
+_KNOWN_TRITON = ((3, 2), (3, 9))
+#: Cached launches per kernel before the cache is cleared (distinct shapes: one entry each).
+MAX_ENTRIES = 4096
+
+
+def _triton_version() -> tuple[int, int]:
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+_FAST_OK = _KNOWN_TRITON[0] <= _triton_version() <= _KNOWN_TRITON[1]
+
+
+def _arg_key(value: Any) -> Any:
+    """What Triton specializes a launch on, for one positional argument (KeyError: not keyable)."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.data_ptr() % 16 == 0
+    if isinstance(value, (bool, int, float)) or value is None:
+        return type(value), value
+    raise KeyError(type(value).__name__)
+
+
+def _hook_set(hook: Any) -> bool:
+    """A launch hook that would run: not None and, for Triton's ``HookChain``, holding a call."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _launch_hooks_set() -> bool:
+    runtime = triton.knobs.runtime
+    return _hook_set(runtime.launch_enter_hook) or _hook_set(runtime.launch_exit_hook)
+
+
+def tracing() -> bool:
+    """Whether a dispatch mode (a tracer, fake tensors) is active: tensors may have no storage."""
+    return _get_current_dispatch_mode() is not None
+
+
+class FastKernel:
+    """``kernel[grid](*args, **meta)`` for a ``triton.jit`` kernel, with the compiled-kernel cache of
+    the module docstring. ``args`` are the kernel's leading parameters, positionally; every later
+    parameter comes as a keyword or takes its default."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self.params = [(p.name, p.default) for p in kernel.params]
+        self.cache: dict[tuple, tuple] = {}
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        if callable(grid):  # a grid computed from the bound arguments: Triton's path
+            return self.kernel[grid]
+        return functools.partial(self.launch, grid)
+
+    def launch(self, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
+        try:
+            device = torch._C._cuda_getDevice()
+            key = (device, tuple(meta.items()), *map(_arg_key, args))
+            hit = self.cache.get(key)  # hashes every keyword value
+        except (KeyError, TypeError):  # an argument Triton may specialize in ways not keyed here
+            self.kernel[grid](*args, **meta)
+            return
+        if hit is None or _launch_hooks_set():
+            self._miss(key, grid, args, meta)
+            return
+        run, function, packed_metadata, tail = hit
+        stream = torch._C._cuda_getCurrentRawStream(device)  # what Triton's dispatch launches on
+        gx, gy, gz = (tuple(grid) + (1, 1))[:3]
+        run(gx, gy, gz, stream, function, packed_metadata, None, None, None, *args, *tail)
+
+    def _miss(self, key: tuple, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
+        compiled = self.kernel[grid](*args, **meta)  # Triton's dispatch: compiles or finds, launches
+        try:
+            entry = (compiled.run, compiled.function, compiled.packed_metadata,
+                     tuple(meta[name] if name in meta else default for name, default in self.params[len(args):]))
+        except AttributeError:  # not a CompiledKernel (another Triton): no fast path for it
+            return
+        if len(self.cache) >= MAX_ENTRIES:
+            self.cache.clear()
+        self.cache[key] = entry
+
+
+@functools.cache
+def _fast(kernel: Any) -> FastKernel:
+    return FastKernel(kernel)
 
 
 def traceable(kernel: Any) -> Any:
-    """``kernel`` itself, or ``wrap_triton(kernel)`` when a dispatch mode (a tracer) is active."""
-    return wrap_triton(kernel) if _get_current_dispatch_mode() is not None else kernel
+    """``wrap_triton(kernel)`` when a dispatch mode (a tracer) is active; otherwise a launcher with
+    ``kernel[grid](...)``'s call form: ``FastKernel`` for a compiled ``triton.jit`` kernel on a
+    known Triton, the kernel itself else (Triton's interpreter, other versions)."""
+    if tracing():
+        return wrap_triton(kernel)
+    if _FAST_OK and isinstance(kernel, triton.runtime.jit.JITFunction):
+        return _fast(kernel)
+    return kernel

@@ -36,6 +36,14 @@ Kernel design (``_mm_decode_kernel``):
   ``_predecode_kernel`` writes it once as fp16 planes in the same permuted order (``PREDECODED``:
   the GEMM loads them as the MMA's B operand); the products and their order are unchanged, so the
   result is bitwise the in-kernel decode's.
+* Loads of 1 or 2 bytes per thread are not pipelined by Triton (cp.async moves 4, 8 or 16 bytes):
+  they stay synchronous in the K loop, and in ``wide_step_config``'s 16-row tile the activation's
+  block scales (16 x 16 bytes a 256-element step, 2 per thread) were the kernel's largest stall
+  (ncu, M=16, N=K=8192; benchmarks/results/). With ``DecodeConfig.scale_words``, where K/16 is a
+  multiple of 4 and the scales are 4-byte aligned, ``A_SCALE_WORDS`` loads them as int32 words of 4
+  scales (``_scale_words``), which the pipeliner stages like the codes; the scales, products and
+  their order are unchanged. A traced launch (fp4fuse's kernel lowering) cannot read the address
+  and keeps the byte loads.
 * Split-K inside the launch, deterministic: program ``(tile, split)`` covers K steps
   ``[split * iters_per_split, +iters_per_split)``. With more than one split each program writes
   its fp32 partial tile to ``workspace.partials[tile, split]``, then (after a CTA barrier) one
@@ -55,6 +63,7 @@ lowering) must allocate in the graph anyway. A caller may pass a ``DecodeWorkspa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import NamedTuple
 
@@ -63,7 +72,7 @@ import triton
 import triton.language as tl
 
 from fp4fuse.kernels.triton.decode import DECODE_SCALE_UNDO, decode_codes, decode_scales, num_sms
-from fp4fuse.kernels.triton.launch import traceable
+from fp4fuse.kernels.triton.launch import traceable, tracing
 from fp4fuse.nvfp4.format import BLOCK_SIZE
 
 logger = logging.getLogger(__name__)
@@ -85,13 +94,37 @@ __all__ = [
 
 
 @triton.jit
+def _scale_words(s_ptr, s_rows, grp0, KG, G: tl.constexpr, EVEN_K: tl.constexpr):
+    """Block scales ``[grp0, grp0 + G)`` of each row as uint8 ``[R, G]``, loaded as int32 words of 4
+    scales (byte ``j`` of word ``w`` is group ``4 * w + j``, little-endian), so that every thread
+    loads at least 4 bytes: Triton's pipeliner then moves the load into its asynchronous shared
+    memory stages (cp.async takes 4, 8 or 16 bytes), where 1-2 byte loads stay synchronous in the
+    loop. Needs ``s_ptr``, every row offset ``s_rows`` and ``grp0`` to be multiples of 4 bytes."""
+    W: tl.constexpr = G // 4
+    words = grp0 // 4 + tl.arange(0, W)
+    ptrs = s_ptr.to(tl.pointer_type(tl.int32)) + (s_rows // 4)[:, None] + words[None, :]
+    if EVEN_K:
+        w = tl.load(ptrs)
+    else:
+        w = tl.load(ptrs, mask=(words < KG // 4)[None, :], other=0)
+    b0 = (w & 0xFF).to(tl.uint8)
+    b1 = ((w >> 8) & 0xFF).to(tl.uint8)
+    b2 = ((w >> 16) & 0xFF).to(tl.uint8)
+    b3 = ((w >> 24) & 0xFF).to(tl.uint8)
+    # join(join(b0, b2), join(b1, b3))[..., i, j] is b(2i + j): flattened, the bytes in order
+    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (s_rows.shape[0], G))
+
+
+@triton.jit
 def _decoded_tile(q_ptr, s_ptr, q_rows, s_rows, kb0, KB, KG,
-                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FAST_DECODE: tl.constexpr):
+                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FAST_DECODE: tl.constexpr,
+                  SCALE_WORDS: tl.constexpr = False):
     """One K step of ``R = len(q_rows)`` NVFP4 rows -> (low, high) nibble planes, fp16
     ``[R, BLOCK_K / 2]``, each value ``e2m1 * 2**-14 * s`` (exact).
 
     ``q_rows`` / ``s_rows``: int64 offsets of the rows in the codes / scales; the step covers code
     bytes ``[kb0, kb0 + BLOCK_K / 2)``, masked at ``KB`` bytes (and groups at ``KG``) unless EVEN_K.
+    SCALE_WORDS: load the scales 4 to a word (``_scale_words``; the caller checks its alignment rule).
     Column ``k`` of a plane is code byte ``8 * R_ * t + 8 * r + 4 * c + 2 * h + e`` of the step,
     where ``k = 32 * r + 16 * c + 8 * h + 2 * t + e`` (``R_ = BLOCK_K / 64``, t < 4, c, h, e < 2):
     one MMA fragment (columns ``2t, 2t+1, 2t+8, 2t+9`` of each 16) then comes from contiguous bytes.
@@ -104,9 +137,13 @@ def _decoded_tile(q_ptr, s_ptr, q_rows, s_rows, kb0, KB, KG,
     grp = kb0 // 8 + tl.arange(0, G)
     if EVEN_K:
         codes = tl.load(q_ptr + q_rows[:, None] + kb[None, :])
-        scales = tl.load(s_ptr + s_rows[:, None] + grp[None, :])
     else:
         codes = tl.load(q_ptr + q_rows[:, None] + kb[None, :], mask=(kb < KB)[None, :], other=0)
+    if SCALE_WORDS:
+        scales = _scale_words(s_ptr, s_rows, kb0 // 8, KG, G, EVEN_K).to(tl.float8e4nv, bitcast=True)
+    elif EVEN_K:
+        scales = tl.load(s_ptr + s_rows[:, None] + grp[None, :])
+    else:
         scales = tl.load(s_ptr + s_rows[:, None] + grp[None, :], mask=(grp < KG)[None, :], other=0.0)
     lo, hi = decode_codes(codes, FAST_DECODE)
     s = decode_scales(scales, FAST_DECODE)[:, :, None]
@@ -149,7 +186,7 @@ def _mm_decode_kernel(
     M, N, KB, KG, KBP, iters_per_split, n_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, FAST_DECODE: tl.constexpr,
-    PREDECODED: tl.constexpr,
+    PREDECODED: tl.constexpr, A_SCALE_WORDS: tl.constexpr = False,
 ):
     """Program ``(tile, split)``: ``acc[BLOCK_N, BLOCK_M]`` = weight rows of the tile times its
     activation rows over the split's K steps, then the output (``n_split == 1``, not PARTIAL) or
@@ -182,7 +219,7 @@ def _mm_decode_kernel(
             x_hi = tl.load(as_ptr + x_offs)
         else:
             x_lo, x_hi = _decoded_tile(a_ptr, as_ptr, a_rows * KB, a_rows * KG, kb0, KB, KG,
-                                       BLOCK_K, EVEN_K, FAST_DECODE)
+                                       BLOCK_K, EVEN_K, FAST_DECODE, A_SCALE_WORDS)
         acc = tl.dot(w_lo, tl.trans(x_lo), acc)
         acc = tl.dot(w_hi, tl.trans(x_hi), acc)
 
@@ -211,7 +248,9 @@ class DecodeConfig:
     (reduced in the same launch), Triton's ``num_warps`` / ``num_stages``, and ``max_registers``
     per thread (ptxas's ``maxnreg``; None: the compiler's choice). ``predecode``: decode the
     activation once into fp16 planes (``predecode_activation``, one more launch) instead of in
-    every program; pays where many weight tiles share the activation rows (larger M)."""
+    every program; pays where many weight tiles share the activation rows (larger M).
+    ``scale_words``: load the activation's block scales as int32 words (module docstring) where
+    their alignment allows; without ``predecode`` only."""
 
     block_m: int
     block_n: int
@@ -221,6 +260,7 @@ class DecodeConfig:
     num_stages: int
     max_registers: int | None = None
     predecode: bool = False
+    scale_words: bool = False
 
 
 class DecodeWorkspace(NamedTuple):
@@ -295,6 +335,10 @@ PREDECODE_PROGRAMS_PER_SM = 2
 WIDE_STEP_MAX_M = 32
 WIDE_STEP_MIN_WEIGHT = 1 << 24
 WIDE_STEP_PROGRAMS_PER_SM = 4
+#: Register cap of ``wide_step_config``'s tiles: 4 programs of 4 warps per multiprocessor. Without
+#: it the 16-row tile with word-loaded activation scales takes 144 registers (3 programs); capped
+#: it takes 128 without spilling (ptxas, sm_90, Triton 3.6).
+WIDE_STEP_MAX_REGISTERS = 128
 
 
 def filling_split(tiles: int, k: int, num_sms: int, programs_per_sm: int, block_k: int = 128) -> int:
@@ -304,6 +348,7 @@ def filling_split(tiles: int, k: int, num_sms: int, programs_per_sm: int, block_
     return max(1, min(MAX_SPLIT, programs_per_sm * num_sms // tiles, steps // MIN_STEPS_PER_SPLIT))
 
 
+@functools.lru_cache(maxsize=4096)
 def decode_config_for(m: int, n: int, k: int, num_sms: int = 132) -> DecodeConfig:
     """Launch configuration for an ``[m, k] x [n, k]^T`` product on ``num_sms`` multiprocessors:
     ``wide_step_config`` from 17 to ``WIDE_STEP_MAX_M`` rows, and up to 16 rows on weights of
@@ -315,7 +360,8 @@ def decode_config_for(m: int, n: int, k: int, num_sms: int = 132) -> DecodeConfi
     the best of 7 tiles at M = 128 and 256 on five Llama-3-8B / 8192^2 shapes, 1.4-2.1x faster than
     the tiled kernel and dequantize + cuBLAS there (benchmarks/results/).
 
-    No autotuning at run time: a serving engine sees many M."""
+    No autotuning at run time: a serving engine sees many M. Memoized (a pure function of its
+    arguments; the configuration is frozen): an eager decode step is host-bound."""
     if m > INKERNEL_DECODE_MAX_M:
         split = filling_split(triton.cdiv(m, 128) * triton.cdiv(n, 64), k, num_sms, PREDECODE_PROGRAMS_PER_SM)
         return DecodeConfig(block_m=128, block_n=64, block_k=128, split_k=split, num_warps=4, num_stages=3,
@@ -338,7 +384,8 @@ def wide_step_config(m: int, n: int, k: int, num_sms: int = 132) -> DecodeConfig
     block_m = 16 if m <= 16 else 32
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, 64)
     split = filling_split(tiles, k, num_sms, WIDE_STEP_PROGRAMS_PER_SM, block_k=256)
-    return DecodeConfig(block_m=block_m, block_n=64, block_k=256, split_k=split, num_warps=4, num_stages=3)
+    return DecodeConfig(block_m=block_m, block_n=64, block_k=256, split_k=split, num_warps=4, num_stages=3,
+                        max_registers=WIDE_STEP_MAX_REGISTERS, scale_words=block_m == 16)
 
 
 def narrow_step_config(m: int, n: int, k: int, num_sms: int = 132) -> DecodeConfig:
@@ -409,6 +456,9 @@ def mm_fp4_decode(
                              f"{workspace.counters.numel()} counters; this call needs {need_p} / {need_c}")
         partials, counters = workspace
     x, x_aux, x_stride = a, a_scale, 0
+    # traced (kernel lowering): fake tensors have no address, so the byte loads (the same bits)
+    scale_words = (cfg.scale_words and not cfg.predecode and (k // BLOCK_SIZE) % 4 == 0 and not tracing()
+                   and a_scale.data_ptr() % 4 == 0)
     if cfg.predecode:
         x, x_aux = predecode_activation(a, a_scale, cfg.block_k)
         x_stride = x.shape[1]
@@ -417,7 +467,7 @@ def mm_fp4_decode(
         m, n, k // 2, k // BLOCK_SIZE, x_stride, plan.iters_per_split, plan.split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PARTIAL=plan.split > 1, EVEN_K=plan.even_k, FAST_DECODE=a.device.type == "cuda",
-        PREDECODED=cfg.predecode,
+        PREDECODED=cfg.predecode, A_SCALE_WORDS=scale_words,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_register_cap(cfg, a.device),
     )
     return out

@@ -1,0 +1,145 @@
+"""Host cost of one eager call of fp4fuse's ops, layer by layer, against ``torch.mm`` in the same process.
+
+    PYTHONPATH=. python benchmarks/bench_host.py [--m 16 --n 8192 --k 8192] [--json raw.json]
+
+An eager op call is host-bound when its host path takes longer than its kernels: issue 12's
+"M=16 through the op, default launch" row. For each layer of the call path, from the public op down to
+a bare Triton launch (Triton's own dispatch, and fp4fuse's ``FastKernel``), this prints two figures in microseconds per call:
+
+* ``host``: the time to enqueue ``CALLS`` calls back to back while the GPU is held busy by a
+  ``torch.cuda._sleep`` queued first (so no call waits on the device), divided by ``CALLS``;
+* ``wall``: ``CALLS`` calls back to back, the device synced before and after, divided by ``CALLS``:
+  what a user of the op sees, ``max(host, device)`` in the steady state.
+
+Layers (M x N x K of ``--m/--n/--k``, bf16 output): ``torch.ops.fp4fuse.mm_fp4`` (the custom op:
+dispatch, validation, backend lookup, launcher), ``mm_fp4_triton`` (the launcher: configuration,
+output and split-K workspace allocations, launch), ``mm_fp4_decode`` with a caller's workspace
+(no allocation but the output), and the ``_mm_decode_kernel`` launch alone; the same for
+``scaled_fp4_quant`` on ``[M, K]`` bf16; ``torch.mm`` bf16 and an empty ``torch.library.custom_op``
+(dispatch cost of a Python custom op) as baselines.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+
+import torch
+import triton
+
+import fp4fuse  # noqa: F401  (registers torch.ops.fp4fuse)
+from fp4fuse.kernels.triton import mm as triton_mm, mm_decode, quant as triton_quant
+from fp4fuse.kernels.triton.decode import num_sms
+from fp4fuse.kernels.triton.launch import FastKernel
+from fp4fuse.nvfp4 import format as nvfp4
+from fp4fuse.ops import validation
+
+CALLS = 200
+ROUNDS = 5
+
+
+@torch.library.custom_op("fp4fuse_bench::empty_like", mutates_args=())
+def _empty_custom_op(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def host_us(fn) -> float:
+    """Median over ROUNDS of the host time per call of CALLS enqueued calls (device held busy)."""
+    times = []
+    for _ in range(ROUNDS):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of device time: the calls below never wait on it
+        start = time.perf_counter()
+        for _ in range(CALLS):
+            fn()
+        times.append((time.perf_counter() - start) * 1e6 / CALLS)
+    torch.cuda.synchronize()
+    return sorted(times)[ROUNDS // 2]
+
+
+def wall_us(fn) -> float:
+    """Median over ROUNDS of the wall time per call of CALLS back-to-back calls, synced around."""
+    times = []
+    for _ in range(ROUNDS):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(CALLS):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e6 / CALLS)
+    return sorted(times)[ROUNDS // 2]
+
+
+def layers(m: int, n: int, k: int) -> dict[str, callable]:
+    dev = torch.device("cuda")
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+    gs_x = nvfp4.global_scale_from_amax(x.float().abs().amax()).reshape(1)
+    gs_w = nvfp4.global_scale_from_amax(w.float().abs().amax()).reshape(1)
+    a, sa = torch.ops.fp4fuse.scaled_fp4_quant(x, gs_x)
+    b, sb = torch.ops.fp4fuse.scaled_fp4_quant(w, gs_w)
+    alpha = torch.reciprocal(gs_x * gs_w)
+    cfg = mm_decode.decode_config_for(m, n, k, num_sms(dev))
+    parts, counters = mm_decode.decode_workspace_numel(m, n, k, cfg)
+    ws = mm_decode.empty_decode_workspace(parts, counters, dev)
+    plan = mm_decode._plan(cfg, m, n, k)
+    out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+    partials, counts = (ws.partials, ws.counters) if plan.split > 1 else (out, out)
+    kernel = mm_decode._mm_decode_kernel
+    fast = FastKernel(kernel)
+
+    def raw_launch(launcher):
+        launcher[(plan.tiles, plan.split)](
+            a, sa, b, sb, alpha, out, partials, counts, m, n, k // 2, k // 16, 0, plan.iters_per_split,
+            plan.split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            PARTIAL=plan.split > 1, EVEN_K=plan.even_k, FAST_DECODE=True, PREDECODED=False,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **mm_decode._register_cap(cfg, dev))
+
+    w16 = w.t().contiguous().t()
+    return {
+        "torch.mm bf16 (baseline)": lambda: torch.mm(x, w16.t()),
+        "empty custom_op (dispatch only)": lambda: torch.ops.fp4fuse_bench.empty_like(x),
+        "torch.empty [M, N]": lambda: torch.empty(m, n, device=dev, dtype=torch.bfloat16),
+        "check_mm_inputs": lambda: validation.check_mm_inputs(a, b, sa, sb, alpha, torch.bfloat16),
+        "torch.ops.fp4fuse.mm_fp4": lambda: torch.ops.fp4fuse.mm_fp4(a, b, sa, sb, alpha, torch.bfloat16),
+        "mm_fp4_triton (launcher)": lambda: triton_mm.mm_fp4_triton(a, b, sa, sb, alpha, torch.bfloat16),
+        "mm_fp4_decode, caller's workspace": lambda: mm_decode.mm_fp4_decode(
+            a, b, sa, sb, alpha, torch.bfloat16, workspace=ws),
+        "_mm_decode_kernel launch, Triton's dispatch": lambda: raw_launch(kernel),
+        "_mm_decode_kernel launch, FastKernel": lambda: raw_launch(fast),
+        "torch.ops.fp4fuse.scaled_fp4_quant": lambda: torch.ops.fp4fuse.scaled_fp4_quant(x, gs_x),
+        "scaled_fp4_quant_triton (launcher)": lambda: triton_quant.scaled_fp4_quant_triton(x, gs_x),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--m", type=int, default=16)
+    p.add_argument("--n", type=int, default=8192)
+    p.add_argument("--k", type=int, default=8192)
+    p.add_argument("--json", help="raw results as JSON")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_host.py needs a CUDA device", file=sys.stderr)
+        return 2
+    rows = []
+    head = (f"{datetime.date.today()} {torch.cuda.get_device_name()} torch {torch.__version__} "
+            f"triton {triton.__version__}, M={args.m} N={args.n} K={args.k}, us per call")
+    print(head, flush=True)
+    print("| call | host us | wall us |\n| --- | --- | --- |", flush=True)
+    for name, fn in layers(args.m, args.n, args.k).items():
+        for _ in range(3):
+            fn()  # compile / warm caches
+        row = {"call": name, "host_us": host_us(fn), "wall_us": wall_us(fn)}
+        rows.append(row)
+        print(f"| {name} | {row['host_us']:.1f} | {row['wall_us']:.1f} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"header": head, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Common subexpressions: one computation where the graph repeats a pure one, above all the NVFP4
+quantization of an activation that several linears read.
+
+A Hugging Face decoder layer calls ``q_proj``, ``k_proj`` and ``v_proj`` (and ``gate_proj``,
+``up_proj``) on the same tensor, and each NVFP4 linear quantizes its input itself: the amax, the
+global scale and ``fp4fuse::scaled_fp4_quant`` of one activation run three (two) times, and
+Inductor cannot merge the custom-op calls. This pass keeps the first of each set of equal nodes::
+
+    before:  q1, s1 = scaled_fp4_quant(x, gs(amax(x)));  q2, s2 = scaled_fp4_quant(x, gs(amax(x)))
+             mm_fp4(q1, Wq, s1, ..);  mm_fp4(q2, Wk, s2, ..)
+    after:   q1, s1 = scaled_fp4_quant(x, gs(amax(x)))
+             mm_fp4(q1, Wq, s1, ..);  mm_fp4(q1, Wk, s1, ..)
+
+Two nodes are equal when they call the same pure target with equal arguments (nodes compared after
+merging, literals by value): then they compute the same value, bit for bit. Pure: an ATen or prims
+overload whose schema mutates nothing and that is not tagged nondeterministic (seeded or bitwise),
+fp4fuse's local compute ops (``fp4fuse.ops.kernel_table.LOWERABLE_OPS``: quantization, GEMM,
+norms), and ``operator.getitem``. Every other call -- a collective, an op that writes to its
+input (a KV-cache update), a higher-order op -- is a barrier: nothing before it is merged with
+anything after it, so no merge can cross a mutation of what the nodes read. Collectives are never
+merged (a merged collective changes what each rank sends, which this pass does not reason about).
+A node the graph outputs keeps its own node for that output (a graph output must not become
+another output); its other readers move to the first equal node.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fp4fuse.ops.kernel_table import LOWERABLE_OPS
+from fp4fuse.passes.base import GraphPass
+
+__all__ = ["CommonSubexpressionPass", "merge_common_subexpressions"]
+
+QUANT_PATTERN = "scaled_fp4_quant"
+OTHER_PATTERN = "other"
+
+_PURE_NAMESPACES = ("aten", "prims")
+_IMPURE_TAGS = (torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise)
+
+
+def _is_pure(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target is operator.getitem:
+        return True
+    if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
+        return False
+    namespace = target.namespace
+    if namespace == "fp4fuse":
+        return target._opname in LOWERABLE_OPS
+    return namespace in _PURE_NAMESPACES and not any(tag in target.tags for tag in _IMPURE_TAGS)
+
+
+def _key(value: Any, rep: dict[fx.Node, fx.Node]) -> Any:
+    """A hashable stand-in for an argument: nodes by their merged representative, containers
+    element by element, floats by their bits (NaN equals NaN, 0.0 differs from -0.0, which ``==``
+    gets the other way round), other literals by type and value."""
+    if isinstance(value, fx.Node):
+        return ("node", rep.get(value, value))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_key(v, rep) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((k, _key(v, rep)) for k, v in value.items()))
+    if isinstance(value, float):
+        return ("float", value.hex())
+    return (type(value).__name__, value)
+
+
+def merge_common_subexpressions(graph: fx.Graph) -> dict[str, int]:
+    """Merge equal pure nodes of ``graph`` (module docstring); returns how many nodes were merged
+    away, as ``{QUANT_PATTERN: quantizations, OTHER_PATTERN: other nodes}`` (zeros left out)."""
+    rep: dict[fx.Node, fx.Node] = {}
+    seen: dict[Any, fx.Node] = {}
+    merged: list[tuple[fx.Node, fx.Node]] = []
+    for node in graph.nodes:
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue
+        if not _is_pure(node):
+            seen.clear()  # a barrier: nothing after it is merged with anything before it
+            continue
+        try:
+            key = (node.target, _key(node.args, rep), _key(node.kwargs, rep))
+            first = seen.setdefault(key, node)
+        except TypeError:  # an unhashable literal: leave the node alone
+            continue
+        if first is not node:
+            rep[node] = first
+            merged.append((node, first))
+    counts = {QUANT_PATTERN: 0, OTHER_PATTERN: 0}
+    for node, first in merged:
+        node.replace_all_uses_with(first, delete_user_cb=lambda user: user.op != "output")
+        is_quant = isinstance(node.target, torch._ops.OpOverload) and node.target._opname == QUANT_PATTERN \
+            and node.target.namespace == "fp4fuse"
+        counts[QUANT_PATTERN if is_quant else OTHER_PATTERN] += 1
+    for node, _ in reversed(merged):
+        if not node.users:
+            graph.erase_node(node)
+    return {k: v for k, v in counts.items() if v}
+
+
+class CommonSubexpressionPass(GraphPass):
+    """Merge repeated pure computations (always on; changes no numerics): module docstring."""
+
+    name = "cse"
+
+    def __call__(self, graph: fx.Graph) -> int:
+        self.recorder.reset()
+        for pattern, count in merge_common_subexpressions(graph).items():
+            self.recorder.matched(pattern, count)
+        return self.finish()
