@@ -72,7 +72,7 @@ def test_equal_pure_nodes_merge_and_their_readers_follow():
     assert out[0] is not out[1], "a graph output keeps its own node"
 
 
-def test_no_merge_across_a_mutation_or_of_random_ops():
+def test_no_merge_across_a_mutation_or_of_random_ops_or_uninitialized_memory():
     def mutated(x):
         a = x.abs()
         x.add_(1)
@@ -87,6 +87,14 @@ def test_no_merge_across_a_mutation_or_of_random_ops():
 
     graph = _graph(random, torch.randn(4))
     assert merge_common_subexpressions(graph) == {}
+
+    def uninitialized(x):
+        first, second = torch.empty_like(x), torch.empty_like(x)
+        return first.fill_(1), second.fill_(2)
+
+    graph = _graph(uninitialized, torch.randn(4))
+    merge_common_subexpressions(graph)
+    assert _count(graph, aten.empty_like.default) == 2
 
 
 def test_collectives_are_barriers_never_merged():

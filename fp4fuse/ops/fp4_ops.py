@@ -21,6 +21,7 @@ from fp4fuse.nvfp4 import format as nvfp4
 from fp4fuse.ops import validation
 from fp4fuse.ops.backend import Backend, backend_for
 from fp4fuse.ops.kernel_table import kernel_for
+from fp4fuse.ops.registration import cuda_kernel
 
 
 @torch.library.custom_op("fp4fuse::scaled_fp4_quant", mutates_args=())
@@ -44,7 +45,7 @@ def _(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.
     return empty_fp4_like(x)
 
 
-@scaled_fp4_quant.register_kernel("cuda")
+@cuda_kernel(scaled_fp4_quant)
 def _(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     validation.check_quant_inputs(x, global_scale)
     backend = Backend.REFERENCE if x.numel() == 0 else backend_for(x)  # empty: no kernel launch
@@ -66,7 +67,7 @@ def _(a, b, a_scale, b_scale, alpha, out_dtype):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
-@mm_fp4.register_kernel("cuda")
+@cuda_kernel(mm_fp4)
 def _(a, b, a_scale, b_scale, alpha, out_dtype):
     validation.check_mm_inputs(a, b, a_scale, b_scale, alpha, out_dtype)
     # M, N or K is 0: no work, whatever the backend

@@ -27,6 +27,7 @@ from fp4fuse.nvfp4.norms import fused_add_rms_norm_fp4_quant_reference, rms_norm
 from fp4fuse.ops.backend import backend_for
 from fp4fuse.ops.fp4_ops import empty_fp4_like
 from fp4fuse.ops.kernel_table import kernel_for
+from fp4fuse.ops.registration import cuda_kernel
 
 
 @torch.library.custom_op("fp4fuse::rms_norm", mutates_args=())
@@ -41,7 +42,7 @@ def _(x, weight, eps):
     return torch.empty_like(x)
 
 
-@rms_norm.register_kernel("cuda")
+@cuda_kernel(rms_norm)
 def _(x, weight, eps):
     validation.check_norm_inputs("rms_norm", x, weight, eps)
     return kernel_for("rms_norm", backend_for(x))(x, weight, eps)
@@ -61,7 +62,7 @@ def _(x, residual, weight, eps):
     return torch.empty_like(x), torch.empty_like(x)
 
 
-@fused_add_rms_norm.register_kernel("cuda")
+@cuda_kernel(fused_add_rms_norm)
 def _(x, residual, weight, eps):
     validation.check_norm_inputs("fused_add_rms_norm", x, weight, eps, residual)
     return kernel_for("fused_add_rms_norm", backend_for(x))(x, residual, weight, eps)
@@ -81,7 +82,7 @@ def _(x, weight, eps, global_scale):
     return empty_fp4_like(x)
 
 
-@rms_norm_fp4_quant.register_kernel("cuda")
+@cuda_kernel(rms_norm_fp4_quant)
 def _(x, weight, eps, global_scale):
     validation.check_norm_quant_inputs("rms_norm_fp4_quant", x, weight, eps, global_scale)
     return kernel_for("rms_norm_fp4_quant", backend_for(x))(x, weight, eps, global_scale)
@@ -102,7 +103,7 @@ def _(x, residual, weight, eps, global_scale):
     return q, s, torch.empty_like(x)
 
 
-@fused_add_rms_norm_fp4_quant.register_kernel("cuda")
+@cuda_kernel(fused_add_rms_norm_fp4_quant)
 def _(x, residual, weight, eps, global_scale):
     validation.check_norm_quant_inputs("fused_add_rms_norm_fp4_quant", x, weight, eps, global_scale, residual)
     return kernel_for("fused_add_rms_norm_fp4_quant", backend_for(x))(x, residual, weight, eps, global_scale)

@@ -13,7 +13,8 @@ Inductor cannot merge the custom-op calls. This pass keeps the first of each set
 
 Two nodes are equal when they call the same pure target with equal arguments (nodes compared after
 merging, literals by value): then they compute the same value, bit for bit. Pure: an ATen or prims
-overload whose schema mutates nothing and that is not tagged nondeterministic (seeded or bitwise),
+overload whose schema mutates nothing, that is not tagged nondeterministic (seeded or bitwise) and
+that does not return uninitialized memory (the ``empty`` family: two calls are two buffers),
 fp4fuse's local compute ops (``fp4fuse.ops.kernel_table.LOWERABLE_OPS``: quantization, GEMM,
 norms), and ``operator.getitem``. Every other call -- a collective, an op that writes to its
 input (a KV-cache update), a higher-order op -- is a barrier: nothing before it is merged with
@@ -42,6 +43,12 @@ _PURE_NAMESPACES = ("aten", "prims")
 _IMPURE_TAGS = (torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise)
 
 
+def _uninitialized(target: torch._ops.OpOverload) -> bool:
+    """``empty``, ``empty_like``, ``new_empty_strided``, ...: memory whose values are not a function
+    of the arguments (and that a later op may fill in place), so two calls are two buffers."""
+    return "empty" in target._opname
+
+
 def _is_pure(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
@@ -53,7 +60,8 @@ def _is_pure(node: fx.Node) -> bool:
     namespace = target.namespace
     if namespace == "fp4fuse":
         return target._opname in LOWERABLE_OPS
-    return namespace in _PURE_NAMESPACES and not any(tag in target.tags for tag in _IMPURE_TAGS)
+    return (namespace in _PURE_NAMESPACES and not _uninitialized(target)
+            and not any(tag in target.tags for tag in _IMPURE_TAGS))
 
 
 def _key(value: Any, rep: dict[fx.Node, fx.Node]) -> Any:

@@ -281,8 +281,10 @@ class _Plan:
     even_k: bool
 
 
+@functools.lru_cache(maxsize=4096)
 def _plan(cfg: DecodeConfig, m: int, n: int, k: int) -> _Plan:
-    """Effective split: at most one per K step, and no split without a K step."""
+    """Effective split: at most one per K step, and no split without a K step. Memoized, like
+    ``decode_config_for``."""
     kb = k // 2
     bkb = cfg.block_k // 2
     steps = triton.cdiv(kb, bkb)
