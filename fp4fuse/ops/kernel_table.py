@@ -14,6 +14,7 @@ imported when a kernel is first looked up, not when fp4fuse is imported.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from typing import Any
@@ -51,8 +52,10 @@ LOWERABLE_OPS: frozenset[str] = frozenset(op for op, backend in _KERNELS if back
 _FALLBACK = {Backend.FLASHINFER: Backend.TRITON}
 
 
+@functools.cache
 def kernel_for(op: str, backend: Backend) -> Callable[..., Any]:
-    """The function computing ``fp4fuse::<op>`` on ``backend``."""
+    """The function computing ``fp4fuse::<op>`` on ``backend`` (looked up once per pair: every
+    eager op call asks)."""
     entry = _KERNELS.get((op, backend)) or _KERNELS.get((op, _FALLBACK.get(backend)))
     if entry is None:
         raise KeyError(f"fp4fuse: no {backend.value} kernel registered for op {op!r}")

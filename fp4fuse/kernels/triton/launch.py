@@ -24,7 +24,6 @@ those of ``JITFunction.run`` in Triton 3.2 to 3.9.
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Any
 
 import torch
@@ -33,8 +32,6 @@ from torch.library import wrap_triton
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 __all__ = ["FastKernel", "traceable", "tracing"]
-
-logger = logging.getLogger(__name__)
 
 #: Triton versions whose ``CompiledKernel.run`` takes ``JITFunction.run``'s positional layout:
 #: ``(grid x, y, z, stream, function, packed_metadata, launch_metadata, enter hook, exit hook, *args)``.
@@ -118,9 +115,15 @@ class FastKernel:
         self.cache[key] = entry
 
 
-@functools.cache
+# one FastKernel per kernel, by identity (a JITFunction hashes its source key under a lock)
+_FAST: dict[int, FastKernel] = {}
+
+
 def _fast(kernel: Any) -> FastKernel:
-    return FastKernel(kernel)
+    fast = _FAST.get(id(kernel))
+    if fast is None or fast.kernel is not kernel:
+        fast = _FAST[id(kernel)] = FastKernel(kernel)
+    return fast
 
 
 def traceable(kernel: Any) -> Any:
