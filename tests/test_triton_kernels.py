@@ -34,6 +34,37 @@ def test_kernels_under_triton_interpreter(family):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
+def test_fast_launch_key_is_at_least_as_fine_as_tritons_specialization():
+    """FastKernel (fp4fuse.kernels.triton.launch) reuses a compiled kernel for arguments with equal
+    keys, and Triton compiles one kernel per specialization, so equal keys must mean equal
+    specializations. Checked against Triton's own specialization function on ints (1, divisible by
+    16 or not, int32 and int64, negative), bools, floats, None and CPU tensors of several dtypes,
+    16-byte aligned and not; an argument it cannot key (a tuple) is refused, so it takes Triton's path."""
+    import itertools
+
+    libtriton = pytest.importorskip("triton._C.libtriton")
+    if not hasattr(libtriton, "native_specialize_impl"):
+        pytest.skip("this Triton has no native_specialize_impl")
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    from fp4fuse.kernels.triton.launch import _arg_key
+
+    base = torch.zeros(64, dtype=torch.float32)
+    args = [1, 0, 16, 32, 17, -1, -16, 2**31 - 1, 2**31, 2**31 + 16, 2**40 + 3, True, False, 1.0, 1.5, None,
+            base, base[1:], base[4:], base[2:], torch.zeros(64, dtype=torch.uint8)[3:],
+            torch.zeros(64, dtype=torch.uint8), torch.zeros(8, dtype=torch.bfloat16),
+            torch.zeros(8, dtype=torch.float8_e4m3fn)]
+
+    def spec(arg):
+        return libtriton.native_specialize_impl(CUDABackend, arg, False, True, True)
+
+    for x, y in itertools.combinations(args, 2):
+        if _arg_key(x) == _arg_key(y):
+            assert spec(x) == spec(y), (x, y)
+    with pytest.raises(KeyError):
+        _arg_key((1, 2))
+
+
 # ---------------------------------------------------------------------------------------- CUDA
 
 def _require_triton_backend():
