@@ -12,7 +12,8 @@ rank from the same weights and timed in the same process, interleaved round by r
 
 * ``bf16``: the TP model with bf16 linears, ``torch.compile`` (no fp4fuse pass);
 * ``nvfp4``: NVFP4 linears (dynamic activation scales), ``torch.compile`` without fp4fuse;
-* ``lowered``: + ``FusionPass(FusionConfig())``: no fusion, fp4fuse's op calls lowered to kernels;
+* ``lowered``: + ``FusionPass(FusionConfig())``: no fusion; repeated computations merged (one quantization
+  of an activation several linears read), fp4fuse's op calls lowered to kernels;
 * ``sp``: + sequence parallelism at every size (``min_tokens=0``);
 * ``fp4fuse``: + sequence parallelism + AsyncTP, shipped defaults (what a serving engine's flag
   does: each rewrite only from its measured crossover, fp4fuse.patterns.thresholds);
