@@ -12,7 +12,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fp4fuse
 from fp4fuse.nvfp4.quantizer import NVFP4Quantizer
-from fp4fuse.passes.cse import merge_common_subexpressions
+from fp4fuse.passes.cse import CommonSubexpressionPass, merge_common_subexpressions
 from fp4fuse.tp.linear import NVFP4Linear
 
 aten = torch.ops.aten
@@ -120,3 +120,25 @@ def test_float_literals_compare_by_bits():
     merge_common_subexpressions(graph)
     assert _count(graph, aten.full_like.default) == 1
     assert _count(graph, aten.mul.Tensor) == 2
+
+
+def test_a_graph_that_mutates_an_intermediate_is_left_alone():
+    """A merge must not let a reader of one copy see an in-place update of the other. Post-grad
+    graphs are functional when the pass runs (Inductor reinplaces later); a graph that mutates an
+    intermediate anyway is not rewritten."""
+    def f(x):
+        a, b = x.abs(), x.abs()
+        a.add_(1)
+        return a, b * 2
+
+    x = torch.randn(5)
+    gm = make_fx(f)(x)
+    expected = gm(x)
+    assert merge_common_subexpressions(gm.graph) == {}
+    gm.recompile()
+    got = gm(x)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    cse_pass = CommonSubexpressionPass(fp4fuse.FusionConfig())
+    assert cse_pass(gm.graph) == 0
+    assert [s.key for s in cse_pass.skips] == ["cse.other"]
+    assert "writes to an intermediate tensor in place" in cse_pass.skips[0].reason

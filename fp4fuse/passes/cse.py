@@ -21,7 +21,10 @@ input (a KV-cache update), a higher-order op -- is a barrier: nothing before it 
 anything after it, so no merge can cross a mutation of what the nodes read. Collectives are never
 merged (a merged collective changes what each rank sends, which this pass does not reason about).
 A node the graph outputs keeps its own node for that output (a graph output must not become
-another output); its other readers move to the first equal node.
+another output); its other readers move to the first equal node. The pass relies on the graph
+being functional, which a post-grad graph is when ``post_grad_custom_post_pass`` runs (Inductor
+reinplaces after it; a mutated graph input is written back by ``copy_`` into its placeholder): a
+graph that writes to any other tensor in place is left alone, with the reason as a skip.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ import torch.fx as fx
 from fp4fuse.ops.kernel_table import LOWERABLE_OPS
 from fp4fuse.passes.base import GraphPass
 
-__all__ = ["CommonSubexpressionPass", "merge_common_subexpressions"]
+__all__ = ["CommonSubexpressionPass", "merge_common_subexpressions", "mutated_intermediate"]
 
 QUANT_PATTERN = "scaled_fp4_quant"
 OTHER_PATTERN = "other"
@@ -79,9 +82,43 @@ def _key(value: Any, rep: dict[fx.Node, fx.Node]) -> Any:
     return (type(value).__name__, value)
 
 
+def _written_args(node: fx.Node) -> list[Any]:
+    """The arguments ``node``'s schema marks as written (``Tensor(a!)``)."""
+    schema = node.target._schema
+    written = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            written.append(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
+    return written
+
+
+def mutated_intermediate(graph: fx.Graph) -> fx.Node | None:
+    """The first node that writes to a tensor other than a graph input (or a view of one), if any.
+
+    Post-grad graphs are functional when fp4fuse's passes run: Inductor reinplaces later, and an
+    input the model mutates is written back by ``copy_`` into its placeholder. A merge of two equal
+    nodes is only exact if neither is written to afterwards, so a graph that does write to an
+    intermediate is not rewritten at all."""
+    for node in graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if not node.target._schema.is_mutable:
+            continue
+        for base in _written_args(node):
+            while isinstance(base, fx.Node) and base.op == "call_function" and base.args \
+                    and isinstance(base.target, torch._ops.OpOverload) and base.target.is_view:
+                base = base.args[0]
+            if isinstance(base, fx.Node) and base.op != "placeholder":
+                return node
+    return None
+
+
 def merge_common_subexpressions(graph: fx.Graph) -> dict[str, int]:
     """Merge equal pure nodes of ``graph`` (module docstring); returns how many nodes were merged
-    away, as ``{QUANT_PATTERN: quantizations, OTHER_PATTERN: other nodes}`` (zeros left out)."""
+    away, as ``{QUANT_PATTERN: quantizations, OTHER_PATTERN: other nodes}`` (zeros left out).
+    A graph with a write to an intermediate (``mutated_intermediate``) is left as it is."""
+    if mutated_intermediate(graph) is not None:
+        return {}
     rep: dict[fx.Node, fx.Node] = {}
     seen: dict[Any, fx.Node] = {}
     merged: list[tuple[fx.Node, fx.Node]] = []
@@ -118,6 +155,12 @@ class CommonSubexpressionPass(GraphPass):
 
     def __call__(self, graph: fx.Graph) -> int:
         self.recorder.reset()
+        writer = mutated_intermediate(graph)
+        if writer is not None:
+            self.recorder.skipped(OTHER_PATTERN, writer, f"the graph writes to an intermediate tensor in place "
+                                  f"({writer.target}); merging equal computations is only exact in a functional "
+                                  f"graph, so none are merged")
+            return self.finish()
         for pattern, count in merge_common_subexpressions(graph).items():
             self.recorder.matched(pattern, count)
         return self.finish()
