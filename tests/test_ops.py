@@ -254,3 +254,16 @@ def test_norm_rejects_weight_dtype_also_at_trace_time(dtype):
         for call in _norm_calls(fake_x, fake_w, 1e-6):
             with pytest.raises(ValueError, match="weight must have dtype in"):
                 call()
+
+
+def test_compute_ops_register_plain_cuda_kernels():
+    """The compute ops' CUDA kernels sit on the dispatcher's CUDA key directly
+    (fp4fuse/ops/registration.py), not behind ``custom_op.register_kernel``'s per-call Python layers,
+    which cost an eager decode step host time (benchmarks/results/2026-11-25-decode-host-cse-h100.md);
+    the fake and CPU implementations stay ``custom_op``'s."""
+    for name in ("scaled_fp4_quant", "mm_fp4", "rms_norm", "fused_add_rms_norm", "rms_norm_fp4_quant",
+                 "fused_add_rms_norm_fp4_quant"):
+        table = {line.split(":", 1)[0]: line for line in torch._C._dispatch_dump(f"fp4fuse::{name}").splitlines()}
+        assert "fp4fuse/ops/registration.py" in table["CUDA"], (name, table.get("CUDA"))
+        assert "custom_ops.py" in table["CompositeExplicitAutograd[alias]"], name
+        assert "custom_ops.py" in table["Meta"], name
