@@ -2,9 +2,10 @@
 
     PYTHONPATH=. python benchmarks/bench_host.py [--m 16 --n 8192 --k 8192] [--json raw.json]
 
-An eager op call is host-bound when its host path takes longer than its kernels: issue 12's
-"M=16 through the op, default launch" row. For each layer of the call path, from the public op down to
-a bare Triton launch (Triton's own dispatch, and fp4fuse's ``FastKernel``), this prints two figures in microseconds per call:
+An eager op call is host-bound when its host path takes longer than its kernels (an eager decode
+step at M=16). For each layer of the call path, from the public op down to
+a bare Triton launch (Triton's own dispatch, and fp4fuse's ``FastKernel``), this prints two figures
+in microseconds per call:
 
 * ``host``: the time to enqueue ``CALLS`` calls back to back while the GPU is held busy by a
   ``torch.cuda._sleep`` queued first (so no call waits on the device), divided by ``CALLS``;

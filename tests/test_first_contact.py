@@ -91,7 +91,8 @@ def test_environment_level_reaches_stderr_of_a_fresh_interpreter_once():
                           timeout=300)
     assert done.returncode == 0, done.stderr
     unset, level_set, configured = done.stderr.split("--- ")
-    summary = "fp4fuse: replaced 0 patterns (0 skipped, 0 no-op views removed, 0 repeated computations merged, 0 op calls lowered to kernels)"
+    summary = ("fp4fuse: replaced 0 patterns (0 skipped, 0 no-op views removed, 0 repeated computations merged, "
+               "0 op calls lowered to kernels)")
     assert unset == ""
     assert level_set.splitlines()[1:] == [f"INFO fp4fuse.passes.manager: {summary}"]
     assert configured.splitlines()[1:] == [f"root: {summary}"]
