@@ -342,6 +342,36 @@ def _decode_splits(cfg: mm_decode.DecodeConfig, m: int, n: int, k: int, sms: int
     return [s for s in cands if s == 1 or (tiles * s <= 8 * sms and steps >= 2 * s)]
 
 
+def weight_floor_us(ceil: Ceilings, n: int, k: int) -> float:
+    """Microseconds to read an ``[n, k]`` NVFP4 weight (codes + e4m3 scales) at the copy bandwidth."""
+    return (n * k // 2 + n * k // 16) / ceil.copy_gbs / 1e3
+
+
+def decode_graph_ms(a: torch.Tensor, sa: torch.Tensor, alpha: torch.Tensor, weights: list,
+                    cfg: mm_decode.DecodeConfig) -> float:
+    """Milliseconds per call of the decode GEMM under ``cfg`` on the activation ``(a, sa)``, replayed
+    from one CUDA graph over the rotating ``weights`` (``quantize`` triples), with its own workspace."""
+    m, n, k = a.shape[0], weights[0][0].shape[0], a.shape[1] * 2
+    ws = mm_decode.empty_decode_workspace(*mm_decode.decode_workspace_numel(m, n, k, cfg), a.device)
+    return bench_graph([functools.partial(mm_decode.mm_fp4_decode, a, wq, sa, wsq, alpha, torch.bfloat16, cfg, ws)
+                        for wq, wsq, _ in weights])
+
+
+def _rotating_points(shapes: tuple, ms: tuple):
+    """For each ``(n, k)`` of ``shapes`` and M of ``ms``: ``(m, n, k, x, a, sa, alpha, weights, w_t)``,
+    with ROTATIONS quantized weight copies, as many bf16 ones (``w_t``, transposed for ``torch.mm``) and
+    a fresh bf16 activation ``x`` and its quantization; the weights are freed after each shape."""
+    for n, k in shapes:
+        weights = [quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16)) for _ in range(ROTATIONS)]
+        w_t = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() for _ in range(ROTATIONS)]
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            a, sa, ga = quantize(x)
+            yield m, n, k, x, a, sa, 1.0 / (ga * weights[0][2]), weights, w_t
+        weights = w_t = None
+        torch.cuda.empty_cache()
+
+
 def _decode_point(ceil: Ceilings, m: int, n: int, k: int, weights: list, w_bf16: list, sms: int) -> dict:
     """Time one (shape, M): every config of the grid (do_bench), then the best and the default
     config, the current kernel and cuBLAS bf16 also as CUDA-graph replays."""
@@ -371,9 +401,7 @@ def _decode_point(ceil: Ceilings, m: int, n: int, k: int, weights: list, w_bf16:
     default_ms = dict(timed)[default]
 
     def graph_decode(cfg):
-        ws = mm_decode.empty_decode_workspace(*mm_decode.decode_workspace_numel(m, n, k, cfg), a.device)
-        return bench_graph([functools.partial(mm_decode.mm_fp4_decode, a, wq, sa, wsq, alpha, torch.bfloat16, cfg, ws)
-                            for wq, wsq, _ in weights])
+        return decode_graph_ms(a, sa, alpha, weights, cfg)
 
     w_t = [w.t() for w in w_bf16]
     row = {"m": m, "n": n, "k": k, "best_cfg": dataclasses.asdict(best_cfg), "best_us": best_ms * 1e3,
@@ -386,7 +414,7 @@ def _decode_point(ceil: Ceilings, m: int, n: int, k: int, weights: list, w_bf16:
            "graph_current_us": bench_graph([functools.partial(triton_mm.mm_fp4_triton, a, wq, sa, wsq, alpha,
                                                               torch.bfloat16) for wq, wsq, _ in weights]) * 1e3,
            "graph_bf16_us": bench_graph([functools.partial(torch.mm, x, wt) for wt in w_t]) * 1e3,
-           "floor_us": (n * k // 2 + n * k // 16) / ceil.copy_gbs / 1e3,
+           "floor_us": weight_floor_us(ceil, n, k),
            "all": [{"cfg": dataclasses.asdict(c), "us": t * 1e3} for c, t in timed]}
     row["graph_vs_bf16"] = row["graph_bf16_us"] / row["graph_best_us"]
     print(f"DECODE m={m:<3d} n={n:<5d} k={k:<5d} best {row['best_us']:6.1f} us {_cfg_str(best_cfg)} | "
@@ -437,34 +465,23 @@ def wide_step_sweep(ceil: Ceilings, raw: dict) -> None:
     WIDE_SPLITS, and cuBLAS bf16; then one markdown row per point."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-    for n, k in WIDE_SHAPES:
-        weights = [quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16)) for _ in range(ROTATIONS)]
-        w_t = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() for _ in range(ROTATIONS)]
-        for m in WIDE_MS:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            a, sa, ga = quantize(x)
-            alpha = 1.0 / (ga * weights[0][2])
+    for m, n, k, x, a, sa, alpha, weights, w_t in _rotating_points(WIDE_SHAPES, WIDE_MS):
+        def graph_us(cfg: mm_decode.DecodeConfig) -> float:
+            return 1e3 * decode_graph_ms(a, sa, alpha, weights, cfg)
 
-            def graph_us(cfg: mm_decode.DecodeConfig) -> float:
-                ws = mm_decode.empty_decode_workspace(*mm_decode.decode_workspace_numel(m, n, k, cfg), a.device)
-                return 1e3 * bench_graph([functools.partial(mm_decode.mm_fp4_decode, a, wq, sa, wsq, alpha,
-                                                            torch.bfloat16, cfg, ws) for wq, wsq, _ in weights])
-
-            wide = mm_decode.wide_step_config(m, n, k, sms) if m <= mm_decode.WIDE_STEP_MAX_M else \
-                dataclasses.replace(mm_decode.wide_step_config(32, n, k, sms), block_m=64)
-            shipped = mm_decode.decode_config_for(m, n, k, sms)
-            narrow = mm_decode.narrow_step_config(m, n, k, sms)
-            row = {"m": m, "n": n, "k": k, "bf16_us": 1e3 * bench_graph([functools.partial(torch.mm, x, wt) for wt in w_t]),
-                   "floor_us": (n * k // 2 + n * k // 16) / ceil.copy_gbs / 1e3,
-                   "shipped_cfg": _cfg_str(shipped), "shipped_us": graph_us(shipped),
-                   "narrow_cfg": _cfg_str(narrow), "narrow_us": graph_us(narrow),
-                   "wide_us": {s: graph_us(dataclasses.replace(wide, split_k=s)) for s in WIDE_SPLITS}}
-            rows.append(row)
-            print(f"WIDE m={m} n={n} k={k}: bf16 {row['bf16_us']:.1f} shipped {row['shipped_us']:.1f} "
-                  f"{row['shipped_cfg']} narrow {row['narrow_us']:.1f} {row['narrow_cfg']} wide "
-                  + " ".join(f"s{s} {t:.1f}" for s, t in row["wide_us"].items()), flush=True)
-        weights = w_t = None
-        torch.cuda.empty_cache()
+        wide = mm_decode.wide_step_config(m, n, k, sms) if m <= mm_decode.WIDE_STEP_MAX_M else \
+            dataclasses.replace(mm_decode.wide_step_config(32, n, k, sms), block_m=64)
+        shipped = mm_decode.decode_config_for(m, n, k, sms)
+        narrow = mm_decode.narrow_step_config(m, n, k, sms)
+        row = {"m": m, "n": n, "k": k, "bf16_us": 1e3 * bench_graph([functools.partial(torch.mm, x, wt) for wt in w_t]),
+               "floor_us": weight_floor_us(ceil, n, k),
+               "shipped_cfg": _cfg_str(shipped), "shipped_us": graph_us(shipped),
+               "narrow_cfg": _cfg_str(narrow), "narrow_us": graph_us(narrow),
+               "wide_us": {s: graph_us(dataclasses.replace(wide, split_k=s)) for s in WIDE_SPLITS}}
+        rows.append(row)
+        print(f"WIDE m={m} n={n} k={k}: bf16 {row['bf16_us']:.1f} shipped {row['shipped_us']:.1f} "
+              f"{row['shipped_cfg']} narrow {row['narrow_us']:.1f} {row['narrow_cfg']} wide "
+              + " ".join(f"s{s} {t:.1f}" for s, t in row["wide_us"].items()), flush=True)
     raw["wide_step_sweep"] = rows
     print("\n| M | N | K | bf16 us | floor us | narrow-step rule us | shipped us | shipped config | shipped vs bf16 "
           "| shipped vs narrow | " + " | ".join(f"wide s{s}" for s in WIDE_SPLITS) + " |")
@@ -493,29 +510,21 @@ def scale_words_sweep(ceil: Ceilings, raw: dict) -> None:
     block scales loaded as int32 words (``scale_words``) and byte by byte, and with words at
     SCALE_WORDS_STAGES pipeline stages, against cuBLAS bf16 and the floor; one markdown row per point."""
     rows = []
-    for n, k in WIDE_SHAPES:
-        weights = [quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16)) for _ in range(ROTATIONS)]
-        w_t = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() for _ in range(ROTATIONS)]
-        for m in WIDE_MS:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            a, sa, ga = quantize(x)
-            alpha = 1.0 / (ga * weights[0][2])
-            cfg = mm_decode.decode_config_for(m, n, k)
+    for m, n, k, x, a, sa, alpha, weights, w_t in _rotating_points(WIDE_SHAPES, WIDE_MS):
+        cfg = mm_decode.decode_config_for(m, n, k)
 
-            def graph_us(words: bool, stages: int | None = None) -> float:
-                run = dataclasses.replace(cfg, scale_words=words, num_stages=stages or cfg.num_stages)
-                ws = mm_decode.empty_decode_workspace(*mm_decode.decode_workspace_numel(m, n, k, run), a.device)
-                return 1e3 * bench_graph([functools.partial(mm_decode.mm_fp4_decode, a, wq, sa, wsq, alpha,
-                                                            torch.bfloat16, run, ws) for wq, wsq, _ in weights])
+        def graph_us(words: bool, stages: int | None = None) -> float:
+            run = dataclasses.replace(cfg, scale_words=words, num_stages=stages or cfg.num_stages)
+            return 1e3 * decode_graph_ms(a, sa, alpha, weights, run)
 
-            row = {"m": m, "n": n, "k": k, "cfg": _cfg_str(cfg),
-                   "bf16_us": 1e3 * bench_graph([functools.partial(torch.mm, x, wt) for wt in w_t]),
-                   "floor_us": (n * k // 2 + n * k // 16) / ceil.copy_gbs / 1e3,
-                   "bytes_us": graph_us(False), "words_us": graph_us(True),
-                   "words_stages": {st: graph_us(True, st) for st in SCALE_WORDS_STAGES}}
-            rows.append(row)
-            print(f"scale words {m}x{n}x{k}: bytes {row['bytes_us']:.1f} us, words {row['words_us']:.1f} us, "
-                  f"bf16 {row['bf16_us']:.1f} us", flush=True)
+        row = {"m": m, "n": n, "k": k, "cfg": _cfg_str(cfg),
+               "bf16_us": 1e3 * bench_graph([functools.partial(torch.mm, x, wt) for wt in w_t]),
+               "floor_us": weight_floor_us(ceil, n, k),
+               "bytes_us": graph_us(False), "words_us": graph_us(True),
+               "words_stages": {st: graph_us(True, st) for st in SCALE_WORDS_STAGES}}
+        rows.append(row)
+        print(f"scale words {m}x{n}x{k}: bytes {row['bytes_us']:.1f} us, words {row['words_us']:.1f} us, "
+              f"bf16 {row['bf16_us']:.1f} us", flush=True)
     raw["scale_words_sweep"] = rows
     print("\n| M | N | K | shipped config | bf16 us | floor us | byte-loaded scales us | word-loaded scales us "
           "| words vs bytes | words vs bf16 | words % of floor | "
