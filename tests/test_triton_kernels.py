@@ -77,6 +77,17 @@ def _blocks(m: int, k: int, gen: torch.Generator, dtype=torch.bfloat16) -> torch
     return (torch.randn(m, k, generator=gen, device="cuda") * spread * 3).to(dtype)
 
 
+def _quantized_operands(m: int, n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """``(a, sa, b, sb, alpha)``: random ``[m, k]`` and ``[n, k]`` operands (``_blocks``) quantized by
+    the op with dynamic global scales, and the GEMM's ``alpha = 1 / (gs_a * gs_b)``."""
+    xa, xb = _blocks(m, k, gen), _blocks(n, k, gen)
+    ga = nvfp4.global_scale_from_amax(xa.float().abs().amax()).reshape(1)
+    gb = nvfp4.global_scale_from_amax(xb.float().abs().amax()).reshape(1)
+    a, sa = ops.scaled_fp4_quant(xa, ga)
+    b, sb = ops.scaled_fp4_quant(xb, gb)
+    return a, sa, b, sb, 1.0 / (ga * gb)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("m,k", [(1, 16), (3, 48), (130, 1040), (7, 4112), (1000, 4096), (4099, 512)])
@@ -221,12 +232,7 @@ def test_cuda_quant_sass_counts(division, dtype):
 def test_cuda_mm_fp4_matches_float64(m, n, k, out_dtype):
     _require_triton_backend()
     gen = torch.Generator(device="cuda").manual_seed(m + n + k)
-    xa, xb = _blocks(m, k, gen), _blocks(n, k, gen)
-    ga = nvfp4.global_scale_from_amax(xa.float().abs().amax()).reshape(1)
-    gb = nvfp4.global_scale_from_amax(xb.float().abs().amax()).reshape(1)
-    a, sa = ops.scaled_fp4_quant(xa, ga)
-    b, sb = ops.scaled_fp4_quant(xb, gb)
-    alpha = 1.0 / (ga * gb)
+    a, sa, b, sb, alpha = _quantized_operands(m, n, k, gen)
     out = ops.mm_fp4(a, b, sa, sb, alpha, out_dtype)
     ref = nvfp4.mm_fp4_reference(a.cpu(), b.cpu(), sa.cpu(), sb.cpu(), alpha.cpu(), torch.float64)
     rel = ((out.double().cpu() - ref).norm() / ref.norm()).item()
@@ -248,12 +254,7 @@ def test_cuda_mm_fp4_decode_matches_float64(m, n, k, out_dtype):
     _require_triton_backend()
     from fp4fuse.kernels.triton import mm_decode
     gen = torch.Generator(device="cuda").manual_seed(m * 31 + n + k)
-    xa, xb = _blocks(m, k, gen), _blocks(n, k, gen)
-    ga = nvfp4.global_scale_from_amax(xa.float().abs().amax()).reshape(1)
-    gb = nvfp4.global_scale_from_amax(xb.float().abs().amax()).reshape(1)
-    a, sa = ops.scaled_fp4_quant(xa, ga)
-    b, sb = ops.scaled_fp4_quant(xb, gb)
-    alpha = 1.0 / (ga * gb)
+    a, sa, b, sb, alpha = _quantized_operands(m, n, k, gen)
     ref = nvfp4.mm_fp4_reference(a.cpu(), b.cpu(), sa.cpu(), sb.cpu(), alpha.cpu(), torch.float64)
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[out_dtype]
     split3 = mm_decode.DecodeConfig(block_m=16 if m <= 16 else 64, block_n=128, block_k=128, split_k=3,
@@ -288,18 +289,13 @@ def test_cuda_mm_fp4_decode_matches_float64(m, n, k, out_dtype):
 @pytest.mark.parametrize("m", [5, 16, 32])
 def test_cuda_decode_scale_words_equal_byte_loads(m):
     """K/16 a multiple of 4: the activation's block scales load as int32 words (pipelined) in the
-    default configuration and the narrow-step one, both with ``scale_words``; a copy of them 1 byte off a word boundary takes
-    the byte loads. Same bits both ways, and the float64 reference; a NaN scale stays in its row."""
+    default configuration and the narrow-step one, both with ``scale_words``; a copy of them 1 byte
+    off a word boundary takes the byte loads. Same bits both ways, and the float64 reference; a NaN scale stays in its row."""
     _require_triton_backend()
     from fp4fuse.kernels.triton import mm_decode
     n, k = 1000, 2048
     gen = torch.Generator(device="cuda").manual_seed(m)
-    xa, xb = _blocks(m, k, gen), _blocks(n, k, gen)
-    ga = nvfp4.global_scale_from_amax(xa.float().abs().amax()).reshape(1)
-    gb = nvfp4.global_scale_from_amax(xb.float().abs().amax()).reshape(1)
-    a, sa = ops.scaled_fp4_quant(xa, ga)
-    b, sb = ops.scaled_fp4_quant(xb, gb)
-    alpha = 1.0 / (ga * gb)
+    a, sa, b, sb, alpha = _quantized_operands(m, n, k, gen)
     shifted = torch.empty(sa.numel() + 1, dtype=torch.uint8, device="cuda")[1:].view(sa.shape)
     shifted.copy_(sa.view(torch.uint8))
     shifted = shifted.view(torch.float8_e4m3fn)
