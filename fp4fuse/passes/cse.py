@@ -119,6 +119,11 @@ def merge_common_subexpressions(graph: fx.Graph) -> dict[str, int]:
     A graph with a write to an intermediate (``mutated_intermediate``) is left as it is."""
     if mutated_intermediate(graph) is not None:
         return {}
+    return _merge(graph)
+
+
+def _merge(graph: fx.Graph) -> dict[str, int]:
+    """``merge_common_subexpressions`` on a graph known to write to no intermediate."""
     rep: dict[fx.Node, fx.Node] = {}
     seen: dict[Any, fx.Node] = {}
     merged: list[tuple[fx.Node, fx.Node]] = []
@@ -161,6 +166,6 @@ class CommonSubexpressionPass(GraphPass):
                                   f"({writer.target}); merging equal computations is only exact in a functional "
                                   f"graph, so none are merged")
             return self.finish()
-        for pattern, count in merge_common_subexpressions(graph).items():
+        for pattern, count in _merge(graph).items():
             self.recorder.matched(pattern, count)
         return self.finish()
