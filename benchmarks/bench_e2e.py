@@ -25,8 +25,9 @@ Token counts T are shaped like serving batches: up to 128 tokens as decode steps
 (T sequences of one token), above as prefill chunks ``[T / 512, 512]``. The batch dimension is
 dynamic (``torch._dynamo.mark_dynamic``), so each variant compiles once per shape family (plus once
 more where a pass's size threshold splits the range); ``--static`` compiles each token count on its
-own instead (what a serving engine that captures fixed batch sizes does; fp4fuse's kernel lowering
-applies only to static sizes). Every variant compiles with ``torch._inductor.config.emulate_precision_casts
+own instead (what a serving engine that captures fixed batch sizes does). With a dynamic batch
+fp4fuse's kernel lowering guards the row count to the range of each launch choice, so a variant
+with it may compile once more per range (``fp4fuse.passes.lowering``). Every variant compiles with ``torch._inductor.config.emulate_precision_casts
 = True``, so that the NVFP4 variants' outputs can be compared bit for bit (README, "Numerics"). Launch modes: ``default`` (the host launches
 every kernel) and ``cudagraphs`` (``options={"triton.cudagraphs": True}``). A time is the median
 over rounds of the wall time of ``--iters`` back-to-back forwards on rank 0 (after a barrier and a

@@ -88,6 +88,25 @@ def _quantized_operands(m: int, n: int, k: int, gen: torch.Generator) -> tuple[t
     return a, sa, b, sb, 1.0 / (ga * gb)
 
 
+@pytest.mark.parametrize("num_sms", [132, 114, 78])
+@pytest.mark.parametrize("n,k", [(48, 64), (423, 208), (3072, 4096), (4096, 4096), (8192, 8192), (28672, 4096),
+                                 (4096, 14336)])
+def test_decode_configuration_is_constant_over_each_row_range(n, k, num_sms):
+    """A graph lowered with a dynamic row count launches the configuration of the top of the count's
+    range (``mm_decode.config_rows``); it is the eager op's at every count of the range, so the
+    compiled graph is bitwise the eager op, only if ``decode_config_for`` gives every count of a
+    range that configuration."""
+    from fp4fuse.kernels.triton import mm_decode
+
+    low = 1
+    for top in mm_decode.DECODE_ROW_RANGES:
+        expected = mm_decode.decode_config_for(top, n, k, num_sms)
+        changed = [m for m in range(low, top + 1) if mm_decode.decode_config_for(m, n, k, num_sms) != expected]
+        assert not changed, (top, changed[:5])
+        low = top + 1
+    assert low == mm_decode.DECODE_MAX_M + 1
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("m,k", [(1, 16), (3, 48), (130, 1040), (7, 4112), (1000, 4096), (4099, 512)])

@@ -14,10 +14,15 @@ nodes, which Inductor's generated code launches directly (``torch.library.wrap_t
              shard = fp4fuse.shard_rows(x, group)        ->  shard = x[r*M/W : (r+1)*M/W]
 
 Argument checks ran when the graph was traced (the ops' fake implementations validate like the
-ops do), so nothing is re-checked per call. A call is lowered only where its tensors are on CUDA,
-the device's backend is Triton and every size is static (the launchers pick tile shapes and split
-counts from the sizes; a dynamic size keeps the op call, which picks them per call); elsewhere
-(CPU, the reference backend, flashinfer, dynamic shapes) it stays an op call. ``shard_rows`` becomes a slice at this rank's offset: the rank is baked into the graph,
+ops do), so nothing is re-checked per call. A call is lowered only where its tensors are on CUDA
+and the device's backend is Triton; elsewhere (CPU, the reference backend, flashinfer) it stays an
+op call. The launchers pick tile shapes and split counts from the sizes. A dynamic row count (a
+batch marked dynamic) is traced symbolically: every choice the launcher makes on it is a
+comparison with a range (``mm_fp4``: decode tiles up to 16, 32, 64, 128, 256 rows, dequantize +
+cuBLAS above), decided by the size hint and guarded, so the graph serves the counts of that range,
+with the grid and allocations symbolic, and a count outside it recompiles (at most one graph per
+range). Any other dynamic size, or a count without a hint, keeps the op call, with the reason.
+``shard_rows`` becomes a slice at this rank's offset: the rank is baked into the graph,
 so the pass reads process groups and ``FusionPass.uuid()`` carries this process's rank.
 
 It runs last in the pipeline: the fusion passes match fp4fuse's op calls, which this pass removes.
@@ -30,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from fp4fuse.distributed.groups import group_rank_of, group_size_of
 from fp4fuse.ops import kernel_table
@@ -63,6 +69,29 @@ def _ordered_args(node: fx.Node) -> list[Any]:
         else:
             args.append(arg.default_value)
     return args
+
+
+def _dynamic_size_reason(operands: list[Any]) -> str | None:
+    """Why a call on ``operands`` cannot be traced for every size its graph runs at, or None.
+
+    Only a dynamic row count (dim 0) is lowered: the launchers choose tiles and split counts by
+    comparing it with their ranges (``fp4fuse.kernels.triton.mm_decode.config_rows``), and each
+    comparison of a symbolic count is decided by its size hint and guarded, so the compiled graph
+    runs only at counts that make the traced choices (others recompile). A count without a hint
+    (data-dependent) cannot be guarded; other dynamic sizes would change the tile shapes."""
+    for operand in operands:
+        if not isinstance(operand, torch.Tensor):
+            continue
+        for dim, size in enumerate(operand.shape):
+            if isinstance(size, int):
+                continue
+            if dim != 0:
+                return (f"dynamic size {size} in dim {dim} of a {list(operand.shape)} operand: only a dynamic "
+                        "row count (dim 0) is lowered; the op keeps choosing its launch per call")
+            if free_unbacked_symbols(size):
+                return (f"dynamic row count {size} has no size hint (data-dependent): the launch configuration "
+                        "cannot be guarded, so the op keeps choosing it per call")
+    return None
 
 
 def _on_cuda(node: fx.Node) -> bool:
@@ -105,9 +134,9 @@ class KernelLoweringPass(GraphPass):
             return
         args = _ordered_args(node)
         slots = [i for i, a in enumerate(args) if isinstance(a, fx.Node)]
-        if any(not isinstance(d, int) for i in slots for d in fake_value(args[i]).shape):
-            self.recorder.skipped(op, node, "a dynamic size: the op keeps choosing its launch configuration per "
-                                            "call (only static shapes are lowered)")
+        reason = _dynamic_size_reason([fake_value(args[i]) for i in slots])
+        if reason is not None:
+            self.recorder.skipped(op, node, reason)
             return
         impl = kernel_table.kernel_for(op, backend)
 

@@ -266,7 +266,8 @@ def mm_config_for(m: int, n: int, k: int, device: torch.device) -> MMConfig:
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     budget = 8 * num_sms(device)
     split = 1
-    while tiles * split * 2 * cfg.num_warps <= budget and kg // (split * 2) >= 4 * cfg.block_g:
+    # K first: it is static, and a symbolic M (a traced launch) is compared only when it decides
+    while kg // (split * 2) >= 4 * cfg.block_g and tiles * split * 2 * cfg.num_warps <= budget:
         split *= 2
     return dataclasses.replace(cfg, split_k=split)
 

@@ -81,6 +81,8 @@ __all__ = [
     "DecodeConfig",
     "DecodeWorkspace",
     "DECODE_MAX_M",
+    "DECODE_ROW_RANGES",
+    "config_rows",
     "decode_config_for",
     "decode_workspace_numel",
     "empty_decode_workspace",
@@ -275,16 +277,22 @@ class DecodeWorkspace(NamedTuple):
 class _Plan:
     """What a launch covers: tiles, effective split count, K steps per split, mask-free K."""
 
-    tiles: int
+    tiles: int | torch.SymInt
     split: int
     iters_per_split: int
     even_k: bool
 
 
-@functools.lru_cache(maxsize=4096)
-def _plan(cfg: DecodeConfig, m: int, n: int, k: int) -> _Plan:
-    """Effective split: at most one per K step, and no split without a K step. Memoized, like
-    ``decode_config_for``."""
+def _plan(cfg: DecodeConfig, m: int | torch.SymInt, n: int, k: int) -> _Plan:
+    """Effective split: at most one per K step, and no split without a K step. Memoized for a
+    plain row count, like ``decode_config_for``; a symbolic one (a traced launch) gives a
+    symbolic tile count."""
+    if isinstance(m, int):
+        return _plan_for_rows(cfg, m, n, k)
+    return _make_plan(cfg, m, n, k)
+
+
+def _make_plan(cfg: DecodeConfig, m: int | torch.SymInt, n: int, k: int) -> _Plan:
     kb = k // 2
     bkb = cfg.block_k // 2
     steps = triton.cdiv(kb, bkb)
@@ -293,6 +301,9 @@ def _plan(cfg: DecodeConfig, m: int, n: int, k: int) -> _Plan:
     split = triton.cdiv(steps, iters)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     return _Plan(tiles=tiles, split=split, iters_per_split=iters, even_k=kb % bkb == 0)
+
+
+_plan_for_rows = functools.lru_cache(maxsize=4096)(_make_plan)
 
 
 def decode_workspace_numel(m: int, n: int, k: int, config: DecodeConfig) -> tuple[int, int]:
@@ -341,6 +352,27 @@ WIDE_STEP_PROGRAMS_PER_SM = 4
 #: it the 16-row tile with word-loaded activation scales takes 144 registers (3 programs); capped
 #: it takes 128 without spilling (ptxas, sm_90, Triton 3.6).
 WIDE_STEP_MAX_REGISTERS = 128
+
+
+#: Top row counts of the ranges over which ``decode_config_for`` gives one configuration (for any
+#: N, K: the 16-, 32- and 64-row tiles cover their range in one tile row, the pre-decoded 128-row
+#: tiles in one and two).
+DECODE_ROW_RANGES = (16, WIDE_STEP_MAX_M, INKERNEL_DECODE_MAX_M, 128, DECODE_MAX_M)
+
+
+def config_rows(m: int | torch.SymInt) -> int:
+    """The row count to ask ``decode_config_for`` about for ``m`` activation rows: ``m`` itself, or,
+    for a symbolic count (a launch traced into a graph compiled with a dynamic batch, fp4fuse's
+    kernel lowering), the top of its range in ``DECODE_ROW_RANGES``. Every count of a range gets
+    the same configuration, so the traced launch is the one the eager op makes at every count the
+    compiled graph runs at. Comparing a symbolic count guards it: torch.compile decides by the size
+    hint and records the guard, and a count in another range recompiles."""
+    if isinstance(m, int):
+        return m
+    for top in DECODE_ROW_RANGES:
+        if m <= top:
+            return top
+    raise ValueError(f"mm_fp4_decode: {m} activation rows; the decode GEMM serves at most {DECODE_MAX_M}")
 
 
 def filling_split(tiles: int, k: int, num_sms: int, programs_per_sm: int, block_k: int = 128) -> int:
@@ -443,7 +475,7 @@ def mm_fp4_decode(
         return out
     if k == 0:
         return out.zero_()
-    cfg = config or decode_config_for(m, n, k, num_sms(a.device))
+    cfg = config or decode_config_for(config_rows(m), n, k, num_sms(a.device))
     if cfg.block_k % 64 or cfg.block_m < 16 or cfg.block_n < 16:
         raise ValueError(f"mm_fp4_decode: block_k must be a multiple of 64 and block_m, block_n at "
                          f"least 16; got {cfg}")
