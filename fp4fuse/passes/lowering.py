@@ -53,8 +53,8 @@ _SHARD_ROWS = torch.ops.fp4fuse.shard_rows.default
 _LOWERABLE = {getattr(torch.ops.fp4fuse, name).default: name for name in kernel_table.LOWERABLE_OPS}
 # The launchers traced into graphs: their configuration choices decide the graph (Inductor hashes
 # the kernels' own source). Located without importing triton, which a CPU install lacks.
-_KERNEL_MODULES = ("fp4fuse.kernels.triton.mm", "fp4fuse.kernels.triton.quant", "fp4fuse.kernels.triton.norm",
-                   "fp4fuse.kernels.triton.norm_quant")
+_KERNEL_MODULES = ("fp4fuse.kernels.triton.mm", "fp4fuse.kernels.triton.mm_decode", "fp4fuse.kernels.triton.quant",
+                   "fp4fuse.kernels.triton.norm", "fp4fuse.kernels.triton.norm_quant")
 
 
 def _ordered_args(node: fx.Node) -> list[Any]:
