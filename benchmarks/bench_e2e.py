@@ -27,9 +27,10 @@ dynamic (``torch._dynamo.mark_dynamic``), so each variant compiles once per shap
 more where a pass's size threshold splits the range); ``--static`` compiles each token count on its
 own instead (what a serving engine that captures fixed batch sizes does). With a dynamic batch
 fp4fuse's kernel lowering guards the row count to the range of each launch choice, so a variant
-with it may compile once more per range (``fp4fuse.passes.lowering``). Every variant compiles with ``torch._inductor.config.emulate_precision_casts
-= True``, so that the NVFP4 variants' outputs can be compared bit for bit (README, "Numerics"). Launch modes: ``default`` (the host launches
-every kernel) and ``cudagraphs`` (``options={"triton.cudagraphs": True}``). A time is the median
+with it may compile once more per range (``fp4fuse.passes.lowering``). Every variant compiles with
+``torch._inductor.config.emulate_precision_casts = True``, so that the NVFP4 variants' outputs can
+be compared bit for bit (README, "Numerics"). Launch modes: ``default`` (the host launches every
+kernel) and ``cudagraphs`` (``options={"triton.cudagraphs": True}``). A time is the median
 over rounds of the wall time of ``--iters`` back-to-back forwards on rank 0 (after a barrier and a
 device sync), so it includes host overhead where the host is the bottleneck.
 

@@ -7,7 +7,7 @@
 # default 300), the end-to-end tests on CUDA (E2E_S, 240), bench_e2e.py --profile at TP=2 (BENCH_S, 600;
 # TOKENS, MODES, VARIANTS, LAYERS pick the grid; BENCH_FLAGS adds flags, e.g. --deterministic).
 # pytest gets SIGINT at its limit, so it still reports which tests failed; bench_e2e rewrites out_dir/e2e_partial.json after every token count.
-# STAGES (default "tests e2e bench") picks stages, so that a device call's time limit can split them;
+# STAGES (default "tests e2e bench") picks stages, so that a device call's time limit can split them.
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
 set -uo pipefail
 out="${1:-benchmarks/results/raw}"

@@ -309,7 +309,8 @@ def test_cuda_mm_fp4_decode_matches_float64(m, n, k, out_dtype):
 def test_cuda_decode_scale_words_equal_byte_loads(m):
     """K/16 a multiple of 4: the activation's block scales load as int32 words (pipelined) in the
     default configuration and the narrow-step one, both with ``scale_words``; a copy of them 1 byte
-    off a word boundary takes the byte loads. Same bits both ways, and the float64 reference; a NaN scale stays in its row."""
+    off a word boundary takes the byte loads. Same bits both ways, and the float64 reference; a NaN
+    scale stays in its row."""
     _require_triton_backend()
     from fp4fuse.kernels.triton import mm_decode
     n, k = 1000, 2048
