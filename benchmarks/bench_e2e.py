@@ -30,7 +30,10 @@ fp4fuse's kernel lowering guards the row count to the range of each launch choic
 with it may compile once more per range (``fp4fuse.passes.lowering``). Every variant compiles with
 ``torch._inductor.config.emulate_precision_casts = True``, so that the NVFP4 variants' outputs can
 be compared bit for bit (README, "Numerics"). Launch modes: ``default`` (the host launches every
-kernel) and ``cudagraphs`` (``options={"triton.cudagraphs": True}``). A time is the median
+kernel), ``cudagraphs`` (``options={"triton.cudagraphs": True}``: Inductor's CUDA-graph trees, whose
+per-call host work -- guards, input checks -- stays in the time) and ``replay`` (the default-mode
+compiled forward captured once per token count in a ``torch.cuda.CUDAGraph`` and replayed, as a
+serving engine that captures its decode batch sizes runs it: the time is the device's). A time is the median
 over rounds of the wall time of ``--iters`` back-to-back forwards on rank 0 (after a barrier and a
 device sync), so it includes host overhead where the host is the bottleneck.
 
@@ -114,6 +117,23 @@ def _build_models(args: BenchArgs, device, group) -> dict[str, Any]:
             model = LlamaModel(config).to(torch.bfloat16).eval()
         models[fmt] = parallelize(model, group, weight_format=fmt)
     return models
+
+
+def _captured(call: Any) -> tuple[Any, Any]:
+    """``call`` captured in a CUDA graph after two warm-up calls on a side stream (every rank
+    captures the same collectives): ``(graph, output)``, the output rewritten by each replay."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    return graph, out
 
 
 def _compiled_variants(args: BenchArgs, models: dict[Any, Any], mode: str) -> dict[str, Any]:
@@ -270,11 +290,16 @@ def _rank_main(args: BenchArgs) -> dict[str, Any]:
                     with _ForcedOverlap(name == "forced"), torch.no_grad():
                         for _ in range(3):
                             out = model(input_ids=ids).last_hidden_state
+                        calls[name] = (lambda m=model: m(input_ids=ids).last_hidden_state)
+                        if mode == "replay":
+                            graph, out = _captured(calls[name])
+                            calls[name] = graph.replay
+                            graph.replay()
                         outs[name] = out.float().clone()
                 except Exception as exc:  # noqa: BLE001 - reported; the other variants still run
+                    calls.pop(name, None)
                     _drop_failed(results, variants, f"{mode}/{tokens}/{name}", exc, rank)
                     continue
-                calls[name] = (lambda m=model: m(input_ids=ids).last_hidden_state)
             ref = outs.get("nvfp4")
             for name, out in outs.items():
                 if ref is not None:
@@ -398,7 +423,7 @@ def render_plot(raw: dict[str, Any], path: str) -> None:
     args, times = raw["args"], raw["times"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for ax, baseline in zip(axes, ("nvfp4", "bf16")):
-        for mode, style in zip(args["modes"], ("-o", "--s")):
+        for mode, style in zip(args["modes"], ("-o", "--s", ":^")):
             for variant in ("lowered", "sp", "fp4fuse", "forced"):
                 if variant not in args["variants"]:
                     continue
@@ -426,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (one GPU per rank)")
     p.add_argument("--layers", type=int, default=4, help="decoder layers")
     p.add_argument("--tokens", default="16,128,1024,4096,8192,16384,32768", help="token counts, comma-separated")
-    p.add_argument("--modes", default="default,cudagraphs", help="launch modes: default, cudagraphs")
+    p.add_argument("--modes", default="default,cudagraphs", help="launch modes: default, cudagraphs, replay")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
     p.add_argument("--iters", type=int, default=10, help="back-to-back forwards per timing sample")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (median)")
@@ -461,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
                      ns.hidden, ns.heads, ns.kv_heads, ns.ffn, ns.partial, ns.static, ns.profile, ns.deterministic,
                      ns.profile_kernels)
     unknown = set(args.variants) - set(VARIANTS)
-    if unknown or set(args.modes) - {"default", "cudagraphs"}:
+    if unknown or set(args.modes) - {"default", "cudagraphs", "replay"}:
         p.error(f"unknown variants {sorted(unknown)} or modes {args.modes}")
     for t in args.tokens:
         batch_shape(t)

@@ -124,7 +124,7 @@ def test_uuid_is_composed_of_each_pass_uuid_over_its_patterns_and_ops(tmp_path, 
             PACKAGE / "ops" / "sp_ops.py", PACKAGE / "passes" / "base.py"} <= files["sequence_parallel"]
     # the launchers the lowering traces: their configuration choices decide the graph
     triton_dir = PACKAGE / "kernels" / "triton"
-    assert {triton_dir / "mm.py", triton_dir / "mm_decode.py", triton_dir / "quant.py"} <= files["lowering"]
+    assert {triton_dir / "alpha.py", triton_dir / "mm.py", triton_dir / "mm_decode.py", triton_dir / "quant.py"} <= files["lowering"]
     async_tp = fusion.passes[-1]
     extra = tmp_path / "extra_pattern.py"
     extra.write_text("A = 1\n")

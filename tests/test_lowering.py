@@ -6,6 +6,8 @@ computes what the eager ops compute, bit for bit (the same launches, traced from
 functions)."""
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch._inductor.pattern_matcher import fwd_only
@@ -242,3 +244,131 @@ def test_other_dynamic_sizes_keep_the_op_call(triton_cuda_target):
     assert "in dim 1" in reason and "only a dynamic row count (dim 0) is lowered" in reason
     assert any(n.target is fp4.mm_fp4.default for n in gm.graph.nodes)
     assert len(shape_env.guards) == guards_before
+
+
+def _static_graph(fn, *shapes_dtypes):
+    with FakeTensorMode() as mode:
+        inputs = [mode.from_tensor(torch.empty(shape, dtype=dtype)) for shape, dtype in shapes_dtypes]
+        return fwd_only(fn, inputs)
+
+
+_GEMM_OPERANDS = (((6, 32), torch.uint8), ((40, 32), torch.uint8), ((6, 4), torch.float8_e4m3fn),
+                  ((40, 4), torch.float8_e4m3fn))
+
+
+def _launch_of(gm) -> dict:
+    (launch,) = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
+    return launch.kwargs["kwargs"]
+
+
+@pytest.mark.parametrize("scale_shapes", [((1,), (1,)), ((), (1,))])
+def test_alpha_of_two_global_scales_is_computed_in_the_gemm_epilogue(triton_cuda_target, scale_shapes):
+    """``alpha = reciprocal(gs_a * gs_b)`` (how an NVFP4 linear forms it) is not a kernel of its own
+    once lowered: the GEMM launch reads the two scales and computes it with the division Inductor
+    would have generated; the graph's product and reciprocal are gone, one still read elsewhere stays."""
+    from fp4fuse.passes.lowering import _inductor_divides_rn
+
+    def fn(a, b, sa, sb, ga, gb):
+        return fp4.mm_fp4(a, b, sa, sb, torch.reciprocal(ga * gb), torch.bfloat16)
+
+    def fn_alpha_also_returned(a, b, sa, sb, ga, gb):
+        alpha = torch.reciprocal(ga * gb)
+        return fp4.mm_fp4(a, b, sa, sb, alpha, torch.bfloat16), alpha
+
+    scales = [(shape, torch.float32) for shape in scale_shapes]
+    product_and_reciprocal = {torch.ops.aten.reciprocal.default, torch.ops.aten.mul.Tensor}
+    for graph_fn, left in ((fn, set()), (fn_alpha_also_returned, product_and_reciprocal)):
+        gm = _static_graph(graph_fn, *_GEMM_OPERANDS, *scales)
+        lowering = KernelLoweringPass(FusionConfig())
+        assert lowering(gm.graph) == 2
+        assert lowering.match_counts == {"lowering.mm_fp4": 1, "lowering.alpha_from_global_scales": 1}
+        targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+        assert targets & product_and_reciprocal == left
+        kwargs = _launch_of(gm)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        assert (kwargs["alpha_ptr"], kwargs["alpha_b_ptr"]) == (placeholders[4], placeholders[5])
+        assert kwargs["ALPHA_FROM_SCALES"] is True and kwargs["ALPHA_DIV_RN"] is _inductor_divides_rn()
+
+
+@pytest.mark.parametrize("alpha_of", ["input", "scalar factor", "one factor"])
+def test_other_alphas_are_read_as_they_are(triton_cuda_target, alpha_of):
+    """An alpha that is not ``reciprocal`` of a product of exactly two one-element fp32 tensors is
+    passed to the GEMM as the tensor it is."""
+    def fn(a, b, sa, sb, ga, gb):
+        alpha = {"input": lambda: ga, "scalar factor": lambda: torch.reciprocal(ga * 3.0),
+                 "one factor": lambda: torch.reciprocal(ga)}[alpha_of]()
+        return fp4.mm_fp4(a, b, sa, sb, alpha, torch.bfloat16)
+
+    gm = _static_graph(fn, *_GEMM_OPERANDS, ((1,), torch.float32), ((1,), torch.float32))
+    lowering = KernelLoweringPass(FusionConfig())
+    assert lowering(gm.graph) == 1 and lowering.match_counts == {"lowering.mm_fp4": 1}
+    kwargs = _launch_of(gm)
+    assert kwargs["ALPHA_FROM_SCALES"] is False and kwargs["alpha_ptr"] is kwargs["alpha_b_ptr"]
+
+
+def _edge_and_random_scales(count: int, gen: torch.Generator) -> torch.Tensor:
+    """``[count + 8, 2]`` fp32 pairs: random over 80 binades, then zero, inf, NaN, products that are
+    subnormal or overflow, and exact powers of two."""
+    pairs = torch.exp2(torch.rand(count, 2, generator=gen) * 80 - 40) * (1 + torch.rand(count, 2, generator=gen))
+    edges = torch.tensor([[0.0, 3.0], [float("inf"), 2.0], [float("nan"), 1.0], [1e-30, 1e-15], [3e-39, 0.7],
+                          [1e30, 1e15], [0.5, 4.0], [2688.0, 1 / 2688.0]])
+    return torch.cat((pairs, edges)).cuda()
+
+
+def _assert_same_bits_and_nans(got: torch.Tensor, want: torch.Tensor, what: Any) -> None:
+    """Bitwise equal, except that a NaN need only be a NaN (its payload is not compared)."""
+    as_int = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[want.dtype]
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan), what
+    assert torch.equal(got.view(as_int)[~nan], want.view(as_int)[~nan]), what
+
+
+@pytest.mark.cuda
+def test_cuda_division_of_the_folded_alpha_is_inductors():
+    """The epilogue's alpha (``load_alpha``) with the rounding the pass picks is bitwise what
+    Inductor's generated code computes for ``reciprocal(x * y)``, and with IEEE rounding what eager
+    computes, over 65536 random pairs and the edge values."""
+    import triton
+    import triton.language as tl
+
+    from fp4fuse.kernels.triton.alpha import load_alpha
+    from fp4fuse.passes.lowering import _inductor_divides_rn
+
+    @triton.jit
+    def probe(x_ptr, y_ptr, out_ptr, DIV_RN: tl.constexpr):
+        i = tl.program_id(0)
+        tl.store(out_ptr + i, load_alpha(x_ptr + i, y_ptr + i, True, DIV_RN))
+
+    pairs = _edge_and_random_scales(65536, torch.Generator().manual_seed(0))
+    x, y = pairs[:, 0].contiguous(), pairs[:, 1].contiguous()
+    torch._dynamo.reset()
+    references = {_inductor_divides_rn(): torch.compile(lambda x, y: torch.reciprocal(x * y))(x, y),
+                  True: torch.reciprocal(x * y)}
+    for div_rn, want in references.items():
+        got = torch.empty_like(x)
+        probe[(x.numel(),)](x, y, got, DIV_RN=div_rn)
+        _assert_same_bits_and_nans(got, want, f"div_rn={div_rn}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m,out_dtype", [(5, torch.float32), (300, torch.bfloat16), (300, torch.float32)])
+def test_cuda_alpha_from_global_scales_is_bitwise_the_graph_without_the_pass(m, out_dtype):
+    """A linear's GEMM with ``alpha = reciprocal(gs_a * gs_b)`` in the graph, compiled with and
+    without FusionPass: the lowered GEMM computes alpha in its epilogue (decode kernel; dequantize +
+    cuBLAS and its scale kernel; tiled kernel) and gives the bits of Inductor's alpha kernel + op
+    call, for random and edge-value scales, with no recompile between them."""
+    def linear(a, b, sa, sb, ga, gb):
+        return fp4.mm_fp4(a, b, sa, sb, torch.reciprocal(ga * gb), out_dtype)
+
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(m)
+    a, sa, _ = _quantized(m, 208, gen, "cuda")
+    b, sb, _ = _quantized(96, 208, gen, "cuda")
+    fusion = fp4fuse.FusionPass(FusionConfig())
+    lowered = torch.compile(linear, fullgraph=True, options={"post_grad_custom_post_pass": fusion})
+    unlowered = torch.compile(linear, fullgraph=True)
+    for ga, gb in _edge_and_random_scales(24, gen):
+        ga, gb = ga.reshape(1).clone(), gb.reshape(1).clone()
+        got, want = lowered(a, b, sa, sb, ga, gb), unlowered(a, b, sa, sb, ga, gb)
+        _assert_same_bits_and_nans(got, want, (ga, gb))
+    assert fusion.match_counts == {"lowering.mm_fp4": 1, "lowering.alpha_from_global_scales": 1}

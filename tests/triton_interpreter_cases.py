@@ -176,9 +176,35 @@ def _check_empty_operands(gen: torch.Generator) -> None:
                 f"empty mm {m}x{n}x{k} {out_dtype}"
 
 
+def _check_alpha_from_global_scales(gen: torch.Generator) -> None:
+    """Every alpha epilogue given ``GlobalScales(ga, gb)`` gives the bits of alpha = 1 / (ga * gb)
+    passed as a tensor (the interpreter divides IEEE either way; the PTX division's rounding is
+    checked on CUDA in test_lowering.py): decode (one launch, split-K), tiled (split-K reduction
+    and direct epilogue), dequantize + cuBLAS (``_scale_kernel``)."""
+    from fp4fuse.kernels.triton.alpha import GlobalScales
+    C, D = triton_mm.MMConfig, mm_decode.DecodeConfig
+    m, n, k = 19, 37, 160
+    a, sa, ga = _quantized(m, k, gen)
+    b, sb, gb = _quantized(n, k, gen)
+    gb = gb * 3.7  # a product that is not a power of two
+    alpha = torch.reciprocal(ga * gb)
+    paths = {
+        "decode": lambda al: mm_decode.mm_fp4_decode(a, b, sa, sb, al, torch.float32, D(16, 32, 64, 1, 4, 2)),
+        "decode split": lambda al: mm_decode.mm_fp4_decode(a, b, sa, sb, al, torch.bfloat16, D(16, 16, 64, 3, 4, 2)),
+        "tiled": lambda al: triton_mm.mm_fp4_tiled(a, b, sa, sb, al, torch.float32, C(16, 16, 2, 1, 4, 2)),
+        "tiled split": lambda al: triton_mm.mm_fp4_tiled(a, b, sa, sb, al, torch.float16, C(16, 16, 2, 3, 4, 2)),
+        "dequant + mm": lambda al: triton_mm.mm_fp4_dequant_mm(a, b, sa, sb, al),
+    }
+    for name, run in paths.items():
+        want = run(alpha)
+        for div_rn in (True, False):
+            assert torch.equal(run(GlobalScales(ga, gb, div_rn)), want), f"GlobalScales {name} div_rn={div_rn}"
+
+
 def case_mm() -> None:
     gen = torch.Generator().manual_seed(2)
     _check_empty_operands(gen)
+    _check_alpha_from_global_scales(gen)
     C = triton_mm.MMConfig
     configs = (C(16, 16, 2, 1, 4, 2), C(32, 16, 4, 2, 4, 2), C(16, 32, 2, 3, 4, 2), C(64, 16, 4, 1, 4, 2))
     for m, n, k in ((3, 5, 48), (1, 5, 16), (130, 37, 64), (17, 70, 160)):

@@ -13,6 +13,12 @@ nodes, which Inductor's generated code launches directly (``torch.library.wrap_t
 
              shard = fp4fuse.shard_rows(x, group)        ->  shard = x[r*M/W : (r+1)*M/W]
 
+An ``mm_fp4`` whose alpha is computed in the graph as ``reciprocal(x * y)`` from two one-element
+fp32 tensors -- how an NVFP4 linear forms it from its activation and weight global scales --
+gets ``x`` and ``y`` instead, and its epilogue computes the same product and reciprocal with the
+division Inductor would have generated (``fp4fuse.kernels.triton.alpha``): one kernel fewer per
+linear, bit for bit.
+
 Argument checks ran when the graph was traced (the ops' fake implementations validate like the
 ops do), so nothing is re-checked per call. A call is lowered only where its tensors are on CUDA
 and the device's backend is Triton; elsewhere (CPU, the reference backend, flashinfer) it stays an
@@ -50,11 +56,13 @@ logger = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 _SHARD_ROWS = torch.ops.fp4fuse.shard_rows.default
+_MM_FP4 = torch.ops.fp4fuse.mm_fp4.default
+_ALPHA_ARG = 4  # mm_fp4(a, b, a_scale, b_scale, alpha, out_dtype)
 _LOWERABLE = {getattr(torch.ops.fp4fuse, name).default: name for name in kernel_table.LOWERABLE_OPS}
 # The launchers traced into graphs: their configuration choices decide the graph (Inductor hashes
 # the kernels' own source). Located without importing triton, which a CPU install lacks.
-_KERNEL_MODULES = ("fp4fuse.kernels.triton.mm", "fp4fuse.kernels.triton.mm_decode", "fp4fuse.kernels.triton.quant",
-                   "fp4fuse.kernels.triton.norm", "fp4fuse.kernels.triton.norm_quant")
+_KERNEL_MODULES = ("fp4fuse.kernels.triton.alpha", "fp4fuse.kernels.triton.mm", "fp4fuse.kernels.triton.mm_decode",
+                   "fp4fuse.kernels.triton.quant", "fp4fuse.kernels.triton.norm", "fp4fuse.kernels.triton.norm_quant")
 
 
 def _ordered_args(node: fx.Node) -> list[Any]:
@@ -92,6 +100,31 @@ def _dynamic_size_reason(operands: list[Any]) -> str | None:
                 return (f"dynamic row count {size} has no size hint (data-dependent): the launch configuration "
                         "cannot be guarded, so the op keeps choosing it per call")
     return None
+
+
+def _alpha_factors(alpha: Any, device: torch.device) -> tuple[fx.Node, fx.Node] | None:
+    """``(x, y)`` where ``alpha`` is ``reciprocal(x * y)`` of two one-element fp32 tensors on
+    ``device`` (then the product and reciprocal are the kernel's, exactly), else None."""
+    if not base.is_call(alpha, aten.reciprocal.default):
+        return None
+    product = alpha.args[0]
+    if not base.is_call(product, aten.mul.Tensor) or len(product.args) != 2 or product.kwargs:
+        return None
+    factors = product.args
+    for factor in factors:
+        val = fake_value(factor) if isinstance(factor, fx.Node) else None
+        if not (isinstance(val, torch.Tensor) and val.dtype == torch.float32 and val.numel() == 1
+                and val.device == device):
+            return None
+    return factors[0], factors[1]
+
+
+def _inductor_divides_rn() -> bool:
+    """Whether Inductor's generated Triton divides fp32 with IEEE rounding (``div_rn``) rather than
+    Triton's ``/``: ``eager_numerics.division_rounding`` where this torch has it."""
+    from torch._inductor import config
+
+    return bool(getattr(getattr(config, "eager_numerics", None), "division_rounding", False))
 
 
 def _on_cuda(node: fx.Node) -> bool:
@@ -133,23 +166,36 @@ class KernelLoweringPass(GraphPass):
             self.recorder.skipped(op, node, f"the device's fp4fuse backend is {backend.value}, not triton")
             return
         args = _ordered_args(node)
+        alpha = args[_ALPHA_ARG] if node.target is _MM_FP4 else None
+        factors = _alpha_factors(alpha, fake_value(node.args[0]).device) if alpha is not None else None
+        if factors is not None:
+            args[_ALPHA_ARG] = None  # the launch gets GlobalScales of the two factors
         slots = [i for i, a in enumerate(args) if isinstance(a, fx.Node)]
-        reason = _dynamic_size_reason([fake_value(args[i]) for i in slots])
+        inputs = [args[i] for i in slots] + list(factors or ())
+        reason = _dynamic_size_reason([fake_value(n) for n in inputs])
         if reason is not None:
             self.recorder.skipped(op, node, reason)
             return
         impl = kernel_table.kernel_for(op, backend)
+        div_rn = _inductor_divides_rn()
 
         def launches(*tensors: torch.Tensor) -> Any:
             full = list(args)
             for i, t in zip(slots, tensors):
                 full[i] = t
+            if factors is not None:
+                from fp4fuse.kernels.triton.alpha import GlobalScales  # imports triton: lowering only
+
+                full[_ALPHA_ARG] = GlobalScales(*tensors[len(slots):], div_rn=div_rn)
             return impl(*full)
 
         with node.graph.inserting_before(node):
-            outputs = insert_traced(node.graph, launches, [args[i] for i in slots])
+            outputs = insert_traced(node.graph, launches, inputs)
         self._replace(node, outputs)
         self.recorder.matched(op)
+        if factors is not None:
+            erase_if_unused([alpha, alpha.args[0]])
+            self.recorder.matched("alpha_from_global_scales")
 
     @staticmethod
     def _replace(node: fx.Node, outputs: list[fx.Node]) -> None:

@@ -2,7 +2,8 @@
 
 Contract: ``mm_fp4_triton(a, b, a_scale, b_scale, alpha, out_dtype) -> out [M, N]`` with
 a uint8 ``[M, K/2]``, b uint8 ``[N, K/2]`` (weight, row-major), linear e4m3 scales ``[M, K/16]`` /
-``[N, K/16]``, alpha a one-element fp32 device tensor (read in-kernel, never synchronised),
+``[N, K/16]``, alpha a one-element fp32 device tensor (read in-kernel, never synchronised) or the
+two global scales it is computed from (``fp4fuse.kernels.triton.alpha``),
 ``out = alpha * (q_a * s_a) @ (q_b * s_b)^T`` in bf16/fp16/fp32. Inputs are validated by the op layer.
 
 Numerics. Codes and scales are decoded exactly into the fp16 operand encoding of
@@ -40,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fp4fuse.kernels.triton.alpha import Alpha, alpha_meta, alpha_operands, alpha_tensor, load_alpha
 from fp4fuse.kernels.triton.decode import DECODE_SCALE_UNDO, decode_codes, decode_scales, num_sms
 from fp4fuse.kernels.triton.launch import traceable
 from fp4fuse.kernels.triton.mm_decode import DECODE_MAX_M, decode_config_for, mm_fp4_decode
@@ -92,9 +94,10 @@ def _decode_weight_tile(codes, scales, FAST_DECODE: tl.constexpr):
 
 @triton.jit
 def _mm_fp4_kernel(
-    xlo_ptr, xhi_ptr, w_ptr, ws_ptr, alpha_ptr, out_ptr, M, N, KG, groups_per_split,
+    xlo_ptr, xhi_ptr, w_ptr, ws_ptr, alpha_ptr, alpha_b_ptr, out_ptr, M, N, KG, groups_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, GROUP_M: tl.constexpr,
     PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, FAST_DECODE: tl.constexpr,
+    ALPHA_FROM_SCALES: tl.constexpr = False, ALPHA_DIV_RN: tl.constexpr = False,
 ):
     """acc[m, n] = sum over this program's K range of A[m, k] * W[n, k].
 
@@ -150,7 +153,7 @@ def _mm_fp4_kernel(
 
     mask = row_ok & (cols < N)[None, :]
     if not PARTIAL:
-        alpha = tl.load(alpha_ptr)
+        alpha = load_alpha(alpha_ptr, alpha_b_ptr, ALPHA_FROM_SCALES, ALPHA_DIV_RN)
         res = (acc * DECODE_SCALE_UNDO) * alpha
         offs = rows[:, None].to(tl.int64) * N + cols[None, :]
         tl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty), mask=mask)
@@ -160,14 +163,15 @@ def _mm_fp4_kernel(
 
 
 @triton.jit
-def _splitk_reduce_kernel(part_ptr, alpha_ptr, out_ptr, n_elements, n_split, BLOCK: tl.constexpr):
+def _splitk_reduce_kernel(part_ptr, alpha_ptr, alpha_b_ptr, out_ptr, n_elements, n_split, BLOCK: tl.constexpr,
+                          ALPHA_FROM_SCALES: tl.constexpr = False, ALPHA_DIV_RN: tl.constexpr = False):
     """out = (sum over splits, in split order) * 2**28 * alpha; partials ``[n_split, M*N]``."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
     acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
     for sp in range(1, n_split):
         acc += tl.load(part_ptr + sp * n_elements + offs, mask=mask, other=0.0)
-    alpha = tl.load(alpha_ptr)
+    alpha = load_alpha(alpha_ptr, alpha_b_ptr, ALPHA_FROM_SCALES, ALPHA_DIV_RN)
     res = (acc * DECODE_SCALE_UNDO) * alpha
     tl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -229,12 +233,13 @@ def _dequant_blocks(q_ptr, s_ptr, out_ptr, n_blocks, pid, BLOCKS: tl.constexpr):
 
 
 @triton.jit
-def _scale_kernel(x_ptr, alpha_ptr, n_elements, BLOCK: tl.constexpr):
+def _scale_kernel(x_ptr, alpha_ptr, alpha_b_ptr, n_elements, BLOCK: tl.constexpr,
+                  ALPHA_FROM_SCALES: tl.constexpr = False, ALPHA_DIV_RN: tl.constexpr = False):
     """In place: ``x = x_dtype(fp32(x) * alpha)`` (round to nearest even), flat."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
     x = tl.load(x_ptr + offs, mask=mask)
-    alpha = tl.load(alpha_ptr)
+    alpha = load_alpha(alpha_ptr, alpha_b_ptr, ALPHA_FROM_SCALES, ALPHA_DIV_RN)
     tl.store(x_ptr + offs, (x.to(tl.float32) * alpha).to(x_ptr.dtype.element_ty), mask=mask)
 
 
@@ -294,7 +299,7 @@ def mm_config_for(m: int, n: int, k: int, device: torch.device) -> MMConfig:
 
 def mm_fp4_tiled(
     a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
-    alpha: torch.Tensor, out_dtype: torch.dtype, config: MMConfig,
+    alpha: Alpha, out_dtype: torch.dtype, config: MMConfig,
 ) -> torch.Tensor:
     """Decode the activation once (``decode_fp4_halves``), then ``_mm_fp4_kernel`` with an
     explicit configuration (split-K adds ``_splitk_reduce_kernel``)."""
@@ -303,9 +308,10 @@ def mm_fp4_tiled(
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out
-    alpha = alpha.reshape(1).to(torch.float32)
     if kg == 0:  # an empty sum: alpha * 0, as the kernel's epilogue would give (NaN for a NaN alpha)
-        return out.copy_((alpha * 0).expand(m, n))
+        return out.copy_((alpha_tensor(alpha) * 0).expand(m, n))
+    if isinstance(alpha, torch.Tensor):
+        alpha = alpha.reshape(1).to(torch.float32)
     x_lo, x_hi = decode_fp4_halves(a, a_scale)
     split = max(1, min(config.split_k, triton.cdiv(kg, config.block_g)))
     groups_per_split = triton.cdiv(triton.cdiv(kg, split), config.block_g) * config.block_g
@@ -316,15 +322,15 @@ def mm_fp4_tiled(
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), split)
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=a.device)
     traceable(_mm_fp4_kernel)[grid](
-        x_lo, x_hi, b, b_scale, alpha, target, m, n, kg, groups_per_split,
+        x_lo, x_hi, b, b_scale, *alpha_operands(alpha), target, m, n, kg, groups_per_split,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_G=config.block_g,
         GROUP_M=config.group_m, PARTIAL=split > 1, EVEN_K=even_k, FAST_DECODE=a.device.type == "cuda",
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        **alpha_meta(alpha), num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split > 1:
         block = 1024
         traceable(_splitk_reduce_kernel)[(triton.cdiv(m * n, block),)](
-            target, alpha, out, m * n, split, BLOCK=block, num_warps=4)
+            target, *alpha_operands(alpha), out, m * n, split, BLOCK=block, **alpha_meta(alpha), num_warps=4)
     return out
 
 
@@ -385,7 +391,7 @@ def dequantize_fp4_pair_triton(
 
 def mm_fp4_dequant_mm(
     a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
-    alpha: torch.Tensor,
+    alpha: Alpha,
 ) -> torch.Tensor:
     """bf16 output through exact bf16 dequantization of both operands (one launch), cuBLAS and an
     in-place alpha multiply (fp32 accumulate, rounded to bf16, times alpha, rounded again)."""
@@ -397,23 +403,26 @@ def mm_fp4_dequant_mm(
 SCALE_BLOCK = 2048
 
 
-def scale_by_alpha_(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+def scale_by_alpha_(x: torch.Tensor, alpha: Alpha) -> torch.Tensor:
     """In place ``x = x.dtype(fp32(x) * alpha)`` (one rounding, to nearest even) and return ``x``;
-    ``alpha`` a one-element fp32 device tensor (not synchronised), ``x`` contiguous bf16/fp16."""
+    ``alpha`` a one-element fp32 device tensor (not synchronised) or ``GlobalScales`` of two,
+    ``x`` contiguous bf16/fp16."""
     if not x.is_contiguous():
         raise ValueError(f"scale_by_alpha_: x must be contiguous; got strides {x.stride()}")
-    if alpha.numel() != 1 or alpha.dtype != torch.float32:
-        raise ValueError(f"scale_by_alpha_: alpha must be a one-element float32 tensor; got {alpha.dtype} "
-                         f"{list(alpha.shape)}")
+    for t in alpha_operands(alpha):
+        if t.numel() != 1 or t.dtype != torch.float32:
+            raise ValueError(f"scale_by_alpha_: alpha (or each of its GlobalScales) must be a one-element "
+                             f"float32 tensor; got {t.dtype} {list(t.shape)}")
     n = x.numel()
     if n:
-        traceable(_scale_kernel)[(triton.cdiv(n, SCALE_BLOCK),)](x, alpha, n, BLOCK=SCALE_BLOCK, num_warps=4)
+        traceable(_scale_kernel)[(triton.cdiv(n, SCALE_BLOCK),)](
+            x, *alpha_operands(alpha), n, BLOCK=SCALE_BLOCK, **alpha_meta(alpha), num_warps=4)
     return x
 
 
 def mm_fp4_triton(
     a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
-    alpha: torch.Tensor, out_dtype: torch.dtype,
+    alpha: Alpha, out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """``alpha * (q_a * s_a) @ (q_b * s_b)^T`` as ``[M, N]`` ``out_dtype`` (see module docstring)."""
     m, n, k = a.shape[0], b.shape[0], a.shape[1] * 2

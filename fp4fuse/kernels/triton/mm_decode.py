@@ -3,7 +3,8 @@
 Contract: ``mm_fp4_decode(a, b, a_scale, b_scale, alpha, out_dtype) -> out [M, N]``, the same as
 ``mm_fp4``: a uint8 ``[M, K/2]`` (activation), b uint8 ``[N, K/2]`` (weight, row-major), linear e4m3
 block scales ``[M, K/16]`` / ``[N, K/16]``, alpha a one-element fp32 device tensor read in the
-kernel (never synchronised to the host), ``out = alpha * (q_a * s_a) @ (q_b * s_b)^T`` in
+kernel (never synchronised to the host) or the two global scales it is computed from
+(``fp4fuse.kernels.triton.alpha``), ``out = alpha * (q_a * s_a) @ (q_b * s_b)^T`` in
 bf16/fp16/fp32. Inputs are validated by the op layer (contiguous, dtypes, ``K % 16 == 0``). Used up to
 ``DECODE_MAX_M`` rows: one launch up to ``INKERNEL_DECODE_MAX_M`` rows, two above (the activation is
 pre-decoded once).
@@ -71,6 +72,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fp4fuse.kernels.triton.alpha import Alpha, alpha_meta, alpha_operands, load_alpha
 from fp4fuse.kernels.triton.decode import DECODE_SCALE_UNDO, decode_codes, decode_scales, num_sms
 from fp4fuse.kernels.triton.launch import traceable, tracing
 from fp4fuse.nvfp4.format import BLOCK_SIZE
@@ -157,9 +159,11 @@ def _decoded_tile(q_ptr, s_ptr, q_rows, s_rows, kb0, KB, KG,
 
 
 @triton.jit
-def _store_output(acc, alpha_ptr, out_ptr, rows_m, cols_n, M, N):
-    """``out[m, n] = acc[n, m] * 2**28 * alpha`` for ``m < M``, ``n < N``, in out's dtype."""
-    alpha = tl.load(alpha_ptr)
+def _store_output(acc, alpha_ptr, alpha_b_ptr, out_ptr, rows_m, cols_n, M, N,
+                  ALPHA_FROM_SCALES: tl.constexpr, ALPHA_DIV_RN: tl.constexpr):
+    """``out[m, n] = acc[n, m] * 2**28 * alpha`` for ``m < M``, ``n < N``, in out's dtype
+    (alpha: ``fp4fuse.kernels.triton.alpha.load_alpha``)."""
+    alpha = load_alpha(alpha_ptr, alpha_b_ptr, ALPHA_FROM_SCALES, ALPHA_DIV_RN)
     res = (acc * DECODE_SCALE_UNDO) * alpha
     offs = rows_m[None, :].to(tl.int64) * N + cols_n[:, None]
     mask = (rows_m < M)[None, :] & (cols_n < N)[:, None]
@@ -184,11 +188,12 @@ def _predecode_kernel(q_ptr, s_ptr, lo_ptr, hi_ptr, M, KB, KG, KBP,
 
 @triton.jit(do_not_specialize=["M", "iters_per_split", "n_split"])
 def _mm_decode_kernel(
-    a_ptr, as_ptr, b_ptr, bs_ptr, alpha_ptr, out_ptr, part_ptr, count_ptr,
+    a_ptr, as_ptr, b_ptr, bs_ptr, alpha_ptr, alpha_b_ptr, out_ptr, part_ptr, count_ptr,
     M, N, KB, KG, KBP, iters_per_split, n_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, FAST_DECODE: tl.constexpr,
     PREDECODED: tl.constexpr, A_SCALE_WORDS: tl.constexpr = False,
+    ALPHA_FROM_SCALES: tl.constexpr = False, ALPHA_DIV_RN: tl.constexpr = False,
 ):
     """Program ``(tile, split)``: ``acc[BLOCK_N, BLOCK_M]`` = weight rows of the tile times its
     activation rows over the split's K steps, then the output (``n_split == 1``, not PARTIAL) or
@@ -226,7 +231,7 @@ def _mm_decode_kernel(
         acc = tl.dot(w_hi, tl.trans(x_hi), acc)
 
     if not PARTIAL:
-        _store_output(acc, alpha_ptr, out_ptr, rows_m, cols_n, M, N)
+        _store_output(acc, alpha_ptr, alpha_b_ptr, out_ptr, rows_m, cols_n, M, N, ALPHA_FROM_SCALES, ALPHA_DIV_RN)
     else:
         TILE: tl.constexpr = BLOCK_N * BLOCK_M
         in_tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
@@ -239,7 +244,8 @@ def _mm_decode_kernel(
             total = tl.load(tile_base + in_tile, cache_modifier=".cg")
             for sp in range(1, n_split):
                 total += tl.load(tile_base + sp * TILE + in_tile, cache_modifier=".cg")
-            _store_output(total, alpha_ptr, out_ptr, rows_m, cols_n, M, N)
+            _store_output(total, alpha_ptr, alpha_b_ptr, out_ptr, rows_m, cols_n, M, N,
+                          ALPHA_FROM_SCALES, ALPHA_DIV_RN)
             tl.store(count_ptr + tile, 0)
 
 
@@ -463,7 +469,7 @@ def narrow_step_config(m: int, n: int, k: int, num_sms: int = 132) -> DecodeConf
 
 def mm_fp4_decode(
     a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
-    alpha: torch.Tensor, out_dtype: torch.dtype, config: DecodeConfig | None = None,
+    alpha: Alpha, out_dtype: torch.dtype, config: DecodeConfig | None = None,
     workspace: DecodeWorkspace | None = None,
 ) -> torch.Tensor:
     """``alpha * (q_a * s_a) @ (q_b * s_b)^T`` as ``[M, N]`` ``out_dtype`` in one launch (module
@@ -497,11 +503,11 @@ def mm_fp4_decode(
         x, x_aux = predecode_activation(a, a_scale, cfg.block_k)
         x_stride = x.shape[1]
     traceable(_mm_decode_kernel)[(plan.tiles, plan.split)](
-        x, x_aux, b, b_scale, alpha, out, partials, counters,
+        x, x_aux, b, b_scale, *alpha_operands(alpha), out, partials, counters,
         m, n, k // 2, k // BLOCK_SIZE, x_stride, plan.iters_per_split, plan.split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PARTIAL=plan.split > 1, EVEN_K=plan.even_k, FAST_DECODE=a.device.type == "cuda",
-        PREDECODED=cfg.predecode, A_SCALE_WORDS=scale_words,
+        PREDECODED=cfg.predecode, A_SCALE_WORDS=scale_words, **alpha_meta(alpha),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_register_cap(cfg, a.device),
     )
     return out
