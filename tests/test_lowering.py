@@ -372,3 +372,123 @@ def test_cuda_alpha_from_global_scales_is_bitwise_the_graph_without_the_pass(m, 
         got, want = lowered(a, b, sa, sb, ga, gb), unlowered(a, b, sa, sb, ga, gb)
         _assert_same_bits_and_nans(got, want, (ga, gb))
     assert fusion.match_counts == {"lowering.mm_fp4": 1, "lowering.alpha_from_global_scales": 1}
+
+
+def _kernels_launched(gm) -> list[tuple[str, dict]]:
+    """(kernel name, launch kwargs) of every Triton launch in ``gm``, in graph order."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    launches = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
+    return [(kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__, n.kwargs["kwargs"]) for n in launches]
+
+
+def _qkv(x, ga, bq, sq, gq, bk, sk, gk, bv, sv, gv):
+    """A decoder layer's q/k/v projections as NVFP4 linears form them: one quantized activation,
+    each GEMM's alpha the reciprocal product of the activation's and its weight's global scale."""
+    a, sa = fp4.scaled_fp4_quant(x, ga)
+    return tuple(fp4.mm_fp4(a, b, sa, sb, torch.reciprocal(ga * gb), torch.bfloat16)
+                 for b, sb, gb in ((bq, sq, gq), (bk, sk, gk), (bv, sv, gv)))
+
+
+def _qkv_operands(rows: int, k: int = 64, ns: tuple[int, ...] = (96, 32, 32)) -> list[tuple]:
+    scale = ((1,), torch.float32)
+    activation = [((rows, k), torch.bfloat16), scale]
+    return activation + [x for n in ns for x in (((n, k // 2), torch.uint8), ((n, k // 16), torch.float8_e4m3fn),
+                                                  scale)]
+
+
+def test_sibling_gemms_of_one_activation_share_one_launch(triton_cuda_target):
+    """q/k/v GEMMs on one activation: one launch of the grouped decode kernel (its weights, alphas
+    and outputs per segment), each output read where its GEMM's was; the three alphas folded."""
+    gm = _static_graph(_qkv, *_qkv_operands(6))
+    lowering = KernelLoweringPass(FusionConfig())
+    lowering(gm.graph)
+    gm.graph.lint()  # every value defined before it is read
+    assert lowering.match_counts == {"lowering.mm_fp4": 3, "lowering.alpha_from_global_scales": 3,
+                                     "lowering.mm_fp4_siblings": 1, "lowering.scaled_fp4_quant": 1}
+    ((name, kwargs),) = [k for k in _kernels_launched(gm) if k[0].startswith("_mm_decode")]
+    assert name == "_mm_decode_group_kernel" and kwargs["SEGMENTS"] == 3 and kwargs["ALPHA_FROM_SCALES"]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert [kwargs[f"b{i}_ptr"] for i in range(3)] == placeholders[2::3]
+    assert [kwargs[f"alb{i}_ptr"] for i in range(3)] == placeholders[4::3]
+    outputs = gm.graph.find_nodes(op="output")[0].args[0]
+    assert [tuple(out.meta["val"].shape) for out in outputs] == [(6, 96), (6, 32), (6, 32)]
+    assert not [n for n in gm.graph.nodes if n.target is fp4.mm_fp4.default]
+
+
+def test_a_sibling_whose_input_comes_later_is_lowered_on_its_own(triton_cuda_target):
+    """The k GEMM's alpha is computed in the graph after the q GEMM (not foldable: a scalar
+    factor), so one launch at q's place cannot compute it: q and v share a launch, k gets its own,
+    with the reason."""
+    def fn(x, ga, bq, sq, gq, bk, sk, gk, bv, sv, gv):
+        a, sa = fp4.scaled_fp4_quant(x, ga)
+        q = fp4.mm_fp4(a, bq, sa, sq, torch.reciprocal(ga * gq), torch.bfloat16)
+        k = fp4.mm_fp4(a, bk, sa, sk, torch.reciprocal(ga * 3.0), torch.bfloat16)
+        v = fp4.mm_fp4(a, bv, sa, sv, torch.reciprocal(ga * gv), torch.bfloat16)
+        return q, k, v
+
+    gm = _static_graph(fn, *_qkv_operands(6))
+    lowering = KernelLoweringPass(FusionConfig())
+    lowering(gm.graph)
+    gm.graph.lint()
+    assert lowering.match_counts == {"lowering.mm_fp4": 3, "lowering.alpha_from_global_scales": 2,
+                                     "lowering.mm_fp4_siblings": 1, "lowering.scaled_fp4_quant": 1}
+    (skip,) = lowering.skips
+    assert skip.key.endswith("mm_fp4_siblings") and "computed after" in skip.reason
+    names = [(name, kwargs.get("SEGMENTS")) for name, kwargs in _kernels_launched(gm) if name.startswith("_mm_decode")]
+    assert sorted(names, key=str) == sorted([("_mm_decode_group_kernel", 2), ("_mm_decode_kernel", None)], key=str)
+
+
+@pytest.mark.parametrize("rows_hint,guards,kernel", [
+    (20, {"s <= 256", "s > 16", "s <= 32"}, "_mm_decode_group_kernel"),
+    (300, {"s > 256", "4*s <= 2146435072"}, None),
+])
+def test_sibling_gemms_with_a_dynamic_row_count(triton_cuda_target, rows_hint, guards, kernel):
+    """A dynamic batch: the siblings' shared launch is traced with the symbolic row count under the
+    guards of its range, as one GEMM's is; above the decode GEMM's rows each keeps its own GEMM."""
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from fp4fuse.patterns.base import aot_trace
+
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env)
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    operands = _qkv_operands(rows_hint)
+    x = mode.from_tensor(torch.empty(operands[0][0], dtype=torch.bfloat16), symbolic_context=ctx)
+    rows = x.shape[0]
+    with mode:
+        rest = [torch.empty(shape, dtype=dtype) for shape, dtype in operands[1:]]
+    gm = aot_trace(_qkv, [x, *rest])
+    lowering = KernelLoweringPass(FusionConfig())
+    lowering(gm.graph)
+    gm.graph.lint()
+    assert lowering.match_counts["lowering.mm_fp4"] == 3 and lowering.match_counts["lowering.mm_fp4_siblings"] == 1
+    symbol = str(rows.node.expr)
+    assert {str(g.expr).replace(symbol, "s") for g in shape_env.guards} == guards
+    names = {name for name, _ in _kernels_launched(gm)}
+    assert (kernel in names) if kernel else not any(n.startswith("_mm_decode") for n in names)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", [5, 20, 100, 300])
+def test_cuda_sibling_gemms_are_bitwise_the_graph_without_the_pass(m):
+    """The q/k/v GEMMs of a TP=2 Llama-3-8B rank (2048, 512, 512 x 4096) compiled with FusionPass
+    (one grouped launch up to 256 rows: in-kernel decode at 5 and 20 rows, the pre-decoded
+    activation at 100; each its own GEMM at 300) and without: the same bits, call after call (the
+    shared split-K counters are left at zero)."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 4096, generator=gen).to("cuda", torch.bfloat16)
+    ga = nvfp4.global_scale_from_amax(x.float().abs().amax()).reshape(1)
+    weights = [t for n in (2048, 512, 512) for t in _quantized(n, 4096, gen, "cuda")]
+    fusion = fp4fuse.FusionPass(FusionConfig())
+    lowered = torch.compile(_qkv, fullgraph=True, options={"post_grad_custom_post_pass": fusion})
+    unlowered = torch.compile(_qkv, fullgraph=True)
+    want = unlowered(x, ga, *weights)
+    got, (code, *_) = run_and_get_code(lowered, x, ga, *weights)
+    assert ("_mm_decode_group_kernel" in code) == (m <= 256)
+    for _ in range(2):
+        for g, w in zip(got, want):
+            _assert_same_bits_and_nans(g, w, m)
+        got = lowered(x, ga, *weights)
+    assert fusion.match_counts["lowering.mm_fp4_siblings"] == 1

@@ -252,10 +252,42 @@ def case_mm() -> None:
         assert rel <= 1e-5, f"dispatch {m}x{n}x{k}: rel {rel:.2e}"
 
 
+def _check_decode_group(gen: torch.Generator) -> None:
+    """``mm_fp4_decode_group``: each product bitwise its own ``mm_fp4_decode`` call, with split
+    counts that differ between the segments of one launch (1, 3, 2), 2 and 3 segments, the
+    pre-decoded activation, both alpha kinds, 4 products (a launch of 3 and one of 1), and alphas of
+    two kinds (separate launches)."""
+    from fp4fuse.kernels.triton.alpha import GlobalScales
+    C, W = mm_decode.DecodeConfig, mm_decode.DecodeWeight
+    cases = ((5, (96, 33, 40), 1040, C(16, 32, 64, 1, 4, 2), (1, 3, 2)),
+             (70, (40, 72), 160, C(32, 16, 128, 1, 4, 2, None, True), (2, 1)))
+    for m, ns, k, cfg, splits in cases:
+        a, sa, ga = _quantized(m, k, gen)
+        products = [_quantized(n, k, gen) for n in ns]
+        configs = [dataclasses.replace(cfg, split_k=s) for s in splits]
+        for fold, out_dtype in ((False, torch.float32), (True, torch.bfloat16)):
+            weights = [W(b, sb, GlobalScales(ga, gb) if fold else torch.reciprocal(ga * gb)) for b, sb, gb in products]
+            got = mm_decode.mm_fp4_decode_group(a, sa, weights, out_dtype, configs)
+            for w, c, out in zip(weights, configs, got):
+                want = mm_decode.mm_fp4_decode(a, w.b, sa, w.b_scale, w.alpha, out_dtype, c)
+                assert torch.equal(out, want), f"decode group {m}x{ns}x{k} {c} fold={fold}"
+    m, k = 20, 160
+    a, sa, ga = _quantized(m, k, gen)
+    products = [_quantized(n, k, gen) for n in (33, 65, 17, 50)]
+    for mixed in (False, True):
+        weights = [W(b, sb, GlobalScales(ga, gb) if mixed and i == 1 else torch.reciprocal(ga * gb))
+                   for i, (b, sb, gb) in enumerate(products)]
+        got = mm_decode.mm_fp4_decode_group(a, sa, weights, torch.float32)
+        for w, out in zip(weights, got):
+            assert torch.equal(out, mm_decode.mm_fp4_decode(a, w.b, sa, w.b_scale, w.alpha, torch.float32)), \
+                f"decode group of 4, mixed alphas={mixed}"
+
+
 def case_mm_decode() -> None:
     """The one-launch decode GEMM against the float64 reference: odd shapes, every output dtype,
     split counts that do and do not divide the K steps, NaN scales, determinism, workspace reuse."""
     gen = torch.Generator().manual_seed(4)
+    _check_decode_group(gen)
     C = mm_decode.DecodeConfig
     # (block_m, block_n, block_k, split_k, warps, stages); K steps of 32 code bytes at block_k 64
     configs = (C(16, 16, 64, 1, 4, 2), C(16, 32, 64, 2, 4, 2), C(32, 16, 128, 3, 4, 2), C(64, 64, 64, 5, 4, 2))

@@ -21,7 +21,7 @@ from typing import Any
 
 from fp4fuse.ops.backend import Backend
 
-__all__ = ["LOWERABLE_OPS", "kernel_for"]
+__all__ = ["LOWERABLE_OPS", "kernel_for", "sibling_kernel_for"]
 
 # (op name, backend) -> (module, function); each function takes the op's arguments in order.
 _KERNELS: dict[tuple[str, Backend], tuple[str, str]] = {
@@ -48,6 +48,13 @@ _KERNELS: dict[tuple[str, Backend], tuple[str, str]] = {
 LOWERABLE_OPS: frozenset[str] = frozenset(op for op, backend in _KERNELS if backend is Backend.TRITON)
 
 
+# (op name, backend) -> (module, function) computing several calls of the op that share their first
+# operand, bit for bit the calls, in fewer launches: ``fn(a, a_scale, [(b, b_scale, alpha), ...],
+# out_dtype) -> [out, ...]`` for ``mm_fp4``.
+_SIBLING_KERNELS: dict[tuple[str, Backend], tuple[str, str]] = {
+    ("mm_fp4", Backend.TRITON): ("fp4fuse.kernels.triton.mm", "mm_fp4_group_triton"),
+}
+
 # A backend with no kernel of its own for an op uses this one's (flashinfer has no norms).
 _FALLBACK = {Backend.FLASHINFER: Backend.TRITON}
 
@@ -59,5 +66,16 @@ def kernel_for(op: str, backend: Backend) -> Callable[..., Any]:
     entry = _KERNELS.get((op, backend)) or _KERNELS.get((op, _FALLBACK.get(backend)))
     if entry is None:
         raise KeyError(f"fp4fuse: no {backend.value} kernel registered for op {op!r}")
+    module, name = entry
+    return getattr(importlib.import_module(module), name)
+
+
+@functools.cache
+def sibling_kernel_for(op: str, backend: Backend) -> Callable[..., Any] | None:
+    """The function computing several ``fp4fuse::<op>`` calls on one activation at once on
+    ``backend`` (``_SIBLING_KERNELS``), or None where there is none."""
+    entry = _SIBLING_KERNELS.get((op, backend))
+    if entry is None:
+        return None
     module, name = entry
     return getattr(importlib.import_module(module), name)

@@ -19,6 +19,13 @@ gets ``x`` and ``y`` instead, and its epilogue computes the same product and rec
 division Inductor would have generated (``fp4fuse.kernels.triton.alpha``): one kernel fewer per
 linear, bit for bit.
 
+``mm_fp4`` calls on one activation (a decoder layer's q/k/v or gate/up projections after the
+common-subexpression pass shared their quantization) are lowered together, at the first one's
+place, through the op's sibling kernel (``kernel_table.sibling_kernel_for``): up to 256 rows one
+launch computes up to three of them, each with its own configuration and split, so each output
+has the bits of its own launch (``mm_decode.mm_fp4_decode_group``). A sibling with an input
+computed after the first GEMM is lowered on its own, with the reason.
+
 Argument checks ran when the graph was traced (the ops' fake implementations validate like the
 ops do), so nothing is re-checked per call. A call is lowered only where its tensors are on CUDA
 and the device's backend is Triton; elsewhere (CPU, the reference backend, flashinfer) it stays an
@@ -35,8 +42,10 @@ It runs last in the pipeline: the fusion passes match fp4fuse's op calls, which 
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -127,6 +136,37 @@ def _inductor_divides_rn() -> bool:
     return bool(getattr(getattr(config, "eager_numerics", None), "division_rounding", False))
 
 
+@dataclasses.dataclass
+class _Call:
+    """A call to lower: ``op``'s arguments in schema order (``args``), the positions of graph
+    values among them (``slots``), and ``factors``: the two global scales an ``mm_fp4``'s alpha
+    (``folded``) is the reciprocal product of (its ``args`` entry then None), or None."""
+
+    op: str
+    backend: Backend
+    args: list[Any]
+    slots: list[int]
+    factors: tuple[fx.Node, fx.Node] | None
+    folded: fx.Node | None
+    div_rn: bool
+
+    @property
+    def inputs(self) -> list[fx.Node]:
+        """The graph values the launches read, in ``launch_args``'s order."""
+        return [self.args[i] for i in self.slots] + list(self.factors or ())
+
+    def launch_args(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
+        """The launcher's arguments, given the tensors of ``inputs`` (traced values)."""
+        full = list(self.args)
+        for i, t in zip(self.slots, tensors):
+            full[i] = t
+        if self.factors is not None:
+            from fp4fuse.kernels.triton.alpha import GlobalScales  # imports triton: lowering only
+
+            full[_ALPHA_ARG] = GlobalScales(*tensors[len(self.slots):], div_rn=self.div_rn)
+        return full
+
+
 def _on_cuda(node: fx.Node) -> bool:
     val = fake_value(node.args[0]) if node.args else None
     return isinstance(val, torch.Tensor) and val.device.type == "cuda"
@@ -149,53 +189,110 @@ class KernelLoweringPass(GraphPass):
 
     def __call__(self, graph: fx.Graph) -> int:
         self.recorder.reset()
+        lowerable: dict[fx.Node, _Call] = {}
         for node in list(graph.nodes):
             if node.op != "call_function":
                 continue
             if node.target is _SHARD_ROWS:
                 self._lower_shard_rows(node)
             elif node.target in _LOWERABLE:
-                self._lower_op(node, _LOWERABLE[node.target])
+                call = self._prepare(node, _LOWERABLE[node.target])
+                if call is not None:
+                    lowerable[node] = call
+        groups = self._sibling_groups(graph, lowerable)
+        grouped = {node for members in groups for node in members}
+        # each lowering replaces its node's outputs (a quantization's are a GEMM's operands), so a
+        # call's arguments are read again when it is lowered
+        for members in groups:
+            self._lower_siblings(members, [self._prepare(m, lowerable[m].op, record=False) for m in members])
+        for node, call in lowerable.items():
+            if node not in grouped:
+                self._lower_call(node, self._prepare(node, call.op, record=False))
         return self.finish()
 
-    def _lower_op(self, node: fx.Node, op: str) -> None:
+    def _prepare(self, node: fx.Node, op: str, record: bool = True) -> _Call | None:
+        """What lowering ``node`` takes, or None (with a skip record, where ``record``, that a user
+        can act on)."""
         if not _on_cuda(node):
-            return  # CPU graphs keep the op (its reference kernel); not worth a skip record
+            return None  # CPU graphs keep the op (its reference kernel); not worth a skip record
         backend = backend_for(fake_value(node.args[0]))
         if backend is not Backend.TRITON:
-            self.recorder.skipped(op, node, f"the device's fp4fuse backend is {backend.value}, not triton")
-            return
+            if record:
+                self.recorder.skipped(op, node, f"the device's fp4fuse backend is {backend.value}, not triton")
+            return None
         args = _ordered_args(node)
         alpha = args[_ALPHA_ARG] if node.target is _MM_FP4 else None
         factors = _alpha_factors(alpha, fake_value(node.args[0]).device) if alpha is not None else None
         if factors is not None:
             args[_ALPHA_ARG] = None  # the launch gets GlobalScales of the two factors
-        slots = [i for i, a in enumerate(args) if isinstance(a, fx.Node)]
-        inputs = [args[i] for i in slots] + list(factors or ())
-        reason = _dynamic_size_reason([fake_value(n) for n in inputs])
+        call = _Call(op, backend, args, [i for i, a in enumerate(args) if isinstance(a, fx.Node)], factors,
+                     alpha if factors is not None else None, _inductor_divides_rn())
+        reason = _dynamic_size_reason([fake_value(n) for n in call.inputs])
         if reason is not None:
-            self.recorder.skipped(op, node, reason)
-            return
-        impl = kernel_table.kernel_for(op, backend)
-        div_rn = _inductor_divides_rn()
+            if record:
+                self.recorder.skipped(op, node, reason)
+            return None
+        return call
+
+    def _lower_call(self, node: fx.Node, call: _Call) -> None:
+        impl = kernel_table.kernel_for(call.op, call.backend)
+        with node.graph.inserting_before(node):
+            outputs = insert_traced(node.graph, lambda *tensors: impl(*call.launch_args(tensors)), call.inputs)
+        self._replace(node, outputs)
+        self._record(call)
+
+    def _record(self, call: _Call) -> None:
+        """Count a lowered call; erase its alpha's product and reciprocal if it folded them and
+        nothing else reads them."""
+        self.recorder.matched(call.op)
+        if call.folded is not None:
+            erase_if_unused([call.folded, call.folded.args[0]])
+            self.recorder.matched("alpha_from_global_scales")
+
+    def _sibling_groups(self, graph: fx.Graph, calls: dict[fx.Node, _Call]) -> list[list[fx.Node]]:
+        """``mm_fp4`` calls to lower together: those of one activation (``a``, ``a_scale``) and
+        output dtype, in graph order, whose inputs all exist where the first of them runs (where
+        their launch goes). A sibling with a later input (say, an alpha computed between two of the
+        GEMMs) is lowered on its own, with the reason."""
+        by_activation: dict[tuple, list[fx.Node]] = {}
+        for node, call in calls.items():
+            if call.op == "mm_fp4" and kernel_table.sibling_kernel_for(call.op, call.backend) is not None:
+                a, _, a_scale, _, _, out_dtype = call.args
+                by_activation.setdefault((a, a_scale, out_dtype, call.backend), []).append(node)
+        position = {node: i for i, node in enumerate(graph.nodes)}
+        groups = []
+        for members in by_activation.values():
+            if len(members) < 2:
+                continue
+            first = position[members[0]]
+            ready = [m for m in members if all(position[n] < first for n in calls[m].inputs)]
+            for late in (m for m in members if m not in ready):
+                self.recorder.skipped("mm_fp4_siblings", late, (
+                    f"an input of this GEMM is computed after {members[0].name}, the first GEMM on the same "
+                    "activation, so one launch at that point cannot compute both; it is lowered on its own"))
+            if len(ready) >= 2:
+                groups.append(ready)
+        return groups
+
+    def _lower_siblings(self, members: list[fx.Node], calls: list[_Call]) -> None:
+        """One traced call of the op's sibling kernel for ``members`` (at the first one's place)."""
+        impl = kernel_table.sibling_kernel_for(calls[0].op, calls[0].backend)
+        a, _, a_scale, _, _, out_dtype = calls[0].args
+        bounds = [0]
+        for call in calls:
+            bounds.append(bounds[-1] + len(call.inputs))
 
         def launches(*tensors: torch.Tensor) -> Any:
-            full = list(args)
-            for i, t in zip(slots, tensors):
-                full[i] = t
-            if factors is not None:
-                from fp4fuse.kernels.triton.alpha import GlobalScales  # imports triton: lowering only
+            full = [call.launch_args(tensors[lo:hi]) for call, lo, hi in zip(calls, bounds, bounds[1:])]
+            return impl(full[0][0], full[0][2], [(args[1], args[3], args[4]) for args in full], out_dtype)
 
-                full[_ALPHA_ARG] = GlobalScales(*tensors[len(slots):], div_rn=div_rn)
-            return impl(*full)
-
-        with node.graph.inserting_before(node):
-            outputs = insert_traced(node.graph, launches, inputs)
-        self._replace(node, outputs)
-        self.recorder.matched(op)
-        if factors is not None:
-            erase_if_unused([alpha, alpha.args[0]])
-            self.recorder.matched("alpha_from_global_scales")
+        graph = members[0].graph
+        with graph.inserting_before(members[0]):
+            outputs = insert_traced(graph, launches, [n for call in calls for n in call.inputs])
+        for node, call, out in zip(members, calls, outputs):
+            self._replace(node, [out])
+            self._record(call)
+        self.recorder.matched("mm_fp4_siblings")
 
     @staticmethod
     def _replace(node: fx.Node, outputs: list[fx.Node]) -> None:

@@ -44,7 +44,9 @@ import triton.language as tl
 from fp4fuse.kernels.triton.alpha import Alpha, alpha_meta, alpha_operands, alpha_tensor, load_alpha
 from fp4fuse.kernels.triton.decode import DECODE_SCALE_UNDO, decode_codes, decode_scales, num_sms
 from fp4fuse.kernels.triton.launch import traceable
-from fp4fuse.kernels.triton.mm_decode import DECODE_MAX_M, decode_config_for, mm_fp4_decode
+from fp4fuse.kernels.triton.mm_decode import (
+    DECODE_MAX_M, DecodeWeight, decode_config_for, mm_fp4_decode, mm_fp4_decode_group,
+)
 from fp4fuse.nvfp4.format import BLOCK_SIZE
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,7 @@ __all__ = [
     "dequantize_fp4_triton",
     "mm_config_for",
     "mm_fp4_dequant_mm",
+    "mm_fp4_group_triton",
     "mm_fp4_tiled",
     "mm_fp4_triton",
     "scale_by_alpha_",
@@ -431,3 +434,16 @@ def mm_fp4_triton(
     if out_dtype == torch.bfloat16 and m >= DEQUANT_MIN_M:
         return mm_fp4_dequant_mm(a, b, a_scale, b_scale, alpha)
     return mm_fp4_tiled(a, b, a_scale, b_scale, alpha, out_dtype, mm_config_for(m, n, k, a.device))
+
+
+def mm_fp4_group_triton(
+    a: torch.Tensor, a_scale: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor, Alpha]],
+    out_dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """``[mm_fp4_triton(a, b, a_scale, b_scale, alpha, out_dtype) for b, b_scale, alpha in weights]``,
+    bit for bit: products of one activation up to ``DECODE_MAX_M`` rows share launches
+    (``mm_decode.mm_fp4_decode_group``); above, one call each."""
+    weights = [DecodeWeight(*w) for w in weights]
+    if a.shape[0] <= DECODE_MAX_M:
+        return mm_fp4_decode_group(a, a_scale, weights, out_dtype)
+    return [mm_fp4_triton(a, w.b, a_scale, w.b_scale, w.alpha, out_dtype) for w in weights]

@@ -81,15 +81,19 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DecodeConfig",
+    "DecodeWeight",
     "DecodeWorkspace",
     "DECODE_MAX_M",
     "DECODE_ROW_RANGES",
+    "MAX_GROUP",
     "config_rows",
     "decode_config_for",
     "decode_workspace_numel",
     "empty_decode_workspace",
     "filling_split",
+    "group_configs",
     "mm_fp4_decode",
+    "mm_fp4_decode_group",
     "narrow_step_config",
     "predecode_activation",
     "wide_step_config",
@@ -195,14 +199,70 @@ def _mm_decode_kernel(
     PREDECODED: tl.constexpr, A_SCALE_WORDS: tl.constexpr = False,
     ALPHA_FROM_SCALES: tl.constexpr = False, ALPHA_DIV_RN: tl.constexpr = False,
 ):
+    """Program ``(tile, split)`` of one product: ``_decode_program``."""
+    _decode_program(a_ptr, as_ptr, b_ptr, bs_ptr, alpha_ptr, alpha_b_ptr, out_ptr, part_ptr, count_ptr,
+                    tl.program_id(0), tl.program_id(1), M, N, KB, KG, KBP, iters_per_split, n_split,
+                    BLOCK_M, BLOCK_N, BLOCK_K, PARTIAL, EVEN_K, FAST_DECODE, PREDECODED, A_SCALE_WORDS,
+                    ALPHA_FROM_SCALES, ALPHA_DIV_RN)
+
+
+@triton.jit(do_not_specialize=["M", "iters0", "split0", "iters1", "split1", "iters2", "split2"])
+def _mm_decode_group_kernel(
+    a_ptr, as_ptr, part_ptr, count_ptr, M, KB, KG, KBP,
+    b0_ptr, bs0_ptr, al0_ptr, alb0_ptr, out0_ptr, N0, iters0, split0,
+    b1_ptr, bs1_ptr, al1_ptr, alb1_ptr, out1_ptr, N1, iters1, split1,
+    b2_ptr, bs2_ptr, al2_ptr, alb2_ptr, out2_ptr, N2, iters2, split2,
+    SEGMENTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, FAST_DECODE: tl.constexpr, PREDECODED: tl.constexpr, A_SCALE_WORDS: tl.constexpr,
+    ALPHA_FROM_SCALES: tl.constexpr, ALPHA_DIV_RN: tl.constexpr,
+):
+    """``SEGMENTS`` (2 or 3) products of one activation with their own weights, alphas and outputs
+    in one launch: programs ``[0, tiles0 * split0)`` are segment 0's ``(tile, split)`` programs, tile
+    fastest (as in ``_mm_decode_kernel``'s grid), then segment 1's and segment 2's. Each segment's
+    partials and counters follow the previous segment's in the workspace. Every segment takes the
+    split-K path (a segment of one split reduces its single partial: the same bits)."""
+    TILE: tl.constexpr = BLOCK_N * BLOCK_M
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles = tiles_m * tl.cdiv(N0, BLOCK_N)
+    first = pid * 0
+    part, count = part_ptr, count_ptr
+    b_ptr, bs_ptr, al_ptr, alb_ptr, out_ptr, N, iters, n_split = b0_ptr, bs0_ptr, al0_ptr, alb0_ptr, out0_ptr, N0, iters0, split0
+    if pid >= tiles * split0:
+        first = tiles * split0
+        part = part_ptr + first.to(tl.int64) * TILE
+        count = count_ptr + tiles
+        b_ptr, bs_ptr, al_ptr, alb_ptr, out_ptr, N, iters, n_split = b1_ptr, bs1_ptr, al1_ptr, alb1_ptr, out1_ptr, N1, iters1, split1
+        tiles = tiles_m * tl.cdiv(N1, BLOCK_N)
+        if SEGMENTS == 3:
+            if pid >= first + tiles * split1:
+                part = part + (tiles * split1).to(tl.int64) * TILE
+                count = count + tiles
+                first = first + tiles * split1
+                b_ptr, bs_ptr, al_ptr, alb_ptr, out_ptr, N, iters, n_split = b2_ptr, bs2_ptr, al2_ptr, alb2_ptr, out2_ptr, N2, iters2, split2
+                tiles = tiles_m * tl.cdiv(N2, BLOCK_N)
+    local = pid - first
+    _decode_program(a_ptr, as_ptr, b_ptr, bs_ptr, al_ptr, alb_ptr, out_ptr, part, count,
+                    local % tiles, local // tiles, M, N, KB, KG, KBP, iters, n_split,
+                    BLOCK_M, BLOCK_N, BLOCK_K, True, EVEN_K, FAST_DECODE, PREDECODED, A_SCALE_WORDS,
+                    ALPHA_FROM_SCALES, ALPHA_DIV_RN)
+
+
+@triton.jit
+def _decode_program(
+    a_ptr, as_ptr, b_ptr, bs_ptr, alpha_ptr, alpha_b_ptr, out_ptr, part_ptr, count_ptr,
+    tile, split, M, N, KB, KG, KBP, iters_per_split, n_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, FAST_DECODE: tl.constexpr,
+    PREDECODED: tl.constexpr, A_SCALE_WORDS: tl.constexpr,
+    ALPHA_FROM_SCALES: tl.constexpr, ALPHA_DIV_RN: tl.constexpr,
+):
     """Program ``(tile, split)``: ``acc[BLOCK_N, BLOCK_M]`` = weight rows of the tile times its
     activation rows over the split's K steps, then the output (``n_split == 1``, not PARTIAL) or
     the partial + last-arriver reduction (PARTIAL; module docstring). Tiles are numbered with the
     M tile fastest, so programs sharing a weight tile run side by side (L2 reuse).
     PREDECODED: ``a_ptr`` / ``as_ptr`` are the fp16 planes of ``_predecode_kernel`` (row stride
     ``KBP``), loaded as they are instead of decoding the activation in every program."""
-    tile = tl.program_id(0)
-    split = tl.program_id(1)
     tiles_m = tl.cdiv(M, BLOCK_M)
     pid_m = tile % tiles_m
     pid_n = tile // tiles_m
@@ -495,13 +555,7 @@ def mm_fp4_decode(
             raise ValueError(f"mm_fp4_decode: workspace holds {workspace.partials.numel()} partials / "
                              f"{workspace.counters.numel()} counters; this call needs {need_p} / {need_c}")
         partials, counters = workspace
-    x, x_aux, x_stride = a, a_scale, 0
-    # traced (kernel lowering): fake tensors have no address, so the byte loads (the same bits)
-    scale_words = (cfg.scale_words and not cfg.predecode and (k // BLOCK_SIZE) % 4 == 0 and not tracing()
-                   and a_scale.data_ptr() % 4 == 0)
-    if cfg.predecode:
-        x, x_aux = predecode_activation(a, a_scale, cfg.block_k)
-        x_stride = x.shape[1]
+    x, x_aux, x_stride, scale_words = _activation_operands(a, a_scale, cfg)
     traceable(_mm_decode_kernel)[(plan.tiles, plan.split)](
         x, x_aux, b, b_scale, *alpha_operands(alpha), out, partials, counters,
         m, n, k // 2, k // BLOCK_SIZE, x_stride, plan.iters_per_split, plan.split,
@@ -511,6 +565,96 @@ def mm_fp4_decode(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_register_cap(cfg, a.device),
     )
     return out
+
+
+def _activation_operands(a: torch.Tensor, a_scale: torch.Tensor, cfg: DecodeConfig
+                         ) -> tuple[torch.Tensor, torch.Tensor, int, bool]:
+    """``(x, x_aux, row stride of pre-decoded planes or 0, A_SCALE_WORDS)``: the activation as the
+    decode kernels read it (pre-decoded once where ``cfg.predecode``)."""
+    k = a.shape[1] * 2
+    # traced (kernel lowering): fake tensors have no address, so the byte loads (the same bits)
+    scale_words = (cfg.scale_words and not cfg.predecode and (k // BLOCK_SIZE) % 4 == 0 and not tracing()
+                   and a_scale.data_ptr() % 4 == 0)
+    if cfg.predecode:
+        lo, hi = predecode_activation(a, a_scale, cfg.block_k)
+        return lo, hi, lo.shape[1], scale_words
+    return a, a_scale, 0, scale_words
+
+
+class DecodeWeight(NamedTuple):
+    """One product of ``mm_fp4_decode_group``: weight codes ``b [N, K/2]``, block scales
+    ``b_scale [N, K/16]`` and ``alpha``, as ``mm_fp4_decode`` takes them."""
+
+    b: torch.Tensor
+    b_scale: torch.Tensor
+    alpha: Alpha
+
+
+#: Products one ``_mm_decode_group_kernel`` launch computes at most.
+MAX_GROUP = 3
+
+
+def group_configs(m: int | torch.SymInt, ns: list[int], k: int, num_sms: int) -> list[DecodeConfig] | None:
+    """Each product's ``decode_config_for`` where all but their split counts agree (one launch can
+    then run them all, each with its own split), else None."""
+    cfgs = [decode_config_for(config_rows(m), n, k, num_sms) for n in ns]
+    if len({dataclasses.replace(cfg, split_k=1) for cfg in cfgs}) != 1:
+        return None
+    return cfgs
+
+
+def mm_fp4_decode_group(a: torch.Tensor, a_scale: torch.Tensor, weights: list[DecodeWeight],
+                        out_dtype: torch.dtype, configs: list[DecodeConfig] | None = None) -> list[torch.Tensor]:
+    """``[mm_fp4_decode(a, w.b, a_scale, w.b_scale, w.alpha, out_dtype) for w in weights]``, bit
+    for bit, in fewer launches: up to ``MAX_GROUP`` products at a time whose configurations agree
+    but for the split count (``group_configs``), with alphas of one kind, share one launch of
+    ``_mm_decode_group_kernel`` (each keeps its configuration, split and K ranges, so its sums are
+    the same) and one split-K workspace (one memset); an activation pre-decode runs once for the
+    group. Products that cannot share a launch get one each. The q/k/v (gate/up) projections of a
+    decoder layer read one activation: at decode sizes their GEMMs are latency-bound, and one grid
+    over all of them fills the GPU where the small ones alone cannot (benchmarks/results/).
+    ``configs``: one configuration per product instead of ``decode_config_for`` (tests, sweeps);
+    they must agree but for ``split_k``."""
+    if configs is not None and (len(configs) != len(weights)
+                                or len({dataclasses.replace(c, split_k=1) for c in configs}) != 1):
+        raise ValueError(f"mm_fp4_decode_group: configs must be one per weight and agree but for split_k; "
+                         f"got {configs}")
+    outs: list[torch.Tensor] = []
+    for start in range(0, len(weights), MAX_GROUP):
+        chunk = slice(start, start + MAX_GROUP)
+        outs += _decode_group(a, a_scale, weights[chunk], out_dtype, configs and configs[chunk])
+    return outs
+
+
+def _decode_group(a: torch.Tensor, a_scale: torch.Tensor, weights: list[DecodeWeight],
+                  out_dtype: torch.dtype, cfgs: list[DecodeConfig] | None) -> list[torch.Tensor]:
+    m, k = a.shape[0], a.shape[1] * 2
+    ns = [w.b.shape[0] for w in weights]
+    alpha_kinds = {tuple(alpha_meta(w.alpha).items()) for w in weights}
+    shared = len(weights) > 1 and len(alpha_kinds) == 1 and m > 0 and k > 0 and min(ns) > 0
+    if shared and cfgs is None:
+        cfgs = group_configs(m, ns, k, num_sms(a.device))
+    if not shared or cfgs is None:
+        cfgs = cfgs or [None] * len(weights)
+        return [mm_fp4_decode(a, w.b, a_scale, w.b_scale, w.alpha, out_dtype, cfg) for w, cfg in zip(weights, cfgs)]
+    cfg = cfgs[0]
+    plans = [_plan(c, m, n, k) for c, n in zip(cfgs, ns)]
+    programs = sum(p.tiles * p.split for p in plans)
+    workspace = empty_decode_workspace(programs * cfg.block_n * cfg.block_m, sum(p.tiles for p in plans), a.device)
+    outs = [torch.empty((m, n), dtype=out_dtype, device=a.device) for n in ns]
+    segments = [(w.b, w.b_scale, *alpha_operands(w.alpha), out, n, p.iters_per_split, p.split)
+                for w, out, n, p in zip(weights, outs, ns, plans)]
+    segments += [segments[-1]] * (MAX_GROUP - len(segments))  # unused slots (SEGMENTS prunes them)
+    x, x_aux, x_stride, scale_words = _activation_operands(a, a_scale, cfg)
+    traceable(_mm_decode_group_kernel)[(programs,)](
+        x, x_aux, workspace.partials, workspace.counters, m, k // 2, k // BLOCK_SIZE, x_stride,
+        *(arg for segment in segments for arg in segment),
+        SEGMENTS=len(weights), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EVEN_K=plans[0].even_k, FAST_DECODE=a.device.type == "cuda", PREDECODED=cfg.predecode,
+        A_SCALE_WORDS=scale_words, **alpha_meta(weights[0].alpha),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_register_cap(cfg, a.device),
+    )
+    return outs
 
 
 #: Activation rows per program of ``_predecode_kernel``.
