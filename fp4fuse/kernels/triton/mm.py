@@ -214,7 +214,11 @@ def _dequant_pair_kernel(qa_ptr, sa_ptr, outa_ptr, na_blocks, qb_ptr, sb_ptr, ou
 
 @triton.jit
 def _dequant_blocks(q_ptr, s_ptr, out_ptr, n_blocks, pid, BLOCKS: tl.constexpr):
-    """Program ``pid``'s ``BLOCKS`` 16-element blocks of ``_dequant_kernel``."""
+    """Program ``pid``'s ``BLOCKS`` 16-element blocks of ``_dequant_kernel``: the scales read as
+    bytes, the bf16 output written as int32 pairs (the tensors' own dtypes arrive, so a compiled
+    graph's wrapper runs no view op per call)."""
+    s_ptr = s_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
+    out_ptr = out_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     blk = pid.to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
     in_range = blk < n_blocks
     pair = blk[:, None] * 8 + tl.arange(0, 8)[None, :]
@@ -369,7 +373,7 @@ def dequantize_fp4_triton(q: torch.Tensor, s: torch.Tensor, config: tuple[int, i
         return out
     blocks, num_warps = config or DEQUANT_LAUNCH
     traceable(_dequant_kernel)[(triton.cdiv(n_blocks, blocks),)](
-        q, s.view(torch.uint8), out.view(torch.int32), n_blocks, BLOCKS=blocks, num_warps=num_warps)
+        q, s, out, n_blocks, BLOCKS=blocks, num_warps=num_warps)
     return out
 
 
@@ -386,8 +390,7 @@ def dequantize_fp4_pair_triton(
     programs = programs_a + triton.cdiv(nb, blocks)
     if programs:
         traceable(_dequant_pair_kernel)[(programs,)](
-            a, a_scale.view(torch.uint8), a16.view(torch.int32), na,
-            b, b_scale.view(torch.uint8), b16.view(torch.int32), nb, programs_a,
+            a, a_scale, a16, na, b, b_scale, b16, nb, programs_a,
             BLOCKS=blocks, num_warps=num_warps)
     return a16, b16
 

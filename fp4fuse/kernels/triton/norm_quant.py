@@ -151,8 +151,11 @@ def _norm_quant_kernel(
     ON_CUDA: tl.constexpr,
 ):
     """One program per row: norm._rms_norm_kernel with the output store replaced by the
-    quantization (the same first pass ``_row_inv_rms``, the same ``_normalized_chunk``). q_ptr:
-    int32 code words; s_ptr: uint8 scales; IN_KIND: x's dtype (quant._InputKind)."""
+    quantization (the same first pass ``_row_inv_rms``, the same ``_normalized_chunk``). q and s
+    arrive in their own dtypes (no view op in a compiled graph's wrapper) and are written as int32
+    code words and uint8 scales; IN_KIND: x's dtype (quant._InputKind)."""
+    q_ptr = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    s_ptr = s_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
     pid = tl.program_id(0).to(tl.int64)
     row = pid * N
     cols = tl.arange(0, BLOCK)
@@ -181,7 +184,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     block, single, num_warps = norm_launch_config(h)
     traceable(_norm_quant_kernel)[(t,)](
         x, residual if residual is not None else x, weight, res_out if res_out is not None else x,
-        global_scale.reshape(1).to(torch.float32), q.view(torch.int32), s.view(torch.uint8), h, float(eps),
+        global_scale.reshape(1).to(torch.float32), q, s, h, float(eps),
         HAS_RESIDUAL=residual is not None, BLOCK=block, SINGLE_PASS=single, IN_KIND=int(_INPUT_KIND[x.dtype]),
         ON_CUDA=x.device.type == "cuda", num_warps=num_warps,
     )

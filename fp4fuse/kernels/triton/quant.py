@@ -103,7 +103,6 @@ _DIV_FMA_SAT = tl.constexpr(int(QuantDivision.FMA_SAT))
 
 _INPUT_KIND = {torch.bfloat16: _InputKind.BF16, torch.float16: _InputKind.FP16, torch.float32: _InputKind.FP32}
 # x is read as int32 words (two 16-bit elements each, element 2j in the low half) or as fp32.
-_WORD_DTYPE = {torch.bfloat16: torch.int32, torch.float16: torch.int32, torch.float32: torch.float32}
 
 DEFAULT_DIVISION = QuantDivision.FMA_SAT
 
@@ -483,9 +482,14 @@ def _quant_kernel(
 ):
     """Program p quantizes chunks p, p + P, ... of BLOCKS blocks (P programs; with P = n_chunks,
     one chunk each). Out-of-range rows of the last chunk re-read the last block (no masked
-    loads) and store nothing. x_ptr: int32 words (16-bit inputs) or fp32; q_ptr: int32 code
-    words; s_ptr: uint8 scales. ON_CUDA: hardware instructions (inline PTX, cvt); False under
-    Triton's interpreter, which runs exact emulations of them."""
+    loads) and store nothing. The pointers come in the tensors' own dtypes (a compiled graph's
+    wrapper then runs no view op per call) and are read as: x int32 words (16-bit inputs, 4-byte
+    aligned) or fp32, q int32 code words, s uint8 scales. ON_CUDA: hardware instructions (inline
+    PTX, cvt); False under Triton's interpreter, which runs exact emulations of them."""
+    if IN_KIND != _KIND_FP32:
+        x_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    q_ptr = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    s_ptr = s_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     rows = tl.arange(0, BLOCKS)
@@ -544,16 +548,14 @@ def _launch_args(x: torch.Tensor, global_scale: torch.Tensor, q: torch.Tensor, s
     if n_blocks > 2**31 - 2**20:
         raise ValueError(f"fp4fuse.scaled_fp4_quant: {m}x{k} has {n_blocks} blocks of 16; the Triton kernel indexes blocks with int32")
     x = x.contiguous()
-    word_dtype = _WORD_DTYPE[x.dtype]
-    if (x.storage_offset() * x.element_size()) % 4:
+    if (x.storage_offset() * x.element_size()) % 4:  # read as 4-byte words
         x = x.clone()
     blocks, num_warps, programs = config or quant_launch_config(n_blocks, x.device)
     if x.device.type == "cuda" and blocks > MAX_BLOCKS_PER_THREAD * 32 * num_warps:
         raise ValueError(f"fp4fuse.scaled_fp4_quant: config {(blocks, num_warps, programs)} gives each thread "
                          f"{blocks // (32 * num_warps)} blocks; at most {MAX_BLOCKS_PER_THREAD} are allowed on CUDA "
                          f"(BLOCKS <= {MAX_BLOCKS_PER_THREAD} * 32 * num_warps)")
-    args = (x.view(word_dtype), global_scale.reshape(1).to(torch.float32), q.view(torch.int32),
-            s.view(torch.uint8), n_blocks, triton.cdiv(n_blocks, blocks))
+    args = (x, global_scale.reshape(1).to(torch.float32), q, s, n_blocks, triton.cdiv(n_blocks, blocks))
     meta = dict(IN_KIND=int(_INPUT_KIND[x.dtype]), DIVISION=int(division), BLOCKS=blocks,
                 ON_CUDA=x.device.type == "cuda", num_warps=num_warps)
     return (programs,), args, meta
