@@ -277,12 +277,13 @@ class KernelLoweringPass(GraphPass):
     def _lower_siblings(self, members: list[fx.Node], calls: list[_Call]) -> None:
         """One traced call of the op's sibling kernel for ``members`` (at the first one's place)."""
         impl = kernel_table.sibling_kernel_for(calls[0].op, calls[0].backend)
-        a, _, a_scale, _, _, out_dtype = calls[0].args
+        out_dtype = calls[0].args[5]
         bounds = [0]
         for call in calls:
             bounds.append(bounds[-1] + len(call.inputs))
 
         def launches(*tensors: torch.Tensor) -> Any:
+            # each member's mm_fp4(a, b, a_scale, b_scale, alpha, out_dtype), a and a_scale shared
             full = [call.launch_args(tensors[lo:hi]) for call, lo, hi in zip(calls, bounds, bounds[1:])]
             return impl(full[0][0], full[0][2], [(args[1], args[3], args[4]) for args in full], out_dtype)
 

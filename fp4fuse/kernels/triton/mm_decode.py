@@ -542,9 +542,7 @@ def mm_fp4_decode(
     if k == 0:
         return out.zero_()
     cfg = config or decode_config_for(config_rows(m), n, k, num_sms(a.device))
-    if cfg.block_k % 64 or cfg.block_m < 16 or cfg.block_n < 16:
-        raise ValueError(f"mm_fp4_decode: block_k must be a multiple of 64 and block_m, block_n at "
-                         f"least 16; got {cfg}")
+    _check_config(cfg, "mm_fp4_decode")
     plan = _plan(cfg, m, n, k)
     partials, counters = out, out
     if plan.split > 1:
@@ -565,6 +563,11 @@ def mm_fp4_decode(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_register_cap(cfg, a.device),
     )
     return out
+
+
+def _check_config(cfg: DecodeConfig, caller: str) -> None:
+    if cfg.block_k % 64 or cfg.block_m < 16 or cfg.block_n < 16:
+        raise ValueError(f"{caller}: block_k must be a multiple of 64 and block_m, block_n at least 16; got {cfg}")
 
 
 def _activation_operands(a: torch.Tensor, a_scale: torch.Tensor, cfg: DecodeConfig
@@ -619,6 +622,8 @@ def mm_fp4_decode_group(a: torch.Tensor, a_scale: torch.Tensor, weights: list[De
                                 or len({dataclasses.replace(c, split_k=1) for c in configs}) != 1):
         raise ValueError(f"mm_fp4_decode_group: configs must be one per weight and agree but for split_k; "
                          f"got {configs}")
+    for cfg in configs or ():
+        _check_config(cfg, "mm_fp4_decode_group")
     outs: list[torch.Tensor] = []
     for start in range(0, len(weights), MAX_GROUP):
         chunk = slice(start, start + MAX_GROUP)

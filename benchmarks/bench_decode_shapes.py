@@ -1,0 +1,89 @@
+"""Decode GEMMs at the shapes of one TP=2 Llama-3-8B rank, single GPU, CUDA-graph replays
+(``triton.testing.do_bench_cudagraph``; each replay reads the same weights, so what fits in L2 stays
+there):
+
+    PYTHONPATH=. python benchmarks/bench_decode_shapes.py shapes     # mm_fp4 vs cuBLAS bf16 per linear
+    PYTHONPATH=. python benchmarks/bench_decode_shapes.py siblings   # q/k/v, gate/up: separate vs grouped
+
+``shapes``: ``mm_fp4`` (bf16 out) against ``torch.mm`` in bf16 for each linear of a rank (q, k/v, o,
+gate, down; also q/k/v and gate/up as one weight) at M = 16 and 128, over 4 weight copies per call,
+with the NVFP4 weight's floor (codes + scales at 4.8 TB/s on H200, 3.35 on H100).
+
+``siblings``: the GEMMs that read one activation (q/k/v: 2048 + 512 + 512 rows, gate/up: 7168 + 7168,
+K = 4096) as one ``mm_fp4_triton`` launch each and as ``mm_fp4_group_triton`` (one launch where the
+configurations allow, what fp4fuse's kernel lowering makes of them), checked bitwise equal, at M in
+1..256. Results: benchmarks/results/2026-11-26-decode-launches-2xh200.md.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import triton
+from triton.testing import do_bench_cudagraph
+
+import fp4fuse  # noqa: F401  (registers torch.ops.fp4fuse)
+from fp4fuse.kernels.triton import mm as triton_mm, mm_decode
+from fp4fuse.nvfp4 import format as nvfp4
+
+COPIES = 4
+
+
+def quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = nvfp4.global_scale_from_amax(x.float().abs().amax()).reshape(1)
+    q, s = torch.ops.fp4fuse.scaled_fp4_quant(x, g)
+    return q, s, g
+
+
+def shapes() -> None:
+    bandwidth = 4.8e12 if "H200" in torch.cuda.get_device_name() else 3.35e12
+    for m in (16, 128):
+        for name, n, k in (("q", 2048, 4096), ("k/v", 512, 4096), ("qkv", 3072, 4096), ("o", 4096, 2048),
+                           ("gate", 7168, 4096), ("gate+up", 14336, 4096), ("down", 4096, 7168)):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            a, sa, ga = quant(x)
+            ws = [quant(torch.randn(n, k, device="cuda", dtype=torch.bfloat16)) for _ in range(COPIES)]
+            wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(COPIES)]
+            alpha = torch.reciprocal(ga * ws[0][2])
+
+            def fp4():
+                for b, sb, _ in ws:
+                    torch.ops.fp4fuse.mm_fp4(a, b, sa, sb, alpha, torch.bfloat16)
+
+            def bf16():
+                for w in wb:
+                    torch.mm(x, w.t())
+
+            t4 = do_bench_cudagraph(fp4, rep=200) * 1e3 / COPIES
+            tb = do_bench_cudagraph(bf16, rep=200) * 1e3 / COPIES
+            floor = (n * k // 2 + n * k // 16) / bandwidth * 1e6
+            print(f"M={m:4d} {name:8s} {n:6d}x{k:5d}: fp4 {t4:6.1f} us  bf16 {tb:6.1f} us  x{tb / t4:4.2f}  "
+                  f"fp4 floor {floor:5.1f} us ({floor / t4 * 100:3.0f}%)", flush=True)
+
+
+def siblings() -> None:
+    for m in (1, 16, 32, 64, 128, 256):
+        for name, ns, k in (("q/k/v", (2048, 512, 512), 4096), ("gate/up", (7168, 7168), 4096)):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            a, sa, ga = quant(x)
+            ws = [quant(torch.randn(n, k, device="cuda", dtype=torch.bfloat16)) for n in ns]
+            weights = [mm_decode.DecodeWeight(b, sb, torch.reciprocal(ga * gb)) for b, sb, gb in ws]
+
+            def separate():
+                return [triton_mm.mm_fp4_triton(a, w.b, sa, w.b_scale, w.alpha, torch.bfloat16) for w in weights]
+
+            def grouped():
+                return triton_mm.mm_fp4_group_triton(a, sa, weights, torch.bfloat16)
+
+            assert all(torch.equal(s, g) for s, g in zip(separate(), grouped()))
+            ts = do_bench_cudagraph(separate, rep=200) * 1e3
+            tg = do_bench_cudagraph(grouped, rep=200) * 1e3
+            cfgs = mm_decode.group_configs(m, list(ns), k, mm_decode.num_sms(a.device))
+            print(f"M={m:4d} {name:8s}: separate {ts:6.1f} us  grouped {tg:6.1f} us  x{ts / tg:4.2f}  "
+                  f"{'one launch' if cfgs else 'configs differ'}", flush=True)
+
+
+if __name__ == "__main__":
+    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
+    for part in sys.argv[1:] or ("shapes", "siblings"):
+        {"shapes": shapes, "siblings": siblings}[part]()
