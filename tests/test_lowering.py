@@ -412,6 +412,7 @@ def test_sibling_gemms_of_one_activation_share_one_launch(triton_cuda_target):
     assert [kwargs[f"b{i}_ptr"] for i in range(3)] == placeholders[2::3]
     assert [kwargs[f"alb{i}_ptr"] for i in range(3)] == placeholders[4::3]
     outputs = gm.graph.find_nodes(op="output")[0].args[0]
+    assert [out.args[1] for out in outputs] == ["out0_ptr", "out1_ptr", "out2_ptr"]  # the launch's, in order
     assert [tuple(out.meta["val"].shape) for out in outputs] == [(6, 96), (6, 32), (6, 32)]
     assert not [n for n in gm.graph.nodes if n.target is fp4.mm_fp4.default]
 
