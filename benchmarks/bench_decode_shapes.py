@@ -22,17 +22,11 @@ import torch
 import triton
 from triton.testing import do_bench_cudagraph
 
-import fp4fuse  # noqa: F401  (registers torch.ops.fp4fuse)
+from bench_ops import quantize as quant  # benchmarks/, this script's folder
+
 from fp4fuse.kernels.triton import mm as triton_mm, mm_decode
-from fp4fuse.nvfp4 import format as nvfp4
 
 COPIES = 4
-
-
-def quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = nvfp4.global_scale_from_amax(x.float().abs().amax()).reshape(1)
-    q, s = torch.ops.fp4fuse.scaled_fp4_quant(x, g)
-    return q, s, g
 
 
 def shapes() -> None:

@@ -318,7 +318,7 @@ def mm_fp4_tiled(
     if kg == 0:  # an empty sum: alpha * 0, as the kernel's epilogue would give (NaN for a NaN alpha)
         return out.copy_((alpha_tensor(alpha) * 0).expand(m, n))
     if isinstance(alpha, torch.Tensor):
-        alpha = alpha.reshape(1).to(torch.float32)
+        alpha = alpha_tensor(alpha)
     x_lo, x_hi = decode_fp4_halves(a, a_scale)
     split = max(1, min(config.split_k, triton.cdiv(kg, config.block_g)))
     groups_per_split = triton.cdiv(triton.cdiv(kg, split), config.block_g) * config.block_g

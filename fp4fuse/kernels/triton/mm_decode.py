@@ -597,13 +597,15 @@ class DecodeWeight(NamedTuple):
 MAX_GROUP = 3
 
 
+def _agree_but_for_split(cfgs: list[DecodeConfig]) -> bool:
+    return len({dataclasses.replace(cfg, split_k=1) for cfg in cfgs}) == 1
+
+
 def group_configs(m: int | torch.SymInt, ns: list[int], k: int, num_sms: int) -> list[DecodeConfig] | None:
     """Each product's ``decode_config_for`` where all but their split counts agree (one launch can
     then run them all, each with its own split), else None."""
     cfgs = [decode_config_for(config_rows(m), n, k, num_sms) for n in ns]
-    if len({dataclasses.replace(cfg, split_k=1) for cfg in cfgs}) != 1:
-        return None
-    return cfgs
+    return cfgs if _agree_but_for_split(cfgs) else None
 
 
 def mm_fp4_decode_group(a: torch.Tensor, a_scale: torch.Tensor, weights: list[DecodeWeight],
@@ -618,8 +620,7 @@ def mm_fp4_decode_group(a: torch.Tensor, a_scale: torch.Tensor, weights: list[De
     over all of them fills the GPU where the small ones alone cannot (benchmarks/results/).
     ``configs``: one configuration per product instead of ``decode_config_for`` (tests, sweeps);
     they must agree but for ``split_k``."""
-    if configs is not None and (len(configs) != len(weights)
-                                or len({dataclasses.replace(c, split_k=1) for c in configs}) != 1):
+    if configs is not None and (len(configs) != len(weights) or not _agree_but_for_split(configs)):
         raise ValueError(f"mm_fp4_decode_group: configs must be one per weight and agree but for split_k; "
                          f"got {configs}")
     for cfg in configs or ():
