@@ -11,6 +11,9 @@ default 4; no LM head), random weights from one seed, put on ``--tp`` ranks by
 rank from the same weights and timed in the same process, interleaved round by round:
 
 * ``bf16``: the TP model with bf16 linears, ``torch.compile`` (no fp4fuse pass);
+* ``bf16-fp4fuse``: the same with ``FusionPass(FusionConfig(enable_async_tp=True))``: what fp4fuse does
+  to a bf16 model (its all-reduces through symmetric memory; the NVFP4 rewrites find nothing), the
+  baseline that isolates the weight format from the collectives;
 * ``nvfp4``: NVFP4 linears (dynamic activation scales), ``torch.compile`` without fp4fuse;
 * ``lowered``: + ``FusionPass(FusionConfig())``: no fusion; repeated computations merged (one quantization
   of an activation several linears read), fp4fuse's op calls lowered to kernels;
@@ -59,7 +62,7 @@ import sys
 import time
 from typing import Any
 
-VARIANTS = ("bf16", "nvfp4", "lowered", "sp", "fp4fuse", "forced")
+VARIANTS = ("bf16", "bf16-fp4fuse", "nvfp4", "lowered", "sp", "fp4fuse", "forced")
 DECODE_MAX_TOKENS = 128
 PREFILL_SEQ = 512
 
@@ -160,6 +163,9 @@ def _compiled_variants(args: BenchArgs, models: dict[Any, Any], mode: str) -> di
     for name in args.variants:
         if name == "bf16":
             out[name] = (compiled(models[WeightFormat.BF16], None), None)
+        elif name == "bf16-fp4fuse":
+            fusion = fp4fuse.FusionPass(configs["fp4fuse"])
+            out[name] = (compiled(models[WeightFormat.BF16], fusion), fusion)
         else:
             fusion = None if configs[name] is None else fp4fuse.FusionPass(configs[name])
             out[name] = (compiled(models[WeightFormat.NVFP4], fusion), fusion)
@@ -300,8 +306,8 @@ def _rank_main(args: BenchArgs) -> dict[str, Any]:
                     calls.pop(name, None)
                     _drop_failed(results, variants, f"{mode}/{tokens}/{name}", exc, rank)
                     continue
-            ref = outs.get("nvfp4")
             for name, out in outs.items():
+                ref = outs.get("bf16" if name.startswith("bf16") else "nvfp4")
                 if ref is not None:
                     rel = ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
                     results["max_rel_diff"][f"{mode}/{tokens}/{name}"] = rel
@@ -373,20 +379,22 @@ def render_markdown(raw: dict[str, Any]) -> str:
         "Command: `" + raw["command"] + "`.", "",
         "Milliseconds per forward (median over rounds of back-to-back forwards, rank 0 wall time; "
         "variants interleaved in one process). `fp4fuse/nvfp4` is the speedup of switching fp4fuse on "
-        "(shipped defaults) over the same NVFP4 model compiled without it; `fp4fuse/bf16` over the bf16 model.", "",
+        "(shipped defaults) over the same NVFP4 model compiled without it; `fp4fuse/bf16` over the bf16 model; "
+        "`fp4fuse/bf16-fp4fuse` over the bf16 model with fp4fuse on (the same collectives: the weight "
+        "format alone).", "",
     ]
     variants = [v for v in VARIANTS if v in args["variants"]]
     for mode in args["modes"]:
         lines += [f"## Launch mode: {mode}", "",
-                  "| tokens | " + " | ".join(variants) + " | fp4fuse/nvfp4 | fp4fuse/bf16 |",
-                  "| --- |" + " --- |" * (len(variants) + 2)]
+                  "| tokens | " + " | ".join(variants) + " | fp4fuse/nvfp4 | fp4fuse/bf16 | fp4fuse/bf16-fp4fuse |",
+                  "| --- |" + " --- |" * (len(variants) + 3)]
         for tokens in args["tokens"]:
             row = [times.get(f"{mode}/{tokens}/{v}") for v in variants]
             cells = [f"{t:.3f}" if t is not None else "-" for t in row]
             get = lambda v: times.get(f"{mode}/{tokens}/{v}")  # noqa: E731
             speed = lambda a, b: f"{get(b) / get(a):.2f}x" if get(a) and get(b) else "-"  # noqa: E731
             lines.append(f"| {tokens} | " + " | ".join(cells) + f" | {speed('fp4fuse', 'nvfp4')} | "
-                         f"{speed('fp4fuse', 'bf16')} |")
+                         f"{speed('fp4fuse', 'bf16')} | {speed('fp4fuse', 'bf16-fp4fuse')} |")
         lines.append("")
     lines += ["## Fusions per compiled model (cumulative over its graphs)", ""]
     for key, counts in sorted(raw["counts"].items()):
@@ -395,8 +403,11 @@ def render_markdown(raw: dict[str, Any]) -> str:
         lines.append(f"- failed: `{key}`: {error[:300]}")
     diffs = raw.get("max_rel_diff", {})
     if diffs:
-        worst = max((v for k, v in diffs.items() if not k.endswith("/bf16")), default=0.0)
+        worst = max((v for k, v in diffs.items() if "/bf16" not in k), default=0.0)
+        worst_bf16 = max((v for k, v in diffs.items() if k.endswith("/bf16-fp4fuse")), default=None)
         lines += ["", f"Largest relative difference of an NVFP4 variant's output from `nvfp4`: {worst:.2e}."]
+        if worst_bf16 is not None:
+            lines.append(f"Largest relative difference of `bf16-fp4fuse`'s output from `bf16`: {worst_bf16:.2e}.")
     lines += render_profiles(raw.get("profiles", {}))
     return "\n".join(lines) + "\n"
 

@@ -43,6 +43,7 @@ ENV_VARS: dict[str, str] = {
     "enable_async_tp": "FP4FUSE_ENABLE_ASYNC_TP",
     "enable_bf16_async_tp": "FP4FUSE_ENABLE_BF16_ASYNC_TP",
     "enable_norm_quant_fusion": "FP4FUSE_ENABLE_NORM_QUANT",
+    "enable_symm_all_reduce": "FP4FUSE_ENABLE_SYMM_ALL_REDUCE",
     "min_tokens": "FP4FUSE_MIN_TOKENS",
     "lower_kernels": "FP4FUSE_LOWER_KERNELS",
     "rank_check": "FP4FUSE_RANK_CHECK",
@@ -86,6 +87,11 @@ class FusionConfig:
             quantization of their output into ``rms_norm_fp4_quant`` / ``fused_add_rms_norm_fp4_quant``
             where the output has no other reader and one static global scale (NormQuantFusionPass;
             exact; on by default, also when no collective fusion is enabled).
+        enable_symm_all_reduce: rewrite functional all-reduces (sum) of two-rank groups into
+            ``fp4fuse::all_reduce_sum``, which sums through PyTorch's symmetric-memory one-shot /
+            two-shot kernels on CUDA and keeps NCCL for what they do not serve, bitwise NCCL's
+            result (SymmAllReducePass; on by default, also when no fusion is enabled; decided per
+            call at run time, so ``min_tokens`` does not apply).
         min_tokens: a collective whose token count is below this is left alone (vLLM compiles a
             separate small-batch graph without SP/AsyncTP, where they do not pay). The token count
             is the number of rows of the full, unsharded activation: the input rows of a
@@ -107,6 +113,7 @@ class FusionConfig:
     enable_async_tp: bool = False
     enable_bf16_async_tp: bool = False
     enable_norm_quant_fusion: bool = True
+    enable_symm_all_reduce: bool = True
     min_tokens: int | None = None
     lower_kernels: bool = True
     rank_check: RankCheck = RankCheck.FIRST
@@ -114,7 +121,7 @@ class FusionConfig:
 
     def __post_init__(self) -> None:
         for f in ("enable_sequence_parallelism", "enable_async_tp", "enable_bf16_async_tp", "enable_norm_quant_fusion",
-                  "lower_kernels"):
+                  "enable_symm_all_reduce", "lower_kernels"):
             if not isinstance(getattr(self, f), bool):
                 raise TypeError(f"FusionConfig.{f} must be a bool, got {getattr(self, f)!r}")
         if self.min_tokens is not None and (isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int)):
@@ -197,6 +204,8 @@ RUNTIME_ENV_VARS: tuple[RuntimeEnvVar, ...] = (
     RuntimeEnvVar("FP4FUSE_OVERLAP_MIN_ROWS", "total rows from which the collective GEMMs overlap", True),
     RuntimeEnvVar("FP4FUSE_DISABLE_OVERLAP", "never overlap the collective GEMMs", True),
     RuntimeEnvVar("FP4FUSE_AG_SCHEDULE", "all-gather GEMM schedule: auto, decode-gather, per-shard", True),
+    RuntimeEnvVar("FP4FUSE_SYMM_ALL_REDUCE_MAX_BYTES",
+                  "largest all-reduce fp4fuse::all_reduce_sum sums through symmetric memory (0: never)", True),
     RuntimeEnvVar("FP4FUSE_COLLECTIVE_CHECK", "cross-rank argument check: always, first, off", True),
     RuntimeEnvVar("FP4FUSE_BACKEND", "CUDA kernel family: reference, triton, flashinfer", True),
     RuntimeEnvVar("FP4FUSE_SYMM_MEM_TIMEOUT_MS", "device-side wait limit of the symmetric-memory pipelines", False),

@@ -100,11 +100,12 @@ def test_hash_key_stable_and_distinct():
         FusionConfig(), FusionConfig(enable_sequence_parallelism=True), a,
         FusionConfig(enable_async_tp=True, min_tokens=65), FusionConfig(enable_bf16_async_tp=True),
         FusionConfig(lower_kernels=False), FusionConfig(enable_norm_quant_fusion=False),
+        FusionConfig(enable_symm_all_reduce=False),
     )}
-    assert len(keys) == 7
+    assert len(keys) == 8
     assert a.to_json() == ('{"enable_async_tp":true,"enable_bf16_async_tp":false,"enable_norm_quant_fusion":true,'
-                           '"enable_sequence_parallelism":true,"log_level":null,"lower_kernels":true,'
-                           '"min_tokens":64,"rank_check":"first"}')
+                           '"enable_sequence_parallelism":true,"enable_symm_all_reduce":true,"log_level":null,'
+                           '"lower_kernels":true,"min_tokens":64,"rank_check":"first"}')
 
 
 def test_lower_kernels_defaults_on_and_reads_the_env():
@@ -117,6 +118,13 @@ def test_norm_quant_fusion_defaults_on_and_reads_the_env():
     assert not FusionConfig.from_env({"FP4FUSE_ENABLE_NORM_QUANT": "0"}).enable_norm_quant_fusion
     with pytest.raises(TypeError, match="enable_norm_quant_fusion must be a bool"):
         FusionConfig(enable_norm_quant_fusion="yes")
+
+
+def test_symm_all_reduce_defaults_on_and_reads_the_env():
+    assert FusionConfig().enable_symm_all_reduce and FusionConfig.from_env({}).enable_symm_all_reduce
+    assert not FusionConfig.from_env({"FP4FUSE_ENABLE_SYMM_ALL_REDUCE": "off"}).enable_symm_all_reduce
+    with pytest.raises(TypeError, match="enable_symm_all_reduce must be a bool"):
+        FusionConfig(enable_symm_all_reduce=1)
 
 
 def test_rank_check_mode():

@@ -91,7 +91,7 @@ def test_environment_level_reaches_stderr_of_a_fresh_interpreter_once():
                           timeout=300)
     assert done.returncode == 0, done.stderr
     unset, level_set, configured = done.stderr.split("--- ")
-    summary = ("fp4fuse: replaced 0 patterns (0 skipped, 0 no-op views removed, 0 repeated computations merged, "
+    summary = ("fp4fuse: replaced 0 patterns (0 skipped, 0 no-op views removed, 0 all-reduces through symmetric memory, 0 repeated computations merged, "
                "0 op calls lowered to kernels)")
     assert unset == ""
     assert level_set.splitlines()[1:] == [f"INFO fp4fuse.passes.manager: {summary}"]
@@ -123,7 +123,7 @@ def test_graph_served_from_the_fx_cache_reports_the_counts_recorded_at_compile_t
         assert [r.getMessage() for r in caplog.records] == [
             "fp4fuse: served 1 graph(s) from the FX graph cache (the passes did not run again): 2 fusions "
             "recorded at compile time: async_tp.all_gather_mm_fp4=1, async_tp.mm_fp4_reduce_scatter=1 "
-            "(0 skipped, 0 no-op views removed, 0 repeated computations merged, 0 op calls lowered to kernels)"]
+            "(0 skipped, 0 no-op views removed, 0 all-reduces through symmetric memory, 0 repeated computations merged, 0 op calls lowered to kernels)"]
         assert second.match_counts == BOTH and second.fusion_counts == BOTH
         assert second.cached_match_counts == BOTH and second.cached_graphs == 1
 

@@ -65,13 +65,13 @@ BOTH = {"async_tp.all_gather_mm_fp4": 1, "async_tp.mm_fp4_reduce_scatter": 1}
 
 def test_is_a_custom_graph_pass_with_documented_order():
     assert isinstance(FusionPass(), CustomGraphPass)
-    assert FusionPass().pass_names == ["cleanup", "cse", "norm_quant", "lowering"]
-    unfused = FusionConfig(lower_kernels=False, enable_norm_quant_fusion=False)
+    assert FusionPass().pass_names == ["cleanup", "all_reduce", "cse", "norm_quant", "lowering"]
+    unfused = FusionConfig(lower_kernels=False, enable_norm_quant_fusion=False, enable_symm_all_reduce=False)
     assert FusionPass(unfused).pass_names == ["cleanup", "cse"]
     assert FusionPass(FusionConfig(enable_sequence_parallelism=True)).pass_names == [
-        "cleanup", "sequence_parallel", "cse", "norm_quant", "lowering"]
+        "cleanup", "sequence_parallel", "all_reduce", "cse", "norm_quant", "lowering"]
     assert FusionPass(FusionConfig(enable_async_tp=True)).pass_names == [
-        "cleanup", "sequence_parallel", "async_tp", "cse", "norm_quant", "lowering"]
+        "cleanup", "sequence_parallel", "async_tp", "all_reduce", "cse", "norm_quant", "lowering"]
 
 
 def test_counts_cumulative_and_last_and_one_summary_line(caplog):
@@ -87,7 +87,7 @@ def test_counts_cumulative_and_last_and_one_summary_line(caplog):
     assert len(summaries) == 2 and all(r.levelno == logging.INFO for r in summaries)
     assert summaries[0].getMessage() == ("fp4fuse: replaced 2 patterns: async_tp.all_gather_mm_fp4=1, "
                                          "async_tp.mm_fp4_reduce_scatter=1 (0 skipped, 0 no-op views removed, "
-                                         "0 repeated computations merged, 0 op calls lowered to kernels)")
+                                         "0 all-reduces through symmetric memory, 0 repeated computations merged, 0 op calls lowered to kernels)")
 
 
 def test_disabled_pipeline_leaves_graph_alone(caplog):
@@ -99,7 +99,7 @@ def test_disabled_pipeline_leaves_graph_alone(caplog):
     gm.recompile()
     assert gm.code == code and fusion.last_match_counts == {}
     assert caplog.records[-1].getMessage() == ("fp4fuse: replaced 0 patterns (0 skipped, 0 no-op views removed, "
-                                               "0 repeated computations merged, 0 op calls lowered to kernels)")
+                                               "0 all-reduces through symmetric memory, 0 repeated computations merged, 0 op calls lowered to kernels)")
 
 
 # --------------------------------------------------------------------------- uuid and the FX cache
@@ -144,8 +144,8 @@ class _ReadsGroups(GraphPass):
 
 def test_process_group_layout_in_uuid_only_for_passes_that_read_it():
     assert process_group_fingerprint() == {"rank": 0, "world_size": W, "groups": [("0", W, [0, 1])]}
-    plain = FusionPass(FusionConfig(lower_kernels=False))
-    reading = FusionPass(FusionConfig(lower_kernels=False))
+    plain = FusionPass(FusionConfig(lower_kernels=False, enable_symm_all_reduce=False))
+    reading = FusionPass(FusionConfig(lower_kernels=False, enable_symm_all_reduce=False))
     reading.passes.append(_ReadsGroups(reading.config))
     plain_uuid, reading_uuid = plain.uuid(), reading.uuid()
     dist.new_group([0, 1])

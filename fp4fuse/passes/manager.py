@@ -12,6 +12,9 @@ Order of the pipeline (each pass sees the previous one's output):
    reduce_scatter + norm + quant + all_gather.
 3. ``async_tp`` (``enable_async_tp``): the collectives of 2. (and any in the model) fused with
    their GEMMs.
+3b. ``all_reduce`` (``enable_symm_all_reduce``, on by default): the remaining all-reduces (sum) of
+   two-rank groups -> ``fp4fuse::all_reduce_sum`` (symmetric-memory kernels on CUDA, bitwise NCCL's
+   sum; fp4fuse.passes.all_reduce).
 4. ``cse`` (always): repeated pure computations merged, above all the quantization of one
    activation that several linears read (q/k/v, gate/up: fp4fuse.passes.cse).
 5. ``norm_quant`` (``enable_norm_quant_fusion``, on by default): fp4fuse's norm -> NVFP4 quant
@@ -51,6 +54,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from fp4fuse.config import FusionConfig
 from fp4fuse.passes import cache_record
+from fp4fuse.passes.all_reduce import SymmAllReducePass
 from fp4fuse.passes.async_tp import AsyncTPPass
 from fp4fuse.passes.base import GraphPass, process_group_fingerprint
 from fp4fuse.passes.cleanup import NoOpViewCleanupPass
@@ -65,29 +69,30 @@ __all__ = ["FusionPass", "is_fusion"]
 
 logger = logging.getLogger(__name__)
 
-# Pattern-key prefixes of the passes that fuse nothing: cleanup, common subexpressions, lowering.
-_CLEANUP = f"{NoOpViewCleanupPass.name}."
-_CSE = f"{CommonSubexpressionPass.name}."
-_LOWERING = f"{KernelLoweringPass.name}."
+# Pattern-key prefixes of the passes that fuse nothing: cleanup, symmetric-memory all-reduce,
+# common subexpressions, lowering.
+_NOT_FUSIONS = tuple(f"{p.name}." for p in (NoOpViewCleanupPass, SymmAllReducePass, CommonSubexpressionPass,
+                                            KernelLoweringPass))
 
 
 def is_fusion(key: str) -> bool:
-    """Whether pattern key ``key`` counts a fusion (not a no-op view removed, not a repeated
-    computation merged, not an op lowered)."""
-    return not key.startswith((_CLEANUP, _CSE, _LOWERING))
+    """Whether pattern key ``key`` counts a fusion (not a no-op view removed, not an all-reduce run
+    through symmetric memory, not a repeated computation merged, not an op lowered)."""
+    return not key.startswith(_NOT_FUSIONS)
 
 
 def _summary(counts: dict[str, int]) -> tuple[int, str, str]:
-    """(fusions, ``": key=n, ..."`` of the fusions, ``"N no-op views removed, N repeated computations
-    merged, N op calls lowered to kernels"``)."""
+    """(fusions, ``": key=n, ..."`` of the fusions, ``"N no-op views removed, N all-reduces through
+    symmetric memory, N repeated computations merged, N op calls lowered to kernels"``)."""
     fused = {k: v for k, v in counts.items() if is_fusion(k)}
     detail = ", ".join(f"{k}={v}" for k, v in sorted(fused.items()))
 
     def total(prefix: str) -> int:
         return sum(v for k, v in counts.items() if k.startswith(prefix))
 
-    rest = (f"{total(_CLEANUP)} no-op views removed, {total(_CSE)} repeated computations merged, "
-            f"{total(_LOWERING)} op calls lowered to kernels")
+    cleanup, all_reduce, cse, lowering = (total(prefix) for prefix in _NOT_FUSIONS)
+    rest = (f"{cleanup} no-op views removed, {all_reduce} all-reduces through symmetric memory, {cse} repeated "
+            f"computations merged, {lowering} op calls lowered to kernels")
     return sum(fused.values()), f": {detail}" if detail else "", rest
 
 
@@ -117,6 +122,8 @@ class FusionPass(CustomGraphPass):
             self.passes.append(SequenceParallelismPass(self.config))
         if self.config.enable_async_tp:
             self.passes.append(AsyncTPPass(self.config))
+        if self.config.enable_symm_all_reduce:
+            self.passes.append(SymmAllReducePass(self.config))
         self.passes.append(CommonSubexpressionPass(self.config))
         if self.config.enable_norm_quant_fusion:
             self.passes.append(NormQuantFusionPass(self.config))

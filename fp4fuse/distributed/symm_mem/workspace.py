@@ -285,6 +285,21 @@ class SymmWorkspace:
             self._views[key] = t
         return t
 
+    def local_tensor(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """The start of this rank's own buffer as a contiguous ``dtype`` tensor of ``shape``: a view
+        of the symmetric allocation itself, so ``torch.ops.symm_mem`` ops find its peer mappings
+        (a peer view from :meth:`view` is not one). Cached until the buffer grows."""
+        shape = tuple(shape)
+        key = (-1, Region(0, shape, dtype))
+        t = self._views.get(key)
+        if t is None:
+            nbytes = key[1].nbytes
+            if nbytes > self.capacity:
+                raise RuntimeError(f"fp4fuse: a {list(shape)} {dtype} tensor exceeds the workspace ({self.capacity} bytes)")
+            t = self._buffer[:nbytes].view(dtype).view(shape)
+            self._views[key] = t
+        return t
+
     # -- signals (enqueued on the current stream) -----------------------------------------------
     def barrier(self, channel: Channel) -> None:
         self._handle.barrier(int(channel), timeout_ms())
