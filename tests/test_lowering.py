@@ -6,6 +6,7 @@ computes what the eager ops compute, bit for bit (the same launches, traced from
 functions)."""
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import pytest
@@ -84,8 +85,10 @@ def _assert_bitwise_equal(eager: tuple, got: tuple) -> None:
                                                   e.view(torch.uint8) if e.dtype == torch.float8_e4m3fn else e)
 
 
-def _assert_lowered_and_bitwise_equal(fusion: fp4fuse.FusionPass, eager: tuple, got: tuple) -> None:
-    assert fusion.match_counts == _OPS_GRAPH_COUNTS
+def _assert_lowered_and_bitwise_equal(fusion: fp4fuse.FusionPass, eager: tuple, got: tuple,
+                                      shared_counters: int = 0) -> None:
+    shared = {"lowering.split_k_counters_shared": shared_counters} if shared_counters else {}
+    assert fusion.match_counts == {**_OPS_GRAPH_COUNTS, **shared}
     _assert_bitwise_equal(eager, got)
 
 
@@ -94,8 +97,9 @@ def _assert_lowered_and_bitwise_equal(fusion: fp4fuse.FusionPass, eager: tuple, 
 def test_cuda_compiled_graph_launches_kernels_and_matches_the_eager_ops(m, n, k):
     """m = 3, 17: the decode GEMM with the activation decoded in the kernel; 5 x 4096 x 4096: the same
     on its 256-element K steps, where the eager call loads the activation's scales as words and the
-    traced one cannot (mm_decode, ``scale_words``); 200: pre-decoded; 300: the bf16 GEMM through
-    dequantize + cuBLAS (fp32 through the tiled kernel)."""
+    traced one cannot (mm_decode, ``scale_words``), and where both GEMMs split K and so share one
+    zeroed counters buffer (K = 208 is at most 2 K steps: no split); 200: pre-decoded; 300: the bf16
+    GEMM through dequantize + cuBLAS (fp32 through the tiled kernel)."""
     torch._dynamo.reset()
     args = _cuda_ops_graph_args(m, n, k)
     eager = _ops_graph(*args)
@@ -103,7 +107,7 @@ def test_cuda_compiled_graph_launches_kernels_and_matches_the_eager_ops(m, n, k)
     compiled = torch.compile(_ops_graph, fullgraph=True, options={"post_grad_custom_post_pass": fusion})
     got, (code, *_) = run_and_get_code(compiled, *args)
     assert "torch.ops.fp4fuse" not in code and "fp4fuse.mm_fp4" not in code
-    _assert_lowered_and_bitwise_equal(fusion, eager, got)
+    _assert_lowered_and_bitwise_equal(fusion, eager, got, shared_counters=int(k == 4096))
 
 
 @pytest.mark.cuda
@@ -493,3 +497,78 @@ def test_cuda_sibling_gemms_are_bitwise_the_graph_without_the_pass(m):
             _assert_same_bits_and_nans(g, w, m)
         got = lowered(x, ga, *weights)
     assert fusion.match_counts["lowering.mm_fp4_siblings"] == 1
+
+
+def _qkv_twice(x, ga, bq, sq, gq, bk, sk, gk, bv, sv, gv, y, gy):
+    """Two layers' q/k/v launches in one graph (the second on another activation)."""
+    return (*_qkv(x, ga, bq, sq, gq, bk, sk, gk, bv, sv, gv), *_qkv(y, gy, bq, sq, gq, bk, sk, gk, bv, sv, gv))
+
+
+def _counters_fills(gm) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.full.default)
+            if n.kwargs.get("dtype") == torch.int32 and n.args[1] == 0]
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_split_k_counters_are_zeroed_once_per_graph(triton_cuda_target, dynamic):
+    """Two split-K decode launches (K = 2048: several K splits) share one zeroed counters buffer,
+    threaded from the first launch's ``count_ptr`` output to the second, sized for the larger; with
+    a dynamic row count the size is the bound of its guarded range (rows <= 32 at a hint of 20)."""
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from fp4fuse.patterns.base import aot_trace
+
+    rows, k = 20, 2048
+    operands = _qkv_operands(rows, k=k) + [((rows, k), torch.bfloat16), ((1,), torch.float32)]
+    mode = FakeTensorMode(shape_env=ShapeEnv()) if dynamic else FakeTensorMode()
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    x = mode.from_tensor(torch.empty(operands[0][0], dtype=torch.bfloat16), symbolic_context=ctx if dynamic else None)
+    with mode:
+        rest = [torch.empty(shape, dtype=dtype) for shape, dtype in operands[1:]]
+        rest[-2] = x.new_empty(x.shape)  # y: the same (symbolic) row count
+    gm = aot_trace(_qkv_twice, [x, *rest])
+    before = _counters_fills(gm)
+    lowering = KernelLoweringPass(FusionConfig())
+    lowering(gm.graph)
+    gm.graph.lint()
+    assert before == [] and lowering.match_counts["lowering.split_k_counters_shared"] == 1
+    (fill,) = _counters_fills(gm)
+    launches = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional
+                and "count_ptr" in n.kwargs["kwargs"]]
+    assert len(launches) == 2 and all(n.kwargs["kwargs"]["n_split" if "n_split" in n.kwargs["kwargs"] else "split0"] > 1
+                                      for n in launches)
+    first, second = (n.kwargs["kwargs"]["count_ptr"] for n in launches)
+    assert first is fill and second.target is operator.getitem and second.args == (launches[0], "count_ptr")
+    size = fill.args[0][0]
+    assert isinstance(size, int) and size >= 1, size
+    # Inductor's reinplacing (after the custom passes) must make every launch use the buffer in place:
+    # a launch that still clones its counters would cost a copy kernel per launch instead of a fill
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch._inductor.fx_passes.reinplace import reinplace_inplaceable_ops_core
+
+    with enable_python_dispatcher():
+        reinplace_inplaceable_ops_core(gm.graph)
+    assert [n.kwargs["tensors_to_clone"] for n in launches] == [[], []]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", [5, 20, 100])
+def test_cuda_shared_split_k_counters_are_bitwise_the_graph_without_the_pass(m):
+    """Two layers' q/k/v launches of a TP=2 Llama-3-8B rank in one compiled graph share one counters
+    buffer; call after call on fresh inputs their outputs are bitwise the graph without the pass (a
+    counter a launch left non-zero would make the next launch reduce too early or never)."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(100 + m)
+    weights = [t for n in (2048, 512, 512) for t in _quantized(n, 4096, gen, "cuda")]
+    fusion = fp4fuse.FusionPass(FusionConfig())
+    lowered = torch.compile(_qkv_twice, fullgraph=True, options={"post_grad_custom_post_pass": fusion})
+    unlowered = torch.compile(_qkv_twice, fullgraph=True)
+    for call in range(3):
+        acts = []
+        for _ in range(2):
+            x = torch.randn(m, 4096, generator=gen).to("cuda", torch.bfloat16)
+            acts += [x, nvfp4.global_scale_from_amax(x.float().abs().amax()).reshape(1)]
+        args = (*acts[:2], *weights, *acts[2:])
+        for g, w in zip(lowered(*args), unlowered(*args)):
+            _assert_same_bits_and_nans(g, w, (m, call))
+    assert fusion.match_counts["lowering.split_k_counters_shared"] == 1

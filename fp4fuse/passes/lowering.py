@@ -26,6 +26,10 @@ launch computes up to three of them, each with its own configuration and split, 
 has the bits of its own launch (``mm_decode.mm_fp4_decode_group``). A sibling with an input
 computed after the first GEMM is lowered on its own, with the reason.
 
+The decode GEMMs' split-K counters are zeroed once per graph: every such launch needs them zero
+and leaves them zero, so after lowering one zeroed buffer is threaded from launch to launch in
+graph order (``_share_split_k_counters``), where each launch used to allocate and zero its own.
+
 Argument checks ran when the graph was traced (the ops' fake implementations validate like the
 ops do), so nothing is re-checked per call. A call is lowered only where its tensors are on CUDA
 and the device's backend is Triton; elsewhere (CPU, the reference backend, flashinfer) it stays an
@@ -45,11 +49,13 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import operator
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table, triton_kernel_wrapper_functional
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from fp4fuse.distributed.groups import group_rank_of, group_size_of
@@ -126,6 +132,16 @@ def _alpha_factors(alpha: Any, device: torch.device) -> tuple[fx.Node, fx.Node] 
                 and val.device == device):
             return None
     return factors[0], factors[1]
+
+
+def _upper_bound(size: int | torch.SymInt) -> int | None:
+    """``size`` itself, or the largest value its symbolic expression can take under the guards
+    recorded so far (the lowering's row-range guards bound a decode launch's tile count); None when
+    unbounded."""
+    if isinstance(size, int):
+        return size
+    upper = size.node.shape_env.bound_sympy(size.node.expr).upper
+    return int(upper) if upper.is_finite else None
 
 
 def _inductor_divides_rn() -> bool:
@@ -208,6 +224,8 @@ class KernelLoweringPass(GraphPass):
         for node, call in lowerable.items():
             if node not in grouped:
                 self._lower_call(node, self._prepare(node, call.op, record=False))
+        if lowerable:
+            self._share_split_k_counters(graph)
         return self.finish()
 
     def _prepare(self, node: fx.Node, op: str, record: bool = True) -> _Call | None:
@@ -294,6 +312,47 @@ class KernelLoweringPass(GraphPass):
             self._replace(node, [out])
             self._record(call)
         self.recorder.matched("mm_fp4_siblings")
+
+    def _share_split_k_counters(self, graph: fx.Graph) -> None:
+        """One zero fill of split-K counters for the whole graph instead of one per GEMM launch.
+
+        Each decode GEMM launch with more than one K split allocates its counters zeroed
+        (``mm_decode.empty_decode_workspace``: a fill kernel or memset per launch, about 1 us each in
+        a CUDA graph; benchmarks/results/). Those kernels leave their counters zero when they finish
+        (``mm_decode.leaves_counters_zero``) and the graph runs its launches in order on one stream,
+        so one buffer, zeroed once, serves them all: it is threaded from launch to launch (each
+        reads the previous launch's ``count_ptr`` output), which Inductor's reinplacing turns into
+        in-place use of one allocation. Sized for the largest launch; a launch whose count has no
+        finite upper bound (a row count without a range) keeps its own fill."""
+        from fp4fuse.kernels.triton.mm_decode import leaves_counters_zero  # imports triton: lowering only
+
+        sites: list[tuple[fx.Node, fx.Node, int]] = []
+        for node in graph.find_nodes(op="call_function", target=triton_kernel_wrapper_functional):
+            fill = node.kwargs["kwargs"].get("count_ptr")
+            if not (leaves_counters_zero(kernel_side_table.get_kernel(node.kwargs["kernel_idx"]))
+                    and base.is_call(fill, aten.full.default) and fill.args[1] == 0 and len(fill.users) == 1):
+                continue
+            bound = _upper_bound(fake_value(fill).shape[0])
+            if bound is not None:
+                sites.append((node, fill, bound))
+        if len(sites) < 2:
+            return
+        first_fill = sites[0][1]
+        size = max(bound for *_, bound in sites)
+        with graph.inserting_before(first_fill):
+            counters = graph.call_function(aten.full.default, ([size], 0), dict(first_fill.kwargs))
+        with fake_value(first_fill).fake_mode:  # a factory call: no input carries the fake mode
+            counters.meta["val"] = aten.full.default([size], 0, **first_fill.kwargs)
+        for i, (node, fill, _) in enumerate(sites):
+            node.kwargs = {**node.kwargs, "kwargs": {**node.kwargs["kwargs"], "count_ptr": counters}}
+            # the launch's count_ptr output is a new tensor (the functional wrapper's clone, which
+            # Inductor's reinplacing removes): a fake of its own, or it would alias the input
+            node.meta["val"] = {**node.meta["val"], "count_ptr": fake_value(counters).clone()}
+            graph.erase_node(fill)
+            if i + 1 < len(sites):
+                with graph.inserting_after(node):
+                    counters = insert_call(graph, operator.getitem, (node, "count_ptr"))
+                self.recorder.matched("split_k_counters_shared")
 
     @staticmethod
     def _replace(node: fx.Node, outputs: list[fx.Node]) -> None:

@@ -92,6 +92,7 @@ __all__ = [
     "empty_decode_workspace",
     "filling_split",
     "group_configs",
+    "leaves_counters_zero",
     "mm_fp4_decode",
     "mm_fp4_decode_group",
     "narrow_step_config",
@@ -661,6 +662,15 @@ def _decode_group(a: torch.Tensor, a_scale: torch.Tensor, weights: list[DecodeWe
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_register_cap(cfg, a.device),
     )
     return outs
+
+
+def leaves_counters_zero(kernel: object) -> bool:
+    """Whether ``kernel`` (a Triton kernel, possibly wrapped: Autotuner, heuristics) is one of this
+    module's split-K GEMMs, which need their ``count_ptr`` counters zero at launch and leave them zero
+    (module docstring), so that launches in stream order may share one counters buffer."""
+    while not isinstance(kernel, triton.runtime.JITFunction) and hasattr(kernel, "fn"):
+        kernel = kernel.fn
+    return kernel is _mm_decode_kernel or kernel is _mm_decode_group_kernel
 
 
 #: Activation rows per program of ``_predecode_kernel``.
