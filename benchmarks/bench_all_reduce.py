@@ -27,11 +27,12 @@ import os
 import socket
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from bench_e2e import _time_ms  # benchmarks/, this script's folder: ranks aligned, device synced around
 
 GRAPH_CALLS = 20
 EAGER_CALLS = 200
@@ -65,16 +66,7 @@ def _graph_ms(fn) -> float:
 
 
 def _eager_ms(fn) -> float:
-    times = []
-    for _ in range(ROUNDS):
-        dist.barrier()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(EAGER_CALLS):
-            fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3 / EAGER_CALLS)
-    return statistics.median(times)
+    return statistics.median(_time_ms(fn, EAGER_CALLS) for _ in range(ROUNDS))
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
