@@ -28,7 +28,7 @@ if wants bench; then
 stage "bench_e2e.py at TP=${TP:-2}"
 timeout -s INT "${BENCH_S:-600}" python benchmarks/bench_e2e.py --tp "${TP:-2}" --layers "${LAYERS:-2}" \
   --tokens "${TOKENS:-16,128,1024,8192}" --modes "${MODES:-cudagraphs,default}" \
-  --variants "${VARIANTS:-bf16,nvfp4,sp,fp4fuse}" --profile ${BENCH_FLAGS:-} \
+  --variants "${VARIANTS:-bf16,bf16-fp4fuse,nvfp4,sp,fp4fuse}" --profile ${BENCH_FLAGS:-} \
   --partial "$out/e2e_partial.json" --json "$out/e2e.json" --out "$out/e2e.md" 2>&1 | tail -60
 fi
 stage "end"

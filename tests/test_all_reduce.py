@@ -188,11 +188,32 @@ def _gpu_cases() -> dict:
             assert torch.equal(out, _expected(shape, torch.bfloat16, seed + i, False, device)), (seed, shape)
         replays += 1
     torch.cuda.synchronize()
-    return {"capacity": capacity, "replays": replays}
+    return {"capacity": capacity, "replays": replays, "two_streams": _two_streams(rank, group, device)}
+
+
+def _two_streams(rank: int, group: str, device: torch.device) -> int:
+    """Two calls from two streams, each rank delaying a different one on the device: the sums must
+    pair the ranks' first calls and their second calls (the host order, as NCCL does), not whichever
+    kernels happen to run first on each rank through the one shared buffer."""
+    shape = (16, 4096)
+    streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
+    xs = [_rank_input(shape, torch.bfloat16, rank, 90 + i, False).to(device) for i in range(2)]
+    outs = []
+    for i, stream in enumerate(streams):
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            if i == rank:
+                torch.cuda._sleep(50_000_000)  # tens of ms: this rank's call on this stream starts late
+            outs.append(ops.all_reduce_sum(xs[i], group))
+    for stream in streams:
+        torch.cuda.current_stream().wait_stream(stream)
+    for i, out in enumerate(outs):
+        assert torch.equal(out, _expected(shape, torch.bfloat16, 90 + i, False, device)), i
+    return len(outs)
 
 
 @pytest.mark.multigpu
 def test_symmetric_memory_sum_is_nccls_bit_for_bit_on_two_gpus():
     results = run_on_ranks(_gpu_cases, 2, backend="nccl", timeout=300, env=GPU_ENV, hard_exit=True)
     for r in results:
-        assert r["capacity"] >= 2048 * 4096 * 2 and r["replays"] == 2, r
+        assert r["capacity"] >= 2048 * 4096 * 2 and r["replays"] == 2 and r["two_streams"] == 2, r

@@ -11,6 +11,7 @@ import pytest
 import fp4fuse
 from fp4fuse.config import ENV_VARS, RUNTIME_ENV_VARS, FusionConfig, RankCheck
 from fp4fuse.distributed import groups
+from fp4fuse.distributed.symm_mem import all_reduce as symm_all_reduce
 from fp4fuse.distributed.symm_mem import policy, workspace
 from fp4fuse.ops import backend
 
@@ -26,6 +27,8 @@ READERS: dict[str, tuple[Callable[[], Any], Any]] = {
     "FP4FUSE_LOG_LEVEL": (lambda: FusionConfig.from_env().log_level, None),
     "FP4FUSE_LOWER_KERNELS": (lambda: FusionConfig.from_env().lower_kernels, True),
     "FP4FUSE_ENABLE_NORM_QUANT": (lambda: FusionConfig.from_env().enable_norm_quant_fusion, True),
+    "FP4FUSE_ENABLE_SYMM_ALL_REDUCE": (lambda: FusionConfig.from_env().enable_symm_all_reduce, True),
+    "FP4FUSE_SYMM_ALL_REDUCE_MAX_BYTES": (symm_all_reduce.max_bytes, symm_all_reduce.DEFAULT_MAX_BYTES),
     "FP4FUSE_RANK_CHECK": (lambda: FusionConfig.from_env().rank_check, RankCheck.FIRST),
     "FP4FUSE_OVERLAP_MIN_ROWS": (lambda: policy.overlap_min_rows(policy.CollectiveGemmKind.ALL_GATHER_MATMUL, 2),
                                  policy.DEFAULT_ALL_GATHER_MIN_ROWS),
@@ -46,6 +49,8 @@ BAD_VALUES: dict[str, list[tuple[str, tuple[str, ...]]]] = {
     "FP4FUSE_LOG_LEVEL": [("verbose", ("DEBUG, INFO, WARNING, ERROR, CRITICAL",))],
     "FP4FUSE_LOWER_KERNELS": [("sometimes", BOOL_ACCEPTED)],
     "FP4FUSE_ENABLE_NORM_QUANT": [("maybe", BOOL_ACCEPTED)],
+    "FP4FUSE_ENABLE_SYMM_ALL_REDUCE": [("fast", BOOL_ACCEPTED)],
+    "FP4FUSE_SYMM_ALL_REDUCE_MAX_BYTES": [("16MiB", ("an integer >= 0",)), ("-1", ("an integer >= 0",))],
     "FP4FUSE_RANK_CHECK": [("never", ("first, always, off",))],
     "FP4FUSE_OVERLAP_MIN_ROWS": [("abc", ("an integer >= 0",)), ("-1", ("an integer >= 0",)),
                                  ("2.5", ("an integer >= 0",))],
@@ -94,6 +99,8 @@ def test_empty_means_unset(monkeypatch, var, raw):
     ("FP4FUSE_COLLECTIVE_CHECK", "First", groups.SignatureCheck.FIRST),
     ("FP4FUSE_BACKEND", "Triton", backend.Backend.TRITON),
     ("FP4FUSE_SYMM_MEM_TIMEOUT_MS", "1", 1),
+    ("FP4FUSE_SYMM_ALL_REDUCE_MAX_BYTES", "0", 0),
+    ("FP4FUSE_ENABLE_SYMM_ALL_REDUCE", "OFF", False),
 ])
 def test_good_values_parse(monkeypatch, var, raw, expected):
     monkeypatch.setenv(var, raw)

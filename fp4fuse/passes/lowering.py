@@ -317,13 +317,13 @@ class KernelLoweringPass(GraphPass):
         """One zero fill of split-K counters for the whole graph instead of one per GEMM launch.
 
         Each decode GEMM launch with more than one K split allocates its counters zeroed
-        (``mm_decode.empty_decode_workspace``: a fill kernel or memset per launch, about 1 us each in
-        a CUDA graph; benchmarks/results/). Those kernels leave their counters zero when they finish
-        (``mm_decode.leaves_counters_zero``) and the graph runs its launches in order on one stream,
-        so one buffer, zeroed once, serves them all: it is threaded from launch to launch (each
-        reads the previous launch's ``count_ptr`` output), which Inductor's reinplacing turns into
-        in-place use of one allocation. Sized for the largest launch; a launch whose count has no
-        finite upper bound (a row count without a range) keeps its own fill."""
+        (``mm_decode.empty_decode_workspace``: a fill per launch). Those kernels leave them zero
+        when they finish (``mm_decode.leaves_counters_zero``) and the graph runs its launches in
+        order on one stream, so one buffer, zeroed once, serves them all: it is threaded from launch
+        to launch (each reads the previous launch's ``count_ptr`` output), which Inductor's
+        reinplacing turns into in-place use of one allocation. Sized for the largest launch; a
+        launch whose count has no finite upper bound (a row count without a range) keeps its own
+        fill."""
         from fp4fuse.kernels.triton.mm_decode import leaves_counters_zero  # imports triton: lowering only
 
         sites: list[tuple[fx.Node, fx.Node, int]] = []

@@ -2,9 +2,8 @@
 (``torch.ops.symm_mem``) on a group's fp4fuse workspace.
 
 At decode and small-prefill sizes a TP model's all-reduces (one after each row-parallel linear) are
-latency-bound, and NCCL's path costs more than the data: on 2x H200, 8.7 us one-shot against
-12.1 us for NCCL at 128 KiB in a CUDA graph, and 10 us against 67 us of host time per eager call
-(``benchmarks/bench_all_reduce.py``; results in benchmarks/results/).
+latency-bound, and NCCL's path costs more than the data, on the device and in host time per eager
+call (``benchmarks/bench_all_reduce.py``; benchmarks/results/2026-11-26-symm-all-reduce-2xh200.md).
 
 * one-shot (up to ``ONE_SHOT_MAX_BYTES``): one kernel copies the input into this rank's buffer,
   meets the peers at a signal-pad barrier, and every rank adds all ranks' buffers in rank order;
@@ -21,8 +20,11 @@ the workspace's capacity, which grows collectively, and ``FP4FUSE_SYMM_ALL_REDUC
 rank-uniform variable), so all ranks take the same one. The buffer is the group's
 :class:`~fp4fuse.distributed.symm_mem.workspace.SymmWorkspace`, shared in stream order with the
 collective GEMMs (each of their calls ends with every peer done reading; each all-reduce kernel
-ends with a barrier after the reads). During CUDA-graph capture the buffer cannot grow: a call
-that does not fit runs NCCL (the same on every rank: capacities are equal).
+ends with a barrier after the reads). The kernels run on the workspace's side stream, joined to the
+caller's (``SymmWorkspace.on_side_stream``), so calls made from several streams run one after
+another in the order the host issued them, as NCCL's do, instead of racing on the buffer. During
+CUDA-graph capture the buffer cannot grow: a call that does not fit runs NCCL (the same on every
+rank: capacities are equal).
 """
 from __future__ import annotations
 
@@ -40,11 +42,11 @@ __all__ = ["ENV_MAX_BYTES", "ONE_SHOT_MAX_BYTES", "DEFAULT_MAX_BYTES", "max_byte
 logger = logging.getLogger(__name__)
 
 ENV_MAX_BYTES = "FP4FUSE_SYMM_ALL_REDUCE_MAX_BYTES"
-#: Largest input (bytes) the one-shot kernel takes; above it two-shot (the measured crossover on
-#: 2x H200: one-shot faster at 1 MiB, two-shot from 2 MiB).
+#: Largest input (bytes) the one-shot kernel takes; above it two-shot (the crossover measured on
+#: 2x H200 by benchmarks/bench_all_reduce.py).
 ONE_SHOT_MAX_BYTES = 1 << 20
-#: Largest input (bytes) served by default: two-shot measured faster than NCCL up to 32 MiB, by 15%
-#: at 16 MiB and 8% at 32 MiB; the cap bounds the workspace an all-reduce alone makes the group hold.
+#: Largest input (bytes) served by default. Two-shot measured faster than NCCL on every size up to
+#: 32 MiB, less so the larger; the cap bounds the workspace an all-reduce alone makes a group hold.
 DEFAULT_MAX_BYTES = 16 << 20
 #: The dtypes PyTorch's symmetric-memory reduction kernels take.
 DTYPES = (torch.bfloat16, torch.float32)
@@ -112,7 +114,10 @@ def symm_all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor | None
     ws.ensure_capacity(nbytes)
     buf = ws.local_tensor(x.shape, x.dtype)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if nbytes <= ONE_SHOT_MAX_BYTES:
-        return _symm.one_shot_all_reduce_copy_out(buf, x, "sum", group_name, out)
-    buf.copy_(x)
-    return _symm.two_shot_all_reduce_out(buf, "sum", group_name, out)
+    with ws.on_side_stream():
+        if nbytes <= ONE_SHOT_MAX_BYTES:
+            _symm.one_shot_all_reduce_copy_out(buf, x, "sum", group_name, out)
+        else:
+            buf.copy_(x)
+            _symm.two_shot_all_reduce_out(buf, "sum", group_name, out)
+    return out

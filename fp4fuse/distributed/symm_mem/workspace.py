@@ -30,13 +30,14 @@ waiting for it, so consecutive ops on one group never race on the buffer.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import logging
 import socket
 import threading
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
@@ -212,6 +213,7 @@ class SymmWorkspace:
         # handoff completed on the side stream (ready_events). Reused by every call: a wait
         # captures the event's latest record when it is enqueued.
         self.start_event = torch.cuda.Event()
+        self.done_event = torch.cuda.Event()
         self.step_events = [torch.cuda.Event() for _ in range(world_size)]
         self.ready_events = [torch.cuda.Event() for _ in range(world_size)]
         self.capacity = 0
@@ -299,6 +301,21 @@ class SymmWorkspace:
             t = self._buffer[:nbytes].view(dtype).view(shape)
             self._views[key] = t
         return t
+
+    @contextlib.contextmanager
+    def on_side_stream(self) -> Iterator[None]:
+        """Enqueue the block's launches on the side stream, after everything the current stream holds
+        so far, and make the current stream wait for them: the buffer's users run one after another
+        on one stream whichever stream each calls from, as NCCL runs a communicator's collectives on
+        its own stream (two callers on two streams would otherwise race on the buffer). Allocate
+        outside the block: an allocation inside it belongs to the side stream."""
+        caller = torch.cuda.current_stream(self.device)
+        self.start_event.record(caller)
+        self.side_stream.wait_event(self.start_event)
+        with torch.cuda.stream(self.side_stream):
+            yield
+        self.done_event.record(self.side_stream)
+        caller.wait_event(self.done_event)
 
     # -- signals (enqueued on the current stream) -----------------------------------------------
     def barrier(self, channel: Channel) -> None:
