@@ -14,7 +14,8 @@ rank from the same weights and timed in the same process, interleaved round by r
 * ``bf16-fp4fuse``: the same with ``FusionPass(FusionConfig(enable_async_tp=True))``: what fp4fuse does
   to a bf16 model (its all-reduces through symmetric memory; the NVFP4 rewrites find nothing), the
   baseline that isolates the weight format from the collectives;
-* ``nvfp4``: NVFP4 linears (dynamic activation scales), ``torch.compile`` without fp4fuse;
+* ``nvfp4``: NVFP4 linears (dynamic activation scales; ``--static-scales``: static ones calibrated
+  once from the bf16 model, as a checkpoint's ``input_scale``), ``torch.compile`` without fp4fuse;
 * ``lowered``: + ``FusionPass(FusionConfig())``: no fusion; repeated computations merged (one quantization
   of an activation several linears read), fp4fuse's op calls lowered to kernels;
 * ``sp``: + sequence parallelism at every size (``min_tokens=0``);
@@ -85,6 +86,7 @@ class BenchArgs:
     profile: bool = False
     deterministic: bool = False
     profile_kernels: int = 0
+    static_scales: bool = False
 
 
 def log(msg: str) -> None:
@@ -118,8 +120,37 @@ def _build_models(args: BenchArgs, device, group) -> dict[str, Any]:
         torch.manual_seed(0)  # the same weights on every rank and for both formats
         with torch.device(device):
             model = LlamaModel(config).to(torch.bfloat16).eval()
-        models[fmt] = parallelize(model, group, weight_format=fmt)
+        scales = calibrated_scales(model) if args.static_scales and fmt is WeightFormat.NVFP4 else None
+        models[fmt] = parallelize(model, group, weight_format=fmt, activation_scales=scales)
     return models
+
+
+def calibrated_scales(model, batches: int = 2, seq: int = 64) -> dict[str, float]:
+    """A checkpoint's static activation scales: ``448 * 6 / amax`` of each planned linear's input
+    over ``batches`` random sequences (the same on every rank: a fixed seed), from the whole model
+    before it is parallelized."""
+    import torch
+
+    from fp4fuse.nvfp4.format import global_scale_from_amax
+    from fp4fuse.tp.plan import resolve_plan
+
+    amax: dict[str, torch.Tensor] = {}
+
+    def record(name):
+        def hook(_module, args):
+            seen = args[0].detach().abs().amax().float()
+            amax[name] = torch.maximum(amax[name], seen) if name in amax else seen
+        return hook
+
+    names = resolve_plan(model, model.config.base_model_tp_plan)
+    hooks = [model.get_submodule(name).register_forward_pre_hook(record(name)) for name in names]
+    device = next(model.parameters()).device
+    ids = torch.randint(0, model.config.vocab_size, (batches, seq), generator=torch.Generator().manual_seed(123))
+    with torch.no_grad():
+        model(input_ids=ids.to(device))
+    for hook in hooks:
+        hook.remove()
+    return {name: float(global_scale_from_amax(a)) for name, a in amax.items()}
 
 
 def _captured(call: Any) -> tuple[Any, Any]:
@@ -375,6 +406,7 @@ def render_markdown(raw: dict[str, Any]) -> str:
         f"{args['layers']} layers, hidden {args['hidden']}, {args['heads']} heads / {args['kv_heads']} KV heads, "
         f"FFN {args['ffn']}, random bf16 weights, `fp4fuse.tp.parallelize` with the config's TP plan; token "
         f"dimension {'static (one compile per count)' if args.get('static') else 'dynamic (mark_dynamic)'}; "
+        f"NVFP4 activation scales {'static, calibrated once' if args.get('static_scales') else 'dynamic'}; "
         + ("Inductor `emulate_precision_casts=True`. " if raw.get("emulate_precision_casts") else "") +
         "Command: `" + raw["command"] + "`.", "",
         "Milliseconds per forward (median over rounds of back-to-back forwards, rank 0 wall time; "
@@ -476,6 +508,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--partial", help="rank 0 rewrites this JSON after every token count (survives a time limit)")
     p.add_argument("--render", help="render --out/--plot from a JSON written earlier; runs nothing")
     p.add_argument("--static", action="store_true", help="compile each token count separately (static sizes)")
+    p.add_argument("--static-scales", action="store_true",
+                   help="NVFP4 activations with static scales calibrated once (a checkpoint's input_scale) "
+                        "instead of a dynamic amax per call")
     p.add_argument("--profile", action="store_true",
                    help="after each token count's timings, profile --iters forwards per variant (module doc)")
     p.add_argument("--profile-kernels", type=int, default=0, metavar="N",
@@ -495,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     args = BenchArgs(ns.tp, ns.layers, tuple(int(t) for t in ns.tokens.split(",")),
                      tuple(ns.modes.split(",")), tuple(ns.variants.split(",")), ns.iters, ns.rounds,
                      ns.hidden, ns.heads, ns.kv_heads, ns.ffn, ns.partial, ns.static, ns.profile, ns.deterministic,
-                     ns.profile_kernels)
+                     ns.profile_kernels, ns.static_scales)
     unknown = set(args.variants) - set(VARIANTS)
     if unknown or set(args.modes) - {"default", "cudagraphs", "replay"}:
         p.error(f"unknown variants {sorted(unknown)} or modes {args.modes}")
