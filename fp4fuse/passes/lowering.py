@@ -326,7 +326,7 @@ class KernelLoweringPass(GraphPass):
         fill."""
         from fp4fuse.kernels.triton.mm_decode import leaves_counters_zero  # imports triton: lowering only
 
-        sites: list[tuple[fx.Node, fx.Node, int]] = []
+        by_device: dict[Any, list[tuple[fx.Node, fx.Node, int]]] = {}
         for node in graph.find_nodes(op="call_function", target=triton_kernel_wrapper_functional):
             fill = node.kwargs["kwargs"].get("count_ptr")
             if not (leaves_counters_zero(kernel_side_table.get_kernel(node.kwargs["kernel_idx"]))
@@ -334,7 +334,13 @@ class KernelLoweringPass(GraphPass):
                 continue
             bound = _upper_bound(fake_value(fill).shape[0])
             if bound is not None:
-                sites.append((node, fill, bound))
+                by_device.setdefault(fake_value(fill).device, []).append((node, fill, bound))
+        for sites in by_device.values():  # one chain per device: a graph may span several GPUs
+            self._thread_counters(graph, sites)
+
+    def _thread_counters(self, graph: fx.Graph, sites: list[tuple[fx.Node, fx.Node, int]]) -> None:
+        """``_share_split_k_counters`` for the launches of one device, in graph order:
+        ``(launch, its own fill, the fill's size bound)``."""
         if len(sites) < 2:
             return
         first_fill = sites[0][1]
