@@ -33,8 +33,9 @@ from fp4fuse.distributed.groups import group_size_of
 from fp4fuse.distributed.symm_mem import all_reduce as symm_all_reduce
 from fp4fuse.ops import all_reduce_ops
 from fp4fuse.passes.base import GraphPass
-from fp4fuse.patterns.base import CollectiveKind, FunctionalCollective, erase_if_unused, fake_value, find_collectives
-from fp4fuse.patterns.base import insert_call
+from fp4fuse.patterns.base import (
+    CollectiveKind, FunctionalCollective, erase_if_unused, fake_value, find_collectives, insert_call,
+)
 
 __all__ = ["SymmAllReducePass"]
 

@@ -71,8 +71,7 @@ def unserved_reason(world: int, dtype: torch.dtype) -> str | None:
     return None
 
 
-def _size_reason(x: torch.Tensor) -> str | None:
-    nbytes = x.numel() * x.element_size()
+def _size_reason(x: torch.Tensor, nbytes: int) -> str | None:
     limit = max_bytes()
     if nbytes == 0:
         return "empty input"
@@ -97,17 +96,16 @@ def _log_once(group_name: str, reason: str) -> None:
 def symm_all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor | None:
     """The sum of ``x`` (CUDA) over ``group_name`` as a new contiguous tensor, or None where this
     module does not serve the call (the caller runs NCCL); the same answer on every rank."""
-    reason = unserved_reason(group_size_of(group_name), x.dtype) or _size_reason(x)
+    nbytes = x.numel() * x.element_size()
+    reason = unserved_reason(group_size_of(group_name), x.dtype) or _size_reason(x, nbytes)
     if reason is None:
         try:
             ws = workspace.get_workspace(group_name, x.device)
         except workspace.WorkspaceUnavailable as exc:
             reason = f"symmetric memory cannot serve the group: {exc}"
-    if reason is None:
-        nbytes = x.numel() * x.element_size()
-        if torch.cuda.is_current_stream_capturing() and nbytes > ws.capacity:
-            reason = (f"{nbytes} bytes do not fit the workspace ({ws.capacity} bytes), which cannot grow "
-                      "during CUDA-graph capture (run the model once before capturing)")
+    if reason is None and torch.cuda.is_current_stream_capturing() and nbytes > ws.capacity:
+        reason = (f"{nbytes} bytes do not fit the workspace ({ws.capacity} bytes), which cannot grow "
+                  "during CUDA-graph capture (run the model once before capturing)")
     if reason is not None:
         _log_once(group_name, reason)
         return None
