@@ -421,14 +421,37 @@ def test_sibling_gemms_of_one_activation_share_one_launch(triton_cuda_target):
     assert not [n for n in gm.graph.nodes if n.target is fp4.mm_fp4.default]
 
 
-def test_a_sibling_whose_input_comes_later_is_lowered_on_its_own(triton_cuda_target):
-    """The k GEMM's alpha is computed in the graph after the q GEMM (not foldable: a scalar
-    factor), so one launch at q's place cannot compute it: q and v share a launch, k gets its own,
-    with the reason."""
+def test_a_sibling_input_computed_later_moves_before_the_shared_launch(triton_cuda_target):
+    """A factor of the k GEMM's alpha is computed in the graph after the q GEMM; it is side-effect
+    free, so it moves before q's place and the three share a launch."""
     def fn(x, ga, bq, sq, gq, bk, sk, gk, bv, sv, gv):
         a, sa = fp4.scaled_fp4_quant(x, ga)
         q = fp4.mm_fp4(a, bq, sa, sq, torch.reciprocal(ga * gq), torch.bfloat16)
-        k = fp4.mm_fp4(a, bk, sa, sk, torch.reciprocal(ga * 3.0), torch.bfloat16)
+        k = fp4.mm_fp4(a, bk, sa, sk, torch.reciprocal(ga * (gk * 3.0)), torch.bfloat16)
+        v = fp4.mm_fp4(a, bv, sa, sv, torch.reciprocal(ga * gv), torch.bfloat16)
+        return q, k, v
+
+    gm = _static_graph(fn, *_qkv_operands(6))
+    late = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mul.Tensor and n.args[1] == 3.0]
+    first_gemm = next(n for n in gm.graph.nodes if n.target is fp4.mm_fp4.default)
+    assert len(late) == 1 and first_gemm < late[0]  # the case: computed after the first GEMM
+    lowering = KernelLoweringPass(FusionConfig())
+    lowering(gm.graph)
+    gm.graph.lint()
+    assert lowering.match_counts == {"lowering.mm_fp4": 3, "lowering.alpha_from_global_scales": 3,
+                                     "lowering.mm_fp4_siblings": 1, "lowering.scaled_fp4_quant": 1}
+    assert not lowering.skips
+    names = [(name, kwargs.get("SEGMENTS")) for name, kwargs in _kernels_launched(gm) if name.startswith("_mm_decode")]
+    assert names == [("_mm_decode_group_kernel", 3)]
+
+
+def test_a_sibling_whose_input_needs_the_first_gemm_is_lowered_on_its_own(triton_cuda_target):
+    """The k GEMM's alpha is computed from the q GEMM's output, so no launch at q's place can
+    compute k: q and v share a launch, k gets its own, with the reason."""
+    def fn(x, ga, bq, sq, gq, bk, sk, gk, bv, sv, gv):
+        a, sa = fp4.scaled_fp4_quant(x, ga)
+        q = fp4.mm_fp4(a, bq, sa, sq, torch.reciprocal(ga * gq), torch.bfloat16)
+        k = fp4.mm_fp4(a, bk, sa, sk, torch.reciprocal(ga * q.float().abs().amax().reshape(1)), torch.bfloat16)
         v = fp4.mm_fp4(a, bv, sa, sv, torch.reciprocal(ga * gv), torch.bfloat16)
         return q, k, v
 
@@ -436,12 +459,63 @@ def test_a_sibling_whose_input_comes_later_is_lowered_on_its_own(triton_cuda_tar
     lowering = KernelLoweringPass(FusionConfig())
     lowering(gm.graph)
     gm.graph.lint()
-    assert lowering.match_counts == {"lowering.mm_fp4": 3, "lowering.alpha_from_global_scales": 2,
+    assert lowering.match_counts == {"lowering.mm_fp4": 3, "lowering.alpha_from_global_scales": 3,
                                      "lowering.mm_fp4_siblings": 1, "lowering.scaled_fp4_quant": 1}
     (skip,) = lowering.skips
-    assert skip.key.endswith("mm_fp4_siblings") and "computed after" in skip.reason
+    assert skip.key.endswith("mm_fp4_siblings") and "cannot move" in skip.reason and "lowered on its own" in skip.reason
     names = [(name, kwargs.get("SEGMENTS")) for name, kwargs in _kernels_launched(gm) if name.startswith("_mm_decode")]
     assert sorted(names, key=str) == sorted([("_mm_decode_group_kernel", 2), ("_mm_decode_kernel", None)], key=str)
+
+
+def _qkv_static(x, bq, sq, gq, aq, bk, sk, gk, ak, bv, sv, gv, av):
+    """q/k/v projections with a checkpoint's static activation scales: one input quantized once per
+    projection, each with its own scale buffer (``aq``, ``ak``, ``av``), as NVFP4 linears do."""
+    outs = []
+    for b, sb, gb, ga in ((bq, sq, gq, aq), (bk, sk, gk, ak), (bv, sv, gv, av)):
+        a, sa = fp4.scaled_fp4_quant(x, ga)
+        outs.append(fp4.mm_fp4(a, b, sa, sb, torch.reciprocal(ga * gb), torch.bfloat16))
+    return tuple(outs)
+
+
+def _qkv_static_operands(rows: int, k: int = 64, ns: tuple[int, ...] = (96, 32, 32)) -> list[tuple]:
+    scale = ((1,), torch.float32)
+    return [((rows, k), torch.bfloat16)] + [
+        x for n in ns for x in (((n, k // 2), torch.uint8), ((n, k // 16), torch.float8_e4m3fn), scale, scale)]
+
+
+@pytest.mark.parametrize("rows,gemm", [(6, "_mm_decode_group_kernel"), (100, "_mm_decode_group_kernel"),
+                                       (300, None)])
+def test_static_scale_siblings_share_a_quantization_launch_and_a_gemm_launch(triton_cuda_target, rows, gemm):
+    """Static activation scales: the three quantizations of one input (each its own scale) become one
+    launch of the grouped quantization kernel at the first one's place, and the three GEMMs one
+    grouped decode launch reading one activation per segment (pre-decoded once each at 100 rows);
+    above the decode GEMM's rows each GEMM keeps its own launches."""
+    gm = _static_graph(_qkv_static, *_qkv_static_operands(rows))
+    lowering = KernelLoweringPass(FusionConfig())
+    lowering(gm.graph)
+    gm.graph.lint()
+    assert not lowering.skips
+    assert lowering.match_counts == {"lowering.scaled_fp4_quant": 3, "lowering.scaled_fp4_quant_siblings": 1,
+                                     "lowering.mm_fp4": 3, "lowering.mm_fp4_siblings": 1,
+                                     "lowering.alpha_from_global_scales": 3}
+    kernels = _kernels_launched(gm)
+    (quant,) = [kwargs for name, kwargs in kernels if name.startswith("_quant")]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    # each segment's global scale: its own scale buffer (through the launcher's reshape to [1])
+    scales = [quant[f"gs{i}_ptr"] for i in range(3)]
+    scales = [n.args[0] if n.op == "call_function" and n.target in (torch.ops.aten.view.default, torch.ops.aten.reshape.default)
+              else n for n in scales]
+    assert quant["SEGMENTS"] == 3 and scales == placeholders[4::4]
+    gemms = [(name, kwargs) for name, kwargs in kernels if name.startswith("_mm_decode")]
+    predecodes = [kwargs for name, kwargs in kernels if name == "_predecode_kernel"]
+    if gemm is None:
+        assert not gemms and not predecodes
+        return
+    ((name, kwargs),) = gemms
+    assert name == gemm and kwargs["SEGMENTS"] == 3
+    activations = [kwargs[f"a{i}_ptr"] for i in range(3)] + [kwargs[f"as{i}_ptr"] for i in range(3)]
+    assert len(set(activations)) == 6  # each segment reads its own activation
+    assert len(predecodes) == (3 if rows > 64 else 0)
 
 
 @pytest.mark.parametrize("rows_hint,guards,kernel", [
@@ -496,6 +570,39 @@ def test_cuda_sibling_gemms_are_bitwise_the_graph_without_the_pass(m):
         for g, w in zip(got, want):
             _assert_same_bits_and_nans(g, w, m)
         got = lowered(x, ga, *weights)
+    assert fusion.match_counts["lowering.mm_fp4_siblings"] == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", [5, 20, 100, 300])
+def test_cuda_static_scale_siblings_are_bitwise_the_graph_without_the_pass(m):
+    """The q/k/v projections of a TP=2 Llama-3-8B rank with static activation scales (three
+    different scales of one input) compiled with FusionPass -- one grouped quantization launch, and
+    up to 256 rows one grouped GEMM launch with an activation per segment -- and without: the same
+    bits, call after call on fresh inputs."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(100 + m)
+    k = 4096
+    operands = []
+    for n in (2048, 512, 512):
+        b, sb, gb = _quantized(n, k, gen, "cuda")
+        amax = torch.rand((), generator=gen).item() * 4 + 1
+        operands += [b, sb, gb, nvfp4.global_scale_from_amax(torch.tensor(amax)).reshape(1).cuda()]
+    fusion = fp4fuse.FusionPass(FusionConfig())
+    lowered = torch.compile(_qkv_static, fullgraph=True, options={"post_grad_custom_post_pass": fusion})
+    unlowered = torch.compile(_qkv_static, fullgraph=True)
+    for call in range(3):
+        x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
+        want = unlowered(x, *operands)
+        if call == 0:
+            got, (code, *_) = run_and_get_code(lowered, x, *operands)
+            assert "_quant_group_kernel" in code
+            assert ("_mm_decode_group_kernel" in code) == (m <= 256)
+        else:
+            got = lowered(x, *operands)
+        for g, w in zip(got, want):
+            _assert_same_bits_and_nans(g, w, m)
+    assert fusion.match_counts["lowering.scaled_fp4_quant_siblings"] == 1
     assert fusion.match_counts["lowering.mm_fp4_siblings"] == 1
 
 

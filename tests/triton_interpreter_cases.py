@@ -127,6 +127,31 @@ def case_quant() -> None:
     for div in triton_quant.QuantDivision:
         q, s = triton_quant.scaled_fp4_quant_triton(tiny, gs, division=div)
         assert torch.equal(q, rq) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), f"tiny values {div.name}"
+    _check_quant_group(gen)
+
+
+def _check_quant_group(gen: torch.Generator) -> None:
+    """``scaled_fp4_quant_group_triton``: one input under 2, 3 and 4 global scales (a launch of 3 and
+    one of 1), each output the reference quantizer's under its own scale, an invalid scale (NaN)
+    among valid ones included."""
+    for m, k, dtype in ((7, 1040, torch.bfloat16), (130, 64, torch.float32)):
+        x = _rand_blocks(m, k, gen).to(dtype)
+        x[0, 3] = float("nan")
+        amax = x.float().nan_to_num(0, 0, 0).abs().amax()
+        scales = [nvfp4.global_scale_from_amax(amax * f).reshape(1) for f in (1.0, 0.37, 2.9)]
+        scales.append(torch.tensor([float("nan")]))
+        for count in (2, 3, 4):
+            got = triton_quant.scaled_fp4_quant_group_triton(x, scales[:count])
+            assert len(got) == count
+            for (q, s), gs in zip(got, scales):
+                rq, rs = nvfp4.quantize_reference(x, gs)
+                where = f"quant group of {count}, {dtype} {m}x{k} gs={gs.item():g}"
+                assert torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), where + ": scales differ"
+                assert torch.equal(q, rq), where + ": codes differ"
+    calls = [(x, scales[0]), (x.clone(), scales[1])]  # two inputs: one launch each
+    for (q, s), (xi, gs) in zip(triton_quant.scaled_fp4_quant_calls_triton(calls), calls):
+        rq, rs = nvfp4.quantize_reference(xi, gs)
+        assert torch.equal(q, rq) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), "quant calls, two inputs"
 
 
 def _check_global_scale_rules(gen: torch.Generator) -> None:
@@ -281,6 +306,32 @@ def _check_decode_group(gen: torch.Generator) -> None:
         for w, out in zip(weights, got):
             assert torch.equal(out, mm_decode.mm_fp4_decode(a, w.b, sa, w.b_scale, w.alpha, torch.float32)), \
                 f"decode group of 4, mixed alphas={mixed}"
+    _check_decode_products(gen)
+
+
+def _check_decode_products(gen: torch.Generator) -> None:
+    """``mm_fp4_decode_products`` with one activation per product (one input quantized under each
+    product's own static scale): each output bitwise its own ``mm_fp4_decode`` call, with the
+    activation decoded in the kernel and pre-decoded, both alpha kinds."""
+    from fp4fuse.kernels.triton.alpha import GlobalScales
+    C, P = mm_decode.DecodeConfig, mm_decode.DecodeProduct
+    cases = ((5, (96, 33, 40), 400, C(16, 32, 64, 1, 4, 2), (1, 3, 2)),
+             (70, (40, 72), 160, C(32, 16, 128, 1, 4, 2, None, True), (2, 1)))
+    for m, ns, k, cfg, splits in cases:
+        x = _rand_blocks(m, k, gen)
+        amax = x.abs().amax()
+        configs = [dataclasses.replace(cfg, split_k=s) for s in splits]
+        for fold, out_dtype in ((False, torch.float32), (True, torch.bfloat16)):
+            products = []
+            for i, n in enumerate(ns):
+                ga = nvfp4.global_scale_from_amax(amax * (1.0 + 0.7 * i)).reshape(1)
+                a, sa = nvfp4.quantize_reference(x, ga)
+                b, sb, gb = _quantized(n, k, gen)
+                products.append(P(a, sa, b, sb, GlobalScales(ga, gb) if fold else torch.reciprocal(ga * gb)))
+            got = mm_decode.mm_fp4_decode_products(products, out_dtype, configs)
+            for p, c, out in zip(products, configs, got):
+                want = mm_decode.mm_fp4_decode(p.a, p.b, p.a_scale, p.b_scale, p.alpha, out_dtype, c)
+                assert torch.equal(out, want), f"decode products {m}x{ns}x{k} {c} fold={fold}"
 
 
 def case_mm_decode() -> None:

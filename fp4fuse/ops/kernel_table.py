@@ -48,11 +48,13 @@ _KERNELS: dict[tuple[str, Backend], tuple[str, str]] = {
 LOWERABLE_OPS: frozenset[str] = frozenset(op for op, backend in _KERNELS if backend is Backend.TRITON)
 
 
-# (op name, backend) -> (module, function) computing several calls of the op that share their first
-# operand, bit for bit the calls, in fewer launches: ``fn(a, a_scale, [(b, b_scale, alpha), ...],
-# out_dtype) -> [out, ...]`` for ``mm_fp4``.
+# (op name, backend) -> (module, function) computing several calls of the op, bit for bit the calls,
+# in fewer launches where they share an operand or a shape: ``fn([args, ...]) -> [outputs, ...]``,
+# each ``args`` the op's arguments in order (``mm_fp4``: products of activations of one shape, one
+# output dtype; ``scaled_fp4_quant``: quantizations of one input with their own global scales).
 _SIBLING_KERNELS: dict[tuple[str, Backend], tuple[str, str]] = {
-    ("mm_fp4", Backend.TRITON): ("fp4fuse.kernels.triton.mm", "mm_fp4_group_triton"),
+    ("mm_fp4", Backend.TRITON): ("fp4fuse.kernels.triton.mm", "mm_fp4_calls_triton"),
+    ("scaled_fp4_quant", Backend.TRITON): ("fp4fuse.kernels.triton.quant", "scaled_fp4_quant_calls_triton"),
 }
 
 # A backend with no kernel of its own for an op uses this one's (flashinfer has no norms).
@@ -72,8 +74,8 @@ def kernel_for(op: str, backend: Backend) -> Callable[..., Any]:
 
 @functools.cache
 def sibling_kernel_for(op: str, backend: Backend) -> Callable[..., Any] | None:
-    """The function computing several ``fp4fuse::<op>`` calls on one activation at once on
-    ``backend`` (``_SIBLING_KERNELS``), or None where there is none."""
+    """The function computing several ``fp4fuse::<op>`` calls at once on ``backend``
+    (``_SIBLING_KERNELS``), or None where there is none."""
     entry = _SIBLING_KERNELS.get((op, backend))
     if entry is None:
         return None

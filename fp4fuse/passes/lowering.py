@@ -19,12 +19,19 @@ gets ``x`` and ``y`` instead, and its epilogue computes the same product and rec
 division Inductor would have generated (``fp4fuse.kernels.triton.alpha``): one kernel fewer per
 linear, bit for bit.
 
-``mm_fp4`` calls on one activation (a decoder layer's q/k/v or gate/up projections after the
-common-subexpression pass shared their quantization) are lowered together, at the first one's
-place, through the op's sibling kernel (``kernel_table.sibling_kernel_for``): up to 256 rows one
-launch computes up to three of them, each with its own configuration and split, so each output
-has the bits of its own launch (``mm_decode.mm_fp4_decode_group``). A sibling with an input
-computed after the first GEMM is lowered on its own, with the reason.
+Calls on one input are lowered together, at the first one's place, through the op's sibling
+kernel (``kernel_table.sibling_kernel_for``), each output with the bits of its own launch:
+
+* ``scaled_fp4_quant`` calls of one input with different global scales (a checkpoint's static
+  activation scales: each of a decoder layer's q/k/v or gate/up projections has its own) become
+  one launch (``quant.scaled_fp4_quant_group_triton``);
+* ``mm_fp4`` calls on one activation -- one quantization shared by the common-subexpression pass
+  (dynamic scales), or quantizations of one input (static scales) -- become, up to 256 rows, one
+  launch of up to three GEMMs, each with its own activation, configuration and split
+  (``mm_decode.mm_fp4_decode_products``).
+
+An input computed after the first call of its group is moved before it where it is a side-effect
+free computation (``base.hoist_before``); otherwise its call is lowered on its own, with the reason.
 
 The decode GEMMs' split-K counters are zeroed once per graph: every such launch needs them zero
 and leaves them zero, so after lowering one zeroed buffer is threaded from launch to launch in
@@ -55,6 +62,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table, triton_kernel_wrapper_functional
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
@@ -63,7 +71,7 @@ from fp4fuse.ops import kernel_table
 from fp4fuse.ops.backend import Backend, backend_for
 from fp4fuse.passes.base import GraphPass
 from fp4fuse.patterns import base
-from fp4fuse.patterns.base import erase_if_unused, fake_value, insert_call, insert_traced
+from fp4fuse.patterns.base import erase_if_unused, fake_value, hoist_before, insert_call, insert_traced
 
 __all__ = ["KernelLoweringPass"]
 
@@ -72,6 +80,9 @@ logger = logging.getLogger(__name__)
 aten = torch.ops.aten
 _SHARD_ROWS = torch.ops.fp4fuse.shard_rows.default
 _MM_FP4 = torch.ops.fp4fuse.mm_fp4.default
+_QUANT = torch.ops.fp4fuse.scaled_fp4_quant.default
+#: Ops lowered in groups through their sibling kernels, in this order.
+_SIBLING_ORDER = ("scaled_fp4_quant", "mm_fp4")
 _ALPHA_ARG = 4  # mm_fp4(a, b, a_scale, b_scale, alpha, out_dtype)
 _LOWERABLE = {getattr(torch.ops.fp4fuse, name).default: name for name in kernel_table.LOWERABLE_OPS}
 # The launchers traced into graphs: their configuration choices decide the graph (Inductor hashes
@@ -183,6 +194,17 @@ class _Call:
         return full
 
 
+def _quantized_input(a: Any, a_scale: Any) -> fx.Node | None:
+    """The input ``x`` where ``a`` / ``a_scale`` are outputs 0 / 1 of one ``scaled_fp4_quant(x, gs)``
+    call, else None."""
+    if not (base.is_call(a, operator.getitem) and base.is_call(a_scale, operator.getitem)):
+        return None
+    quant = a.args[0]
+    if a_scale.args[0] is not quant or (a.args[1], a_scale.args[1]) != (0, 1) or not base.is_call(quant, _QUANT):
+        return None
+    return quant.args[0]
+
+
 def _on_cuda(node: fx.Node) -> bool:
     val = fake_value(node.args[0]) if node.args else None
     return isinstance(val, torch.Tensor) and val.device.type == "cuda"
@@ -215,12 +237,15 @@ class KernelLoweringPass(GraphPass):
                 call = self._prepare(node, _LOWERABLE[node.target])
                 if call is not None:
                     lowerable[node] = call
-        groups = self._sibling_groups(graph, lowerable)
-        grouped = {node for members in groups for node in members}
+        keys = {node: key for node, call in lowerable.items() if (key := self._sibling_key(node, call)) is not None}
+        grouped: set[fx.Node] = set()
         # each lowering replaces its node's outputs (a quantization's are a GEMM's operands), so a
-        # call's arguments are read again when it is lowered
-        for members in groups:
-            self._lower_siblings(members, [self._prepare(m, lowerable[m].op, record=False) for m in members])
+        # call's arguments are read again when it is lowered; quantizations go first, so that a
+        # group of them puts every quantized activation before the GEMMs that read them
+        for op in _SIBLING_ORDER:
+            for members, calls in self._sibling_groups(graph, {n: k for n, k in keys.items() if k[0] == op}):
+                self._lower_siblings(members, calls)
+                grouped.update(members)
         for node, call in lowerable.items():
             if node not in grouped:
                 self._lower_call(node, self._prepare(node, call.op, record=False))
@@ -267,51 +292,77 @@ class KernelLoweringPass(GraphPass):
             erase_if_unused([call.folded, call.folded.args[0]])
             self.recorder.matched("alpha_from_global_scales")
 
-    def _sibling_groups(self, graph: fx.Graph, calls: dict[fx.Node, _Call]) -> list[list[fx.Node]]:
-        """``mm_fp4`` calls to lower together: those of one activation (``a``, ``a_scale``) and
-        output dtype, in graph order, whose inputs all exist where the first of them runs (where
-        their launch goes). A sibling with a later input (say, an alpha computed between two of the
-        GEMMs) is lowered on its own, with the reason."""
-        by_activation: dict[tuple, list[fx.Node]] = {}
-        for node, call in calls.items():
-            if call.op == "mm_fp4" and kernel_table.sibling_kernel_for(call.op, call.backend) is not None:
-                a, _, a_scale, _, _, out_dtype = call.args
-                by_activation.setdefault((a, a_scale, out_dtype, call.backend), []).append(node)
-        position = {node: i for i, node in enumerate(graph.nodes)}
+    @staticmethod
+    def _sibling_key(node: fx.Node, call: _Call) -> tuple | None:
+        """What ``node`` must share with another call to be lowered with it through the op's sibling
+        kernel (``kernel_table.sibling_kernel_for``), or None where the op has none: a
+        quantization's input; a GEMM's output dtype and activation -- the quantized input where
+        ``a`` and ``a_scale`` come from one ``scaled_fp4_quant`` call (so the q/k/v GEMMs of one
+        input group whether their quantization was shared or each has its own static scale), else
+        ``(a, a_scale)`` themselves."""
+        if kernel_table.sibling_kernel_for(call.op, call.backend) is None:
+            return None
+        if call.op == "scaled_fp4_quant":
+            return call.op, call.backend, call.args[0]
+        a, _, a_scale, _, _, out_dtype = call.args
+        source = _quantized_input(a, a_scale)
+        return call.op, call.backend, out_dtype, ("quantized", source) if source is not None else (a, a_scale)
+
+    def _sibling_groups(self, graph: fx.Graph, keys: dict[fx.Node, tuple]
+                        ) -> list[tuple[list[fx.Node], list[_Call]]]:
+        """Calls to lower together, with their (re-read) arguments: those of one key
+        (``_sibling_key``), in graph order, whose inputs exist where the first of them runs (where
+        their launch goes) or can be moved there (``_inputs_before``)."""
+        by_key: dict[tuple, list[fx.Node]] = {}
+        for node, key in keys.items():
+            by_key.setdefault(key, []).append(node)
         groups = []
-        for members in by_activation.values():
+        for members in by_key.values():
             if len(members) < 2:
                 continue
-            first = position[members[0]]
-            ready = [m for m in members if all(position[n] < first for n in calls[m].inputs)]
-            for late in (m for m in members if m not in ready):
-                self.recorder.skipped("mm_fp4_siblings", late, (
-                    f"an input of this GEMM is computed after {members[0].name}, the first GEMM on the same "
-                    "activation, so one launch at that point cannot compute both; it is lowered on its own"))
+            members.sort()  # graph order
+            calls = {m: self._prepare(m, keys[m][0], record=False) for m in members}
+            ready = [m for m in members if self._inputs_before(m, calls[m].inputs, members)]
             if len(ready) >= 2:
-                groups.append(ready)
+                groups.append((ready, [calls[m] for m in ready]))
         return groups
 
+    def _inputs_before(self, member: fx.Node, inputs: list[fx.Node], members: list[fx.Node]) -> bool:
+        """Whether every input of ``member`` exists before the first of ``members`` (where their
+        launch goes), after moving there those computed later that can move
+        (``base.hoist_before``: side-effect free computations, never a member); records why not."""
+        first = members[0]
+        for node in inputs:
+            if node < first:
+                continue
+            reason = hoist_before(node, first, keep_out=members)
+            if reason is not None:
+                op = _LOWERABLE[member.target]
+                self.recorder.skipped(f"{op}_siblings", member, (
+                    f"{reason}; {first.name} is the first {op} call it would share a launch with, so it is "
+                    "lowered on its own"))
+                return False
+        return True
+
     def _lower_siblings(self, members: list[fx.Node], calls: list[_Call]) -> None:
-        """One traced call of the op's sibling kernel for ``members`` (at the first one's place)."""
+        """One traced call of the op's sibling kernel for ``members`` (at the first one's place);
+        an input several members read is one input of the trace (the kernel sees one tensor)."""
         impl = kernel_table.sibling_kernel_for(calls[0].op, calls[0].backend)
-        out_dtype = calls[0].args[5]
-        bounds = [0]
-        for call in calls:
-            bounds.append(bounds[-1] + len(call.inputs))
+        inputs = list(dict.fromkeys(n for call in calls for n in call.inputs))
+        index = {n: i for i, n in enumerate(inputs)}
 
         def launches(*tensors: torch.Tensor) -> Any:
-            # each member's mm_fp4(a, b, a_scale, b_scale, alpha, out_dtype), a and a_scale shared
-            full = [call.launch_args(tensors[lo:hi]) for call, lo, hi in zip(calls, bounds, bounds[1:])]
-            return impl(full[0][0], full[0][2], [(args[1], args[3], args[4]) for args in full], out_dtype)
+            return impl([call.launch_args([tensors[index[n]] for n in call.inputs]) for call in calls])
 
         graph = members[0].graph
         with graph.inserting_before(members[0]):
-            outputs = insert_traced(graph, launches, [n for call in calls for n in call.inputs])
-        for node, call, out in zip(members, calls, outputs):
-            self._replace(node, [out])
+            outputs = insert_traced(graph, launches, inputs)
+        for node, call in zip(members, calls):
+            count = len(pytree.tree_leaves(fake_value(node)))
+            self._replace(node, outputs[:count])
+            outputs = outputs[count:]
             self._record(call)
-        self.recorder.matched("mm_fp4_siblings")
+        self.recorder.matched(f"{calls[0].op}_siblings")
 
     def _share_split_k_counters(self, graph: fx.Graph) -> None:
         """One zero fill of split-K counters for the whole graph instead of one per GEMM launch.

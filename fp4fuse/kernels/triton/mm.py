@@ -45,7 +45,7 @@ from fp4fuse.kernels.triton.alpha import Alpha, alpha_meta, alpha_operands, alph
 from fp4fuse.kernels.triton.decode import DECODE_SCALE_UNDO, decode_codes, decode_scales, num_sms
 from fp4fuse.kernels.triton.launch import traceable
 from fp4fuse.kernels.triton.mm_decode import (
-    DECODE_MAX_M, DecodeWeight, decode_config_for, mm_fp4_decode, mm_fp4_decode_group,
+    DECODE_MAX_M, DecodeProduct, decode_config_for, mm_fp4_decode, mm_fp4_decode_products,
 )
 from fp4fuse.nvfp4.format import BLOCK_SIZE
 
@@ -63,6 +63,7 @@ __all__ = [
     "dequantize_fp4_pair_triton",
     "dequantize_fp4_triton",
     "mm_config_for",
+    "mm_fp4_calls_triton",
     "mm_fp4_dequant_mm",
     "mm_fp4_group_triton",
     "mm_fp4_tiled",
@@ -444,9 +445,16 @@ def mm_fp4_group_triton(
     out_dtype: torch.dtype,
 ) -> list[torch.Tensor]:
     """``[mm_fp4_triton(a, b, a_scale, b_scale, alpha, out_dtype) for b, b_scale, alpha in weights]``,
-    bit for bit: products of one activation up to ``DECODE_MAX_M`` rows share launches
-    (``mm_decode.mm_fp4_decode_group``); above, one call each."""
-    weights = [DecodeWeight(*w) for w in weights]
-    if a.shape[0] <= DECODE_MAX_M:
-        return mm_fp4_decode_group(a, a_scale, weights, out_dtype)
-    return [mm_fp4_triton(a, w.b, a_scale, w.b_scale, w.alpha, out_dtype) for w in weights]
+    bit for bit, in fewer launches (``mm_fp4_calls_triton``)."""
+    return mm_fp4_calls_triton([(a, b, a_scale, b_scale, alpha, out_dtype) for b, b_scale, alpha in weights])
+
+
+def mm_fp4_calls_triton(calls: list[tuple]) -> list[torch.Tensor]:
+    """``[mm_fp4_triton(*call) for call in calls]`` (each call ``mm_fp4``'s arguments in order, one
+    output dtype), bit for bit: up to ``DECODE_MAX_M`` rows products with activations of one shape
+    share launches (``mm_decode.mm_fp4_decode_products``); above, one call each."""
+    out_dtypes = {call[5] for call in calls}
+    if len(out_dtypes) == 1 and all(call[0].shape[0] <= DECODE_MAX_M for call in calls):
+        products = [DecodeProduct(a, a_scale, b, b_scale, alpha) for a, b, a_scale, b_scale, alpha, _ in calls]
+        return mm_fp4_decode_products(products, out_dtypes.pop())
+    return [mm_fp4_triton(*call) for call in calls]

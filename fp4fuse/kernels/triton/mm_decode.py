@@ -81,6 +81,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DecodeConfig",
+    "DecodeProduct",
     "DecodeWeight",
     "DecodeWorkspace",
     "DECODE_MAX_M",
@@ -95,6 +96,7 @@ __all__ = [
     "leaves_counters_zero",
     "mm_fp4_decode",
     "mm_fp4_decode_group",
+    "mm_fp4_decode_products",
     "narrow_step_config",
     "predecode_activation",
     "wide_step_config",
@@ -209,30 +211,33 @@ def _mm_decode_kernel(
 
 @triton.jit(do_not_specialize=["M", "iters0", "split0", "iters1", "split1", "iters2", "split2"])
 def _mm_decode_group_kernel(
-    a_ptr, as_ptr, part_ptr, count_ptr, M, KB, KG, KBP,
-    b0_ptr, bs0_ptr, al0_ptr, alb0_ptr, out0_ptr, N0, iters0, split0,
-    b1_ptr, bs1_ptr, al1_ptr, alb1_ptr, out1_ptr, N1, iters1, split1,
-    b2_ptr, bs2_ptr, al2_ptr, alb2_ptr, out2_ptr, N2, iters2, split2,
+    part_ptr, count_ptr, M, KB, KG, KBP,
+    a0_ptr, as0_ptr, b0_ptr, bs0_ptr, al0_ptr, alb0_ptr, out0_ptr, N0, iters0, split0,
+    a1_ptr, as1_ptr, b1_ptr, bs1_ptr, al1_ptr, alb1_ptr, out1_ptr, N1, iters1, split1,
+    a2_ptr, as2_ptr, b2_ptr, bs2_ptr, al2_ptr, alb2_ptr, out2_ptr, N2, iters2, split2,
     SEGMENTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, FAST_DECODE: tl.constexpr, PREDECODED: tl.constexpr, A_SCALE_WORDS: tl.constexpr,
     ALPHA_FROM_SCALES: tl.constexpr, ALPHA_DIV_RN: tl.constexpr,
 ):
-    """``SEGMENTS`` (2 or 3) products of one activation with their own weights, alphas and outputs
-    in one launch: programs ``[0, tiles0 * split0)`` are segment 0's ``(tile, split)`` programs, tile
-    fastest (as in ``_mm_decode_kernel``'s grid), then segment 1's and segment 2's. Each segment's
-    partials and counters follow the previous segment's in the workspace. Every segment takes the
-    split-K path (a segment of one split reduces its single partial: the same bits)."""
+    """``SEGMENTS`` (2 or 3) products of ``M``-row activations (one shared, or one each) with their
+    own weights, alphas and outputs in one launch: programs ``[0, tiles0 * split0)`` are segment 0's
+    ``(tile, split)`` programs, tile fastest (as in ``_mm_decode_kernel``'s grid), then segment 1's
+    and segment 2's. Each segment's partials and counters follow the previous segment's in the
+    workspace. Every segment takes the split-K path (a segment of one split reduces its single
+    partial: the same bits)."""
     TILE: tl.constexpr = BLOCK_N * BLOCK_M
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles = tiles_m * tl.cdiv(N0, BLOCK_N)
     first = pid * 0
     part, count = part_ptr, count_ptr
+    a_ptr, as_ptr = a0_ptr, as0_ptr
     b_ptr, bs_ptr, al_ptr, alb_ptr, out_ptr, N, iters, n_split = b0_ptr, bs0_ptr, al0_ptr, alb0_ptr, out0_ptr, N0, iters0, split0
     if pid >= tiles * split0:
         first = tiles * split0
         part = part_ptr + first.to(tl.int64) * TILE
         count = count_ptr + tiles
+        a_ptr, as_ptr = a1_ptr, as1_ptr
         b_ptr, bs_ptr, al_ptr, alb_ptr, out_ptr, N, iters, n_split = b1_ptr, bs1_ptr, al1_ptr, alb1_ptr, out1_ptr, N1, iters1, split1
         tiles = tiles_m * tl.cdiv(N1, BLOCK_N)
         if SEGMENTS == 3:
@@ -240,6 +245,7 @@ def _mm_decode_group_kernel(
                 part = part + (tiles * split1).to(tl.int64) * TILE
                 count = count + tiles
                 first = first + tiles * split1
+                a_ptr, as_ptr = a2_ptr, as2_ptr
                 b_ptr, bs_ptr, al_ptr, alb_ptr, out_ptr, N, iters, n_split = b2_ptr, bs2_ptr, al2_ptr, alb2_ptr, out2_ptr, N2, iters2, split2
                 tiles = tiles_m * tl.cdiv(N2, BLOCK_N)
     local = pid - first
@@ -594,6 +600,17 @@ class DecodeWeight(NamedTuple):
     alpha: Alpha
 
 
+class DecodeProduct(NamedTuple):
+    """One product of ``mm_fp4_decode_products``: ``mm_fp4_decode``'s operands (activation
+    ``a [M, K/2]`` and ``a_scale``, weight ``b`` and ``b_scale``, ``alpha``)."""
+
+    a: torch.Tensor
+    a_scale: torch.Tensor
+    b: torch.Tensor
+    b_scale: torch.Tensor
+    alpha: Alpha
+
+
 #: Products one ``_mm_decode_group_kernel`` launch computes at most.
 MAX_GROUP = 3
 
@@ -611,57 +628,92 @@ def group_configs(m: int | torch.SymInt, ns: list[int], k: int, num_sms: int) ->
 
 def mm_fp4_decode_group(a: torch.Tensor, a_scale: torch.Tensor, weights: list[DecodeWeight],
                         out_dtype: torch.dtype, configs: list[DecodeConfig] | None = None) -> list[torch.Tensor]:
-    """``[mm_fp4_decode(a, w.b, a_scale, w.b_scale, w.alpha, out_dtype) for w in weights]``, bit
-    for bit, in fewer launches: up to ``MAX_GROUP`` products at a time whose configurations agree
-    but for the split count (``group_configs``), with alphas of one kind, share one launch of
+    """``mm_fp4_decode_products`` of one activation with each of ``weights``: the q/k/v (gate/up)
+    projections of a decoder layer whose quantization was shared."""
+    return mm_fp4_decode_products([DecodeProduct(a, a_scale, *w) for w in weights], out_dtype, configs)
+
+
+def mm_fp4_decode_products(products: list[DecodeProduct], out_dtype: torch.dtype,
+                           configs: list[DecodeConfig] | None = None) -> list[torch.Tensor]:
+    """``[mm_fp4_decode(*p, out_dtype) for p in products]``, bit for bit, in fewer launches: up to
+    ``MAX_GROUP`` products at a time with alphas of one kind (in order within each kind) and
+    activations of one shape whose configurations agree but for the split count
+    (``group_configs``) share one launch of
     ``_mm_decode_group_kernel`` (each keeps its configuration, split and K ranges, so its sums are
-    the same) and one split-K workspace (one memset); an activation pre-decode runs once for the
-    group. Products that cannot share a launch get one each. The q/k/v (gate/up) projections of a
-    decoder layer read one activation: at decode sizes their GEMMs are latency-bound, and one grid
-    over all of them fills the GPU where the small ones alone cannot (benchmarks/results/).
+    the same) and one split-K workspace (one memset); each distinct activation is pre-decoded once
+    where the configuration pre-decodes. Products that cannot share a launch get one each. A decoder
+    layer's q/k/v (gate/up) projections read one activation, quantized once (dynamic scales) or once
+    per projection (a checkpoint's static scales): at decode sizes their GEMMs are latency-bound, and
+    one grid over all of them fills the GPU where the small ones alone cannot (benchmarks/results/).
     ``configs``: one configuration per product instead of ``decode_config_for`` (tests, sweeps);
     they must agree but for ``split_k``."""
-    if configs is not None and (len(configs) != len(weights) or not _agree_but_for_split(configs)):
-        raise ValueError(f"mm_fp4_decode_group: configs must be one per weight and agree but for split_k; "
+    if configs is not None and (len(configs) != len(products) or not _agree_but_for_split(configs)):
+        raise ValueError(f"mm_fp4_decode_products: configs must be one per product and agree but for split_k; "
                          f"got {configs}")
     for cfg in configs or ():
-        _check_config(cfg, "mm_fp4_decode_group")
-    outs: list[torch.Tensor] = []
-    for start in range(0, len(weights), MAX_GROUP):
-        chunk = slice(start, start + MAX_GROUP)
-        outs += _decode_group(a, a_scale, weights[chunk], out_dtype, configs and configs[chunk])
+        _check_config(cfg, "mm_fp4_decode_products")
+    by_alpha_kind: dict[tuple, list[int]] = {}
+    for i, p in enumerate(products):
+        by_alpha_kind.setdefault(tuple(alpha_meta(p.alpha).items()), []).append(i)
+    outs: list[torch.Tensor | None] = [None] * len(products)
+    for indices in by_alpha_kind.values():
+        for start in range(0, len(indices), MAX_GROUP):
+            chunk = indices[start:start + MAX_GROUP]
+            got = _decode_group([products[i] for i in chunk], out_dtype, configs and [configs[i] for i in chunk])
+            for i, out in zip(chunk, got):
+                outs[i] = out
     return outs
 
 
-def _decode_group(a: torch.Tensor, a_scale: torch.Tensor, weights: list[DecodeWeight],
-                  out_dtype: torch.dtype, cfgs: list[DecodeConfig] | None) -> list[torch.Tensor]:
+def _decode_group(products: list[DecodeProduct], out_dtype: torch.dtype,
+                  cfgs: list[DecodeConfig] | None) -> list[torch.Tensor]:
+    a = products[0].a
     m, k = a.shape[0], a.shape[1] * 2
-    ns = [w.b.shape[0] for w in weights]
-    alpha_kinds = {tuple(alpha_meta(w.alpha).items()) for w in weights}
-    shared = len(weights) > 1 and len(alpha_kinds) == 1 and m > 0 and k > 0 and min(ns) > 0
+    ns = [p.b.shape[0] for p in products]
+    same_shape = all(p.a.shape == a.shape and p.a_scale.shape == products[0].a_scale.shape for p in products)
+    shared = len(products) > 1 and same_shape and m > 0 and k > 0 and min(ns) > 0
     if shared and cfgs is None:
         cfgs = group_configs(m, ns, k, num_sms(a.device))
     if not shared or cfgs is None:
-        cfgs = cfgs or [None] * len(weights)
-        return [mm_fp4_decode(a, w.b, a_scale, w.b_scale, w.alpha, out_dtype, cfg) for w, cfg in zip(weights, cfgs)]
+        cfgs = cfgs or [None] * len(products)
+        return [mm_fp4_decode(p.a, p.b, p.a_scale, p.b_scale, p.alpha, out_dtype, cfg)
+                for p, cfg in zip(products, cfgs)]
     cfg = cfgs[0]
     plans = [_plan(c, m, n, k) for c, n in zip(cfgs, ns)]
     programs = sum(p.tiles * p.split for p in plans)
     workspace = empty_decode_workspace(programs * cfg.block_n * cfg.block_m, sum(p.tiles for p in plans), a.device)
     outs = [torch.empty((m, n), dtype=out_dtype, device=a.device) for n in ns]
-    segments = [(w.b, w.b_scale, *alpha_operands(w.alpha), out, n, p.iters_per_split, p.split)
-                for w, out, n, p in zip(weights, outs, ns, plans)]
+    activations = _distinct_activations(products, cfg)
+    segments = [(*activations[_activation_key(p)][:2], p.b, p.b_scale, *alpha_operands(p.alpha), out, n,
+                 plan.iters_per_split, plan.split)
+                for p, out, n, plan in zip(products, outs, ns, plans)]
     segments += [segments[-1]] * (MAX_GROUP - len(segments))  # unused slots (SEGMENTS prunes them)
-    x, x_aux, x_stride, scale_words = _activation_operands(a, a_scale, cfg)
+    x_stride = next(iter(activations.values()))[2]
+    scale_words = all(act[3] for act in activations.values())
     traceable(_mm_decode_group_kernel)[(programs,)](
-        x, x_aux, workspace.partials, workspace.counters, m, k // 2, k // BLOCK_SIZE, x_stride,
+        workspace.partials, workspace.counters, m, k // 2, k // BLOCK_SIZE, x_stride,
         *(arg for segment in segments for arg in segment),
-        SEGMENTS=len(weights), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SEGMENTS=len(products), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=plans[0].even_k, FAST_DECODE=a.device.type == "cuda", PREDECODED=cfg.predecode,
-        A_SCALE_WORDS=scale_words, **alpha_meta(weights[0].alpha),
+        A_SCALE_WORDS=scale_words, **alpha_meta(products[0].alpha),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_register_cap(cfg, a.device),
     )
     return outs
+
+
+def _activation_key(product: DecodeProduct) -> tuple[int, int]:
+    return id(product.a), id(product.a_scale)
+
+
+def _distinct_activations(products: list[DecodeProduct], cfg: DecodeConfig
+                          ) -> dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, int, bool]]:
+    """``_activation_operands`` of each distinct activation of ``products`` (by tensor identity),
+    so that a shared activation is pre-decoded once."""
+    activations: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, int, bool]] = {}
+    for p in products:
+        if _activation_key(p) not in activations:
+            activations[_activation_key(p)] = _activation_operands(p.a, p.a_scale, cfg)
+    return activations
 
 
 def leaves_counters_zero(kernel: object) -> bool:

@@ -81,7 +81,10 @@ from fp4fuse.nvfp4.format import BLOCK_SIZE
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["QuantDivision", "quant_launch_config", "quant_sass_counts", "scaled_fp4_quant_triton"]
+__all__ = [
+    "MAX_QUANT_GROUP", "QuantDivision", "quant_launch_config", "quant_sass_counts", "scaled_fp4_quant_calls_triton",
+    "scaled_fp4_quant_group_triton", "scaled_fp4_quant_triton",
+]
 
 
 class QuantDivision(enum.IntEnum):
@@ -481,11 +484,40 @@ def _quant_kernel(
     IN_KIND: tl.constexpr, DIVISION: tl.constexpr, BLOCKS: tl.constexpr, ON_CUDA: tl.constexpr,
 ):
     """Program p quantizes chunks p, p + P, ... of BLOCKS blocks (P programs; with P = n_chunks,
-    one chunk each). Out-of-range rows of the last chunk re-read the last block (no masked
-    loads) and store nothing. The pointers come in the tensors' own dtypes (a compiled graph's
-    wrapper then runs no view op per call) and are read as: x int32 words (16-bit inputs, 4-byte
-    aligned) or fp32, q int32 code words, s uint8 scales. ON_CUDA: hardware instructions (inline
-    PTX, cvt); False under Triton's interpreter, which runs exact emulations of them."""
+    one chunk each): ``_quant_chunks``."""
+    _quant_chunks(x_ptr, gs_ptr, q_ptr, s_ptr, n_blocks, n_chunks, IN_KIND, DIVISION, BLOCKS, ON_CUDA)
+
+
+@triton.jit
+def _quant_group_kernel(
+    x_ptr, n_blocks, n_chunks, gs0_ptr, q0_ptr, s0_ptr, gs1_ptr, q1_ptr, s1_ptr, gs2_ptr, q2_ptr, s2_ptr,
+    SEGMENTS: tl.constexpr, IN_KIND: tl.constexpr, DIVISION: tl.constexpr, BLOCKS: tl.constexpr,
+    ON_CUDA: tl.constexpr,
+):
+    """``SEGMENTS`` (2 or 3) quantizations of one ``x`` with their own global scales and outputs in
+    one launch: programs ``(p, j)`` run ``_quant_kernel``'s program p for segment j (the same code,
+    so the same bits as a launch of its own)."""
+    segment = tl.program_id(1)
+    gs_ptr, q_ptr, s_ptr = gs0_ptr, q0_ptr, s0_ptr
+    if segment == 1:
+        gs_ptr, q_ptr, s_ptr = gs1_ptr, q1_ptr, s1_ptr
+    if SEGMENTS == 3:
+        if segment == 2:
+            gs_ptr, q_ptr, s_ptr = gs2_ptr, q2_ptr, s2_ptr
+    _quant_chunks(x_ptr, gs_ptr, q_ptr, s_ptr, n_blocks, n_chunks, IN_KIND, DIVISION, BLOCKS, ON_CUDA)
+
+
+@triton.jit
+def _quant_chunks(
+    x_ptr, gs_ptr, q_ptr, s_ptr, n_blocks, n_chunks,
+    IN_KIND: tl.constexpr, DIVISION: tl.constexpr, BLOCKS: tl.constexpr, ON_CUDA: tl.constexpr,
+):
+    """Program ``program_id(0)`` of ``num_programs(0)`` quantizes its chunks of BLOCKS blocks.
+    Out-of-range rows of the last chunk re-read the last block (no masked loads) and store
+    nothing. The pointers come in the tensors' own dtypes (a compiled graph's wrapper then runs no
+    view op per call) and are read as: x int32 words (16-bit inputs, 4-byte aligned) or fp32, q
+    int32 code words, s uint8 scales. ON_CUDA: hardware instructions (inline PTX, cvt); False under
+    Triton's interpreter, which runs exact emulations of them."""
     if IN_KIND != _KIND_FP32:
         x_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     q_ptr = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
@@ -578,6 +610,50 @@ def scaled_fp4_quant_triton(
     grid, args, meta = _launch_args(x, global_scale, q, s, division, config)
     traceable(_quant_kernel)[grid](*args, **meta)
     return q, s
+
+
+
+#: Quantizations one ``_quant_group_kernel`` launch computes at most.
+MAX_QUANT_GROUP = 3
+
+
+def scaled_fp4_quant_group_triton(
+    x: torch.Tensor, global_scales: list[torch.Tensor],
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``[scaled_fp4_quant_triton(x, gs) for gs in global_scales]``, bit for bit, in fewer
+    launches: up to ``MAX_QUANT_GROUP`` global scales share one launch of ``_quant_group_kernel``
+    (x is read from memory once per scale, mostly from L2). A checkpoint with static activation
+    scales gives each of a layer's q/k/v (gate/up) projections its own scale of one activation."""
+    m, k = x.shape
+    outs = [(torch.empty((m, k // 2), dtype=torch.uint8, device=x.device),
+             torch.empty((m, k // BLOCK_SIZE), dtype=torch.float8_e4m3fn, device=x.device)) for _ in global_scales]
+    if m * k == 0 or not global_scales:
+        return outs
+    for start in range(0, len(global_scales), MAX_QUANT_GROUP):
+        chunk = slice(start, start + MAX_QUANT_GROUP)
+        scales, group = global_scales[chunk], outs[chunk]
+        if len(scales) == 1:
+            grid, args, meta = _launch_args(x, scales[0], *group[0], DEFAULT_DIVISION, None)
+            traceable(_quant_kernel)[grid](*args, **meta)
+            continue
+        (programs,), (x_c, _, _, _, n_blocks, n_chunks), meta = _launch_args(
+            x, scales[0], *group[0], DEFAULT_DIVISION, None)
+        segments = [(gs.reshape(1).to(torch.float32), q, s) for gs, (q, s) in zip(scales, group)]
+        segments += [segments[-1]] * (MAX_QUANT_GROUP - len(segments))  # unused slots (SEGMENTS prunes them)
+        traceable(_quant_group_kernel)[(programs, len(scales))](
+            x_c, n_blocks, n_chunks, *(arg for segment in segments for arg in segment),
+            SEGMENTS=len(scales), **meta)
+    return outs
+
+
+
+def scaled_fp4_quant_calls_triton(calls: list[tuple]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``[scaled_fp4_quant_triton(x, gs) for x, gs in calls]``, bit for bit: calls on one ``x`` (the
+    same tensor) share launches (``scaled_fp4_quant_group_triton``); otherwise one each."""
+    x = calls[0][0]
+    if all(call[0] is x for call in calls):
+        return scaled_fp4_quant_group_triton(x, [gs for _, gs in calls])
+    return [scaled_fp4_quant_triton(*call) for call in calls]
 
 
 _SASS_LABEL = re.compile(r"^(\.?L\w*|LBB\d+):")
