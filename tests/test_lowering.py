@@ -488,7 +488,8 @@ def _qkv_static_operands(rows: int, k: int = 64, ns: tuple[int, ...] = (96, 32, 
 def test_static_scale_siblings_share_a_quantization_launch_and_a_gemm_launch(triton_cuda_target, rows, gemm):
     """Static activation scales: the three quantizations of one input (each its own scale) become one
     launch of the grouped quantization kernel at the first one's place, and the three GEMMs one
-    grouped decode launch reading one activation per segment (pre-decoded once each at 100 rows);
+    grouped decode launch reading one activation per segment (at 100 rows the three pre-decoded in
+    one launch);
     above the decode GEMM's rows each GEMM keeps its own launches."""
     gm = _static_graph(_qkv_static, *_qkv_static_operands(rows))
     lowering = KernelLoweringPass(FusionConfig())
@@ -515,7 +516,8 @@ def test_static_scale_siblings_share_a_quantization_launch_and_a_gemm_launch(tri
     assert name == gemm and kwargs["SEGMENTS"] == 3
     activations = [kwargs[f"a{i}_ptr"] for i in range(3)] + [kwargs[f"as{i}_ptr"] for i in range(3)]
     assert len(set(activations)) == 6  # each segment reads its own activation
-    assert len(predecodes) == (3 if rows > 64 else 0)
+    # pre-decoded at 100 rows: the three activations in one launch
+    assert [kw["SEGMENTS"] for kw in predecodes] == ([3] if rows > 64 else [])
 
 
 @pytest.mark.parametrize("rows_hint,guards,kernel", [

@@ -99,6 +99,7 @@ __all__ = [
     "mm_fp4_decode_products",
     "narrow_step_config",
     "predecode_activation",
+    "predecode_activations",
     "wide_step_config",
 ]
 
@@ -178,12 +179,22 @@ def _store_output(acc, alpha_ptr, alpha_b_ptr, out_ptr, rows_m, cols_n, M, N,
 
 
 @triton.jit
-def _predecode_kernel(q_ptr, s_ptr, lo_ptr, hi_ptr, M, KB, KG, KBP,
-                      ROWS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+def _predecode_kernel(q0_ptr, s0_ptr, lo0_ptr, hi0_ptr, q1_ptr, s1_ptr, lo1_ptr, hi1_ptr,
+                      q2_ptr, s2_ptr, lo2_ptr, hi2_ptr, M, KB, KG, KBP,
+                      SEGMENTS: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                       FAST_DECODE: tl.constexpr):
-    """Program ``(row block, K step)``: ``_decoded_tile`` of ``ROWS`` activation rows, stored into
-    the fp16 planes ``lo`` / ``hi`` ``[M, KBP]`` (``KBP``: K/2 rounded up to whole steps, so a
-    partial last step keeps its permuted columns; the padding holds zeros)."""
+    """Program ``(row block, K step, segment)``: ``_decoded_tile`` of ``ROWS`` rows of the segment's
+    activation (``SEGMENTS``: 1 to 3 activations of one shape), stored into its fp16 planes ``lo`` /
+    ``hi`` ``[M, KBP]`` (``KBP``: K/2 rounded up to whole steps, so a partial last step keeps its
+    permuted columns; the padding holds zeros)."""
+    q_ptr, s_ptr, lo_ptr, hi_ptr = q0_ptr, s0_ptr, lo0_ptr, hi0_ptr
+    if SEGMENTS > 1:
+        segment = tl.program_id(2)
+        if segment == 1:
+            q_ptr, s_ptr, lo_ptr, hi_ptr = q1_ptr, s1_ptr, lo1_ptr, hi1_ptr
+        if SEGMENTS == 3:
+            if segment == 2:
+                q_ptr, s_ptr, lo_ptr, hi_ptr = q2_ptr, s2_ptr, lo2_ptr, hi2_ptr
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     kb0 = tl.program_id(1) * (BLOCK_K // 2)
     src = tl.where(rows < M, rows, 0).to(tl.int64)
@@ -707,13 +718,13 @@ def _activation_key(product: DecodeProduct) -> tuple[int, int]:
 
 def _distinct_activations(products: list[DecodeProduct], cfg: DecodeConfig
                           ) -> dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, int, bool]]:
-    """``_activation_operands`` of each distinct activation of ``products`` (by tensor identity),
-    so that a shared activation is pre-decoded once."""
-    activations: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, int, bool]] = {}
-    for p in products:
-        if _activation_key(p) not in activations:
-            activations[_activation_key(p)] = _activation_operands(p.a, p.a_scale, cfg)
-    return activations
+    """``_activation_operands`` of each distinct activation of ``products`` (by tensor identity):
+    a shared activation is pre-decoded once, and distinct ones in one launch."""
+    distinct = {_activation_key(p): (p.a, p.a_scale) for p in products}
+    if not cfg.predecode:
+        return {key: _activation_operands(a, a_scale, cfg) for key, (a, a_scale) in distinct.items()}
+    planes = predecode_activations(list(distinct.values()), cfg.block_k)
+    return {key: (lo, hi, lo.shape[1], False) for key, (lo, hi) in zip(distinct, planes)}
 
 
 def leaves_counters_zero(kernel: object) -> bool:
@@ -733,17 +744,31 @@ def predecode_activation(a: torch.Tensor, a_scale: torch.Tensor, block_k: int) -
     """NVFP4 ``[M, K/2]`` -> fp16 ``(lo, hi)`` ``[M, KBP]`` in ``_mm_decode_kernel``'s operand order
     for steps of ``block_k`` elements (``_decoded_tile``; ``KBP`` = K/2 rounded up to a whole step,
     zero-padded), values ``e2m1 * 2**-14 * s`` (exact)."""
-    m, kb = a.shape
+    return predecode_activations([(a, a_scale)], block_k)[0]
+
+
+def predecode_activations(activations: list[tuple[torch.Tensor, torch.Tensor]], block_k: int
+                          ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``[predecode_activation(a, a_scale, block_k) for a, a_scale in activations]`` (activations of
+    one shape), bit for bit, up to ``MAX_GROUP`` of them per launch."""
+    m, kb = activations[0][0].shape
     bkb = block_k // 2
     steps = triton.cdiv(kb, bkb)
-    lo = torch.empty((m, steps * bkb), dtype=torch.float16, device=a.device)
-    hi = torch.empty_like(lo)
-    if m and steps:
-        traceable(_predecode_kernel)[(triton.cdiv(m, PREDECODE_ROWS), steps)](
-            a, a_scale, lo, hi, m, kb, kb // 8, steps * bkb,
-            ROWS=PREDECODE_ROWS, BLOCK_K=block_k, EVEN_K=kb % bkb == 0,
-            FAST_DECODE=a.device.type == "cuda", num_warps=4)
-    return lo, hi
+    device = activations[0][0].device
+    planes = [(torch.empty((m, steps * bkb), dtype=torch.float16, device=device),
+               torch.empty((m, steps * bkb), dtype=torch.float16, device=device)) for _ in activations]
+    if not (m and steps):
+        return planes
+    for start in range(0, len(activations), MAX_GROUP):
+        segments = [(a, a_scale, lo, hi) for (a, a_scale), (lo, hi) in
+                    zip(activations[start:start + MAX_GROUP], planes[start:start + MAX_GROUP])]
+        count = len(segments)
+        segments += [segments[-1]] * (MAX_GROUP - count)  # unused slots (SEGMENTS prunes them)
+        traceable(_predecode_kernel)[(triton.cdiv(m, PREDECODE_ROWS), steps, count)](
+            *(arg for segment in segments for arg in segment), m, kb, kb // 8, steps * bkb,
+            SEGMENTS=count, ROWS=PREDECODE_ROWS, BLOCK_K=block_k, EVEN_K=kb % bkb == 0,
+            FAST_DECODE=device.type == "cuda", num_warps=4)
+    return planes
 
 
 def _register_cap(cfg: DecodeConfig, device: torch.device) -> dict:
