@@ -6,7 +6,8 @@
 
 The model is one nobody wrote for fp4fuse: Hugging Face transformers' ``LlamaModel`` with
 Llama-3-8B-shaped decoder layers (hidden 4096, 32 heads, 8 KV heads, FFN 14336; ``--layers``,
-default 4; no LM head), random weights from one seed, put on ``--tp`` ranks by
+default 4; no LM head; ``--family qwen2``: ``Qwen2Model``, whose q/k/v have biases, with the sizes
+given, e.g. Qwen2-7B's ``--hidden 3584 --heads 28 --kv-heads 4 --ffn 18944``), random weights from one seed, put on ``--tp`` ranks by
 ``fp4fuse.tp.parallelize`` with its config's own ``base_model_tp_plan``. Variants, built on every
 rank from the same weights and timed in the same process, interleaved round by round:
 
@@ -87,6 +88,11 @@ class BenchArgs:
     deterministic: bool = False
     profile_kernels: int = 0
     static_scales: bool = False
+    family: str = "llama"
+
+
+#: ``--family`` -> (config class, model class) in ``transformers``.
+FAMILIES = {"llama": ("LlamaConfig", "LlamaModel"), "qwen2": ("Qwen2Config", "Qwen2Model")}
 
 
 def log(msg: str) -> None:
@@ -107,11 +113,12 @@ def batch_shape(tokens: int) -> tuple[int, int]:
 # ----------------------------------------------------------------------------------------------
 def _build_models(args: BenchArgs, device, group) -> dict[str, Any]:
     import torch
-    from transformers import LlamaConfig, LlamaModel
+    import transformers
 
     from fp4fuse.tp import WeightFormat, parallelize
 
-    config = LlamaConfig(
+    config_class, model_class = (getattr(transformers, name) for name in FAMILIES[args.family])
+    config = config_class(
         hidden_size=args.hidden, intermediate_size=args.ffn, num_hidden_layers=args.layers,
         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, vocab_size=32000,
         max_position_embeddings=8192)
@@ -119,7 +126,7 @@ def _build_models(args: BenchArgs, device, group) -> dict[str, Any]:
     for fmt in (WeightFormat.BF16, WeightFormat.NVFP4):
         torch.manual_seed(0)  # the same weights on every rank and for both formats
         with torch.device(device):
-            model = LlamaModel(config).to(torch.bfloat16).eval()
+            model = model_class(config).to(torch.bfloat16).eval()
         scales = calibrated_scales(model) if args.static_scales and fmt is WeightFormat.NVFP4 else None
         models[fmt] = parallelize(model, group, weight_format=fmt, activation_scales=scales)
     return models
@@ -402,7 +409,8 @@ def render_markdown(raw: dict[str, Any]) -> str:
     lines = [
         f"# End to end, TP={args['tp']}: fp4fuse on vs off, NVFP4 vs bf16 ({raw['date']})", "",
         f"Device: {raw['versions']['device']} x{args['tp']}; torch {raw['versions']['torch']}, Triton "
-        f"{raw['versions']['triton']}, transformers {raw['versions']['transformers']}. Model: HF `LlamaModel`, "
+        f"{raw['versions']['triton']}, transformers {raw['versions']['transformers']}. Model: HF "
+        f"`{FAMILIES[args.get('family', 'llama')][1]}`, "
         f"{args['layers']} layers, hidden {args['hidden']}, {args['heads']} heads / {args['kv_heads']} KV heads, "
         f"FFN {args['ffn']}, random bf16 weights, `fp4fuse.tp.parallelize` with the config's TP plan; token "
         f"dimension {'static (one compile per count)' if args.get('static') else 'dynamic (mark_dynamic)'}; "
@@ -498,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
     p.add_argument("--iters", type=int, default=10, help="back-to-back forwards per timing sample")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (median)")
+    p.add_argument("--family", default="llama", choices=sorted(FAMILIES),
+                   help="Hugging Face model family (qwen2: q/k/v with biases); the sizes below set its shape")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
@@ -530,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     args = BenchArgs(ns.tp, ns.layers, tuple(int(t) for t in ns.tokens.split(",")),
                      tuple(ns.modes.split(",")), tuple(ns.variants.split(",")), ns.iters, ns.rounds,
                      ns.hidden, ns.heads, ns.kv_heads, ns.ffn, ns.partial, ns.static, ns.profile, ns.deterministic,
-                     ns.profile_kernels, ns.static_scales)
+                     ns.profile_kernels, ns.static_scales, ns.family)
     unknown = set(args.variants) - set(VARIANTS)
     if unknown or set(args.modes) - {"default", "cudagraphs", "replay"}:
         p.error(f"unknown variants {sorted(unknown)} or modes {args.modes}")

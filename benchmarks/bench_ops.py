@@ -33,6 +33,9 @@ every timed call, so weights are read from HBM as in a real decode step):
 8. ``--scale-words-sweep`` (only this, after the ceilings): the decode GEMM's shipped configuration at
    M <= 64 with the activation's block scales loaded as int32 words and byte by byte
    (``scale_words_sweep``).
+9. ``--dequant-sweep`` (only this, after the ceilings): the dequantize + cuBLAS path's weight
+   dequantization at several launch configurations against a copy of the same bytes
+   (``dequant_sweep``).
 """
 from __future__ import annotations
 
@@ -504,6 +507,31 @@ MID_TILES = ((64, 128, 4, False), (64, 128, 4, True), (128, 128, 8, False), (128
 SCALE_WORDS_STAGES = (4, 5)
 
 
+DEQUANT_SHAPES = ((8192, 8192), (14336, 4096), (4096, 7168))
+DEQUANT_LAUNCHES = ((128, 4), (256, 4), (256, 8), (512, 8), (512, 16), (1024, 8), (1024, 16))
+
+
+def dequant_sweep(ceil: Ceilings, raw: dict) -> None:
+    """``--dequant-sweep`` (only this, after the ceilings): the weight dequantization of the
+    dequantize + cuBLAS path (``dequantize_fp4_triton``) at each ``(BLOCKS, num_warps)`` of
+    DEQUANT_LAUNCHES, against a device copy moving the same bytes (codes + scales read, bf16 written),
+    ``do_bench`` with L2 cleared; one line per weight shape."""
+    rows = []
+    for n, k in DEQUANT_SHAPES:
+        q, s = quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))[:2]
+        moved = q.numel() + s.numel() + n * k * 2
+        src = torch.empty(moved // 2, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        row = {"n": n, "k": k, "bytes": moved, "copy_us": 1e3 * bench(lambda: dst.copy_(src)),
+               "launch_us": {f"{b}x{w}": 1e3 * bench(functools.partial(triton_mm.dequantize_fp4_triton, q, s,
+                                                                        config=(b, w)))
+                             for b, w in DEQUANT_LAUNCHES}}
+        rows.append(row)
+        print(f"dequant {n}x{k}: copy {row['copy_us']:.1f} us | "
+              + " | ".join(f"{name} {us:.1f} us" for name, us in row["launch_us"].items()), flush=True)
+    raw["dequant_sweep"] = rows
+
+
 def scale_words_sweep(ceil: Ceilings, raw: dict) -> None:
     """``--scale-words-sweep`` (only this, after the ceilings): the decode GEMM's shipped configuration
     at M in WIDE_MS on WIDE_SHAPES as CUDA-graph replays over rotating weights, with the activation's
@@ -629,6 +657,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the M=64..2048 sweep of every GEMM path as CUDA-graph replays")
     parser.add_argument("--wide-step-sweep", action="store_true",
                         help="only the M<=64 sweep of the decode GEMM's 256-K-step tile as CUDA-graph replays")
+    parser.add_argument("--dequant-sweep", action="store_true",
+                        help="only the weight dequantization's launch sweep against a copy of the same bytes")
     parser.add_argument("--scale-words-sweep", action="store_true",
                         help="only the decode GEMM at M<=64 with word- vs byte-loaded activation scales")
     args = parser.parse_args(argv)
@@ -642,7 +672,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"copy {ceil.copy_gbs:.0f} GB/s, bf16 mm {ceil.mm_tflops:.0f} TFLOP/s", flush=True)
     sweeps = [fn for flag, fn in ((args.decode_sweep, decode_sweep), (args.mid_sweep, mid_sweep),
                                   (args.wide_step_sweep, wide_step_sweep),
-                                  (args.scale_words_sweep, scale_words_sweep)) if flag]
+                                  (args.scale_words_sweep, scale_words_sweep),
+                                  (args.dequant_sweep, dequant_sweep)) if flag]
     if sweeps:
         raw = {"device": dev, "torch": torch.__version__, "triton": triton.__version__,
                "ceilings": dataclasses.asdict(ceil)}
