@@ -501,6 +501,13 @@ def test_static_scale_siblings_share_a_quantization_launch_and_a_gemm_launch(tri
                                      "lowering.alpha_from_global_scales": 3}
     kernels = _kernels_launched(gm)
     (quant,) = [kwargs for name, kwargs in kernels if name.startswith("_quant")]
+    (quant_launch,) = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional
+                       and n.kwargs["kwargs"] is not None and "gs0_ptr" in n.kwargs["kwargs"]]
+
+    def written_by_quant(node: Any, name: str) -> bool:
+        # an output of the grouped launch: Triton's store analysis found every segment's outputs
+        return node.target is operator.getitem and node.args == (quant_launch, name)
+
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     # each segment's global scale: its own scale buffer (through the launcher's reshape to [1])
     scales = [quant[f"gs{i}_ptr"] for i in range(3)]
@@ -518,6 +525,11 @@ def test_static_scale_siblings_share_a_quantization_launch_and_a_gemm_launch(tri
     assert len(set(activations)) == 6  # each segment reads its own activation
     # pre-decoded at 100 rows: the three activations in one launch
     assert [kw["SEGMENTS"] for kw in predecodes] == ([3] if rows > 64 else [])
+    reader = predecodes[0] if predecodes else kwargs
+    codes, scales = ("q{}_ptr", "s{}_ptr") if predecodes else ("a{}_ptr", "as{}_ptr")
+    for i in range(3):
+        assert written_by_quant(reader[codes.format(i)], f"q{i}_ptr"), reader[codes.format(i)]
+        assert written_by_quant(reader[scales.format(i)], f"s{i}_ptr"), reader[scales.format(i)]
 
 
 @pytest.mark.parametrize("rows_hint,guards,kernel", [

@@ -132,6 +132,56 @@ def test_cuda_quant_bit_equal(dtype, m, k):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,k", [(3, 48), (130, 1040), (1000, 4096)])
+def test_cuda_quant_group_bit_equal(dtype, m, k):
+    """One input under 2, 3 and 4 global scales (launches of 3 and 1), a NaN scale among them: each
+    output the CPU reference quantizer's under its own scale."""
+    _require_triton_backend()
+    from fp4fuse.kernels.triton.quant import scaled_fp4_quant_group_triton
+    gen = torch.Generator(device="cuda").manual_seed(m * 5 + k)
+    x = _blocks(m, k, gen, dtype)
+    x[0, 1] = float("nan")
+    x[-1, -2] = float("inf")
+    amax = x.float().nan_to_num(0, 0, 0).abs().amax()
+    scales = [nvfp4.global_scale_from_amax(amax * f).reshape(1) for f in (1.0, 0.3, 3.7)]
+    scales.append(torch.full((1,), float("nan"), device="cuda"))
+    refs = [nvfp4.quantize_reference(x.cpu(), gs.cpu()) for gs in scales]
+    for count in (2, 3, 4):
+        got = scaled_fp4_quant_group_triton(x, scales[:count])
+        for (q, s), (rq, rs), gs in zip(got, refs, scales):
+            assert torch.equal(s.view(torch.uint8).cpu(), rs.view(torch.uint8)), (count, gs.item())
+            assert torch.equal(q.cpu(), rq), (count, gs.item())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", [5, 20, 100, 200])
+def test_cuda_decode_products_with_own_activations_equal_their_own_launches(m):
+    """q/k/v-shaped products, each on its own quantization of one input (static scales): one
+    grouped launch (the activations decoded in the kernel, or pre-decoded in one launch above 64
+    rows), each output bitwise its own ``mm_fp4_decode`` call, call after call."""
+    _require_triton_backend()
+    from fp4fuse.kernels.triton import mm_decode
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    k = 4096
+    x = _blocks(m, k, gen, torch.bfloat16)
+    amax = x.float().abs().amax()
+    products = []
+    for i, n in enumerate((2048, 512, 512)):
+        ga = nvfp4.global_scale_from_amax(amax * (1 + 0.5 * i)).reshape(1)
+        a, sa = ops.scaled_fp4_quant(x, ga)
+        w = _blocks(n, k, gen, torch.bfloat16)
+        gb = nvfp4.global_scale_from_amax(w.float().abs().amax()).reshape(1)
+        b, sb = ops.scaled_fp4_quant(w, gb)
+        products.append(mm_decode.DecodeProduct(a, sa, b, sb, torch.reciprocal(ga * gb)))
+    want = [mm_decode.mm_fp4_decode(p.a, p.b, p.a_scale, p.b_scale, p.alpha, torch.bfloat16) for p in products]
+    for _ in range(2):
+        got = mm_decode.mm_fp4_decode_products(products, torch.bfloat16)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), m
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("value", [0.0, -0.0, -2.5, float("inf"), float("-inf"), float("nan"), 1e30])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_quant_global_scale_rules(value, dtype):
