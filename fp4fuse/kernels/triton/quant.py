@@ -573,6 +573,11 @@ def quant_launch_config(n_blocks: int, device: torch.device) -> tuple[int, int, 
     return blocks, num_warps, triton.cdiv(n_blocks, blocks)
 
 
+def _scale_operand(global_scale: torch.Tensor) -> torch.Tensor:
+    """The global scale as the kernels read it: one fp32 element."""
+    return global_scale.reshape(1).to(torch.float32)
+
+
 def _launch_args(x: torch.Tensor, global_scale: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
                  division: QuantDivision, config: tuple[int, int, int] | None):
     m, k = x.shape
@@ -587,7 +592,7 @@ def _launch_args(x: torch.Tensor, global_scale: torch.Tensor, q: torch.Tensor, s
         raise ValueError(f"fp4fuse.scaled_fp4_quant: config {(blocks, num_warps, programs)} gives each thread "
                          f"{blocks // (32 * num_warps)} blocks; at most {MAX_BLOCKS_PER_THREAD} are allowed on CUDA "
                          f"(BLOCKS <= {MAX_BLOCKS_PER_THREAD} * 32 * num_warps)")
-    args = (x, global_scale.reshape(1).to(torch.float32), q, s, n_blocks, triton.cdiv(n_blocks, blocks))
+    args = (x, _scale_operand(global_scale), q, s, n_blocks, triton.cdiv(n_blocks, blocks))
     meta = dict(IN_KIND=int(_INPUT_KIND[x.dtype]), DIVISION=int(division), BLOCKS=blocks,
                 ON_CUDA=x.device.type == "cuda", num_warps=num_warps)
     return (programs,), args, meta
@@ -638,13 +643,12 @@ def scaled_fp4_quant_group_triton(
             continue
         (programs,), (x_c, _, _, _, n_blocks, n_chunks), meta = _launch_args(
             x, scales[0], *group[0], DEFAULT_DIVISION, None)
-        segments = [(gs.reshape(1).to(torch.float32), q, s) for gs, (q, s) in zip(scales, group)]
+        segments = [(_scale_operand(gs), q, s) for gs, (q, s) in zip(scales, group)]
         segments += [segments[-1]] * (MAX_QUANT_GROUP - len(segments))  # unused slots (SEGMENTS prunes them)
         traceable(_quant_group_kernel)[(programs, len(scales))](
             x_c, n_blocks, n_chunks, *(arg for segment in segments for arg in segment),
             SEGMENTS=len(scales), **meta)
     return outs
-
 
 
 def scaled_fp4_quant_calls_triton(calls: list[tuple]) -> list[tuple[torch.Tensor, torch.Tensor]]:
