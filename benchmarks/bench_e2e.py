@@ -9,8 +9,8 @@ Llama-3-8B-shaped decoder layers (hidden 4096, 32 heads, 8 KV heads, FFN 14336; 
 default 4; no LM head) -- or, with ``--family qwen2``, ``Qwen2Model`` (q/k/v with biases) at the
 sizes given, e.g. Qwen2-7B's ``--hidden 3584 --heads 28 --kv-heads 4 --ffn 18944`` -- with random
 weights from one seed, put on ``--tp`` ranks by ``fp4fuse.tp.parallelize`` with its config's own
-``base_model_tp_plan``. Variants, built on every
-rank from the same weights and timed in the same process, interleaved round by round:
+``base_model_tp_plan``. Variants, built on every rank from the same weights and timed in the same
+process, interleaved round by round:
 
 * ``bf16``: the TP model with bf16 linears, ``torch.compile`` (no fp4fuse pass);
 * ``bf16-fp4fuse``: the same with ``FusionPass(FusionConfig(enable_async_tp=True))``: what fp4fuse does
