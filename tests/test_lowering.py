@@ -587,6 +587,41 @@ def test_cuda_sibling_gemms_are_bitwise_the_graph_without_the_pass(m):
     assert fusion.match_counts["lowering.mm_fp4_siblings"] == 1
 
 
+@pytest.mark.parametrize("rows_hint,guards", [
+    (20, {"4*s <= 2146435072", "s <= 256", "s > 16", "s <= 32"}),
+    (100, {"4*s <= 2146435072", "s <= 256", "s > 16", "s > 32", "s > 64", "s <= 128"}),
+])
+def test_static_scale_siblings_with_a_dynamic_row_count(triton_cuda_target, rows_hint, guards):
+    """A dynamic batch with static scales: the grouped quantization and the grouped GEMM (its
+    activations pre-decoded in one launch at 100 rows) are traced with the symbolic row count under
+    the guards of its range -- those one GEMM of that range adds -- and the quantization's int32
+    block-index bound (lowered first, before the GEMM's range implies it)."""
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from fp4fuse.patterns.base import aot_trace
+
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env)
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    operands = _qkv_static_operands(rows_hint)
+    x = mode.from_tensor(torch.empty(operands[0][0], dtype=torch.bfloat16), symbolic_context=ctx)
+    with mode:
+        rest = [torch.empty(shape, dtype=dtype) for shape, dtype in operands[1:]]
+    gm = aot_trace(_qkv_static, [x, *rest])
+    lowering = KernelLoweringPass(FusionConfig())
+    lowering(gm.graph)
+    gm.graph.lint()
+    assert lowering.match_counts["lowering.scaled_fp4_quant_siblings"] == 1
+    assert lowering.match_counts["lowering.mm_fp4_siblings"] == 1
+    symbol = str(x.shape[0].node.expr)
+    assert {str(g.expr).replace(symbol, "s") for g in shape_env.guards} == guards
+    launches = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
+    assert all(isinstance(n.kwargs["grid"][0][0], torch.fx.Node) for n in launches)  # symbolic grids
+    names = [name for name, _ in _kernels_launched(gm)]
+    assert names.count("_quant_group_kernel") == 1 and names.count("_mm_decode_group_kernel") == 1
+    assert names.count("_predecode_kernel") == (1 if rows_hint > 64 else 0)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("m", [5, 20, 100, 300])
 def test_cuda_static_scale_siblings_are_bitwise_the_graph_without_the_pass(m):
