@@ -532,13 +532,10 @@ def test_static_scale_siblings_share_a_quantization_launch_and_a_gemm_launch(tri
         assert written_by_quant(reader[scales.format(i)], f"s{i}_ptr"), reader[scales.format(i)]
 
 
-@pytest.mark.parametrize("rows_hint,guards,kernel", [
-    (20, {"s <= 256", "s > 16", "s <= 32"}, "_mm_decode_group_kernel"),
-    (300, {"s > 256", "4*s <= 2146435072"}, None),
-])
-def test_sibling_gemms_with_a_dynamic_row_count(triton_cuda_target, rows_hint, guards, kernel):
-    """A dynamic batch: the siblings' shared launch is traced with the symbolic row count under the
-    guards of its range, as one GEMM's is; above the decode GEMM's rows each keeps its own GEMM."""
+def _dynamic_rows_trace(fn, operands: list[tuple]):
+    """``fn`` traced the way Dynamo hands a graph with a dynamic batch to Inductor: the first
+    operand's row count a symbolic size (its hint the given shape's), every other operand static.
+    Returns ``(shape_env, the row symbol's name, graph module)``."""
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
     from fp4fuse.patterns.base import aot_trace
@@ -546,17 +543,25 @@ def test_sibling_gemms_with_a_dynamic_row_count(triton_cuda_target, rows_hint, g
     shape_env = ShapeEnv()
     mode = FakeTensorMode(shape_env=shape_env)
     ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
-    operands = _qkv_operands(rows_hint)
-    x = mode.from_tensor(torch.empty(operands[0][0], dtype=torch.bfloat16), symbolic_context=ctx)
-    rows = x.shape[0]
+    (shape, dtype), *rest_operands = operands
+    x = mode.from_tensor(torch.empty(shape, dtype=dtype), symbolic_context=ctx)
     with mode:
-        rest = [torch.empty(shape, dtype=dtype) for shape, dtype in operands[1:]]
-    gm = aot_trace(_qkv, [x, *rest])
+        rest = [torch.empty(s, dtype=d) for s, d in rest_operands]
+    return shape_env, str(x.shape[0].node.expr), aot_trace(fn, [x, *rest])
+
+
+@pytest.mark.parametrize("rows_hint,guards,kernel", [
+    (20, {"s <= 256", "s > 16", "s <= 32"}, "_mm_decode_group_kernel"),
+    (300, {"s > 256", "4*s <= 2146435072"}, None),
+])
+def test_sibling_gemms_with_a_dynamic_row_count(triton_cuda_target, rows_hint, guards, kernel):
+    """A dynamic batch: the siblings' shared launch is traced with the symbolic row count under the
+    guards of its range, as one GEMM's is; above the decode GEMM's rows each keeps its own GEMM."""
+    shape_env, symbol, gm = _dynamic_rows_trace(_qkv, _qkv_operands(rows_hint))
     lowering = KernelLoweringPass(FusionConfig())
     lowering(gm.graph)
     gm.graph.lint()
     assert lowering.match_counts["lowering.mm_fp4"] == 3 and lowering.match_counts["lowering.mm_fp4_siblings"] == 1
-    symbol = str(rows.node.expr)
     assert {str(g.expr).replace(symbol, "s") for g in shape_env.guards} == guards
     names = {name for name, _ in _kernels_launched(gm)}
     assert (kernel in names) if kernel else not any(n.startswith("_mm_decode") for n in names)
@@ -596,24 +601,12 @@ def test_static_scale_siblings_with_a_dynamic_row_count(triton_cuda_target, rows
     activations pre-decoded in one launch at 100 rows) are traced with the symbolic row count under
     the guards of its range -- those one GEMM of that range adds -- and the quantization's int32
     block-index bound (lowered first, before the GEMM's range implies it)."""
-    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
-
-    from fp4fuse.patterns.base import aot_trace
-
-    shape_env = ShapeEnv()
-    mode = FakeTensorMode(shape_env=shape_env)
-    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
-    operands = _qkv_static_operands(rows_hint)
-    x = mode.from_tensor(torch.empty(operands[0][0], dtype=torch.bfloat16), symbolic_context=ctx)
-    with mode:
-        rest = [torch.empty(shape, dtype=dtype) for shape, dtype in operands[1:]]
-    gm = aot_trace(_qkv_static, [x, *rest])
+    shape_env, symbol, gm = _dynamic_rows_trace(_qkv_static, _qkv_static_operands(rows_hint))
     lowering = KernelLoweringPass(FusionConfig())
     lowering(gm.graph)
     gm.graph.lint()
     assert lowering.match_counts["lowering.scaled_fp4_quant_siblings"] == 1
     assert lowering.match_counts["lowering.mm_fp4_siblings"] == 1
-    symbol = str(x.shape[0].node.expr)
     assert {str(g.expr).replace(symbol, "s") for g in shape_env.guards} == guards
     launches = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
     assert all(isinstance(n.kwargs["grid"][0][0], torch.fx.Node) for n in launches)  # symbolic grids
