@@ -5,7 +5,9 @@
 #
 # Stages, each under its own limit in seconds (environment): the tests marked multigpu (MG_S,
 # default 300), the end-to-end tests on CUDA (E2E_S, 240), bench_e2e.py --profile at TP=2 (BENCH_S, 600;
-# TOKENS, MODES, VARIANTS, LAYERS pick the grid; BENCH_FLAGS adds flags, e.g. --deterministic).
+# TOKENS, MODES, VARIANTS, LAYERS pick the grid; BENCH_FLAGS adds flags, e.g. --deterministic,
+# --static-scales (a checkpoint's static activation scales) or --family qwen2 --hidden 3584 --heads 28
+# --kv-heads 4 --ffn 18944 (another model family and shape).
 # pytest gets SIGINT at its limit, so it still reports which tests failed; bench_e2e rewrites out_dir/e2e_partial.json after every token count.
 # STAGES (default "tests e2e bench") picks stages, so that a device call's time limit can split them.
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
