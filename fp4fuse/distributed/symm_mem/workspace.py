@@ -277,28 +277,25 @@ class SymmWorkspace:
         """``region`` of ``rank``'s buffer as a tensor on this device (peer memory is mapped).
 
         Cached until the buffer grows; a view never outlives its buffer generation."""
-        key = (rank, region)
-        t = self._views.get(key)
-        if t is None:
-            if region.end > self.capacity:
-                raise RuntimeError(f"fp4fuse: region {region} exceeds the workspace ({self.capacity} bytes)")
-            raw = self._handle.get_buffer(rank, (region.nbytes,), torch.uint8, region.offset)
-            t = raw.view(region.dtype).view(region.shape)
-            self._views[key] = t
-        return t
+        return self._cached_view((rank, region), region,
+                                 lambda: self._handle.get_buffer(rank, (region.nbytes,), torch.uint8, region.offset))
 
     def local_tensor(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """The start of this rank's own buffer as a contiguous ``dtype`` tensor of ``shape``: a view
         of the symmetric allocation itself, so ``torch.ops.symm_mem`` ops find its peer mappings
         (a peer view from :meth:`view` is not one). Cached until the buffer grows."""
-        shape = tuple(shape)
-        key = (-1, Region(0, shape, dtype))
+        region = Region(0, tuple(shape), dtype)
+        return self._cached_view((-1, region), region, lambda: self._buffer[:region.nbytes])
+
+    def _cached_view(self, key: tuple[int, Region], region: Region,
+                     raw_bytes: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``raw_bytes()`` (``region.nbytes`` uint8) as ``region``'s dtype and shape, cached under
+        ``key`` until the buffer grows."""
         t = self._views.get(key)
         if t is None:
-            nbytes = key[1].nbytes
-            if nbytes > self.capacity:
-                raise RuntimeError(f"fp4fuse: a {list(shape)} {dtype} tensor exceeds the workspace ({self.capacity} bytes)")
-            t = self._buffer[:nbytes].view(dtype).view(shape)
+            if region.end > self.capacity:
+                raise RuntimeError(f"fp4fuse: region {region} exceeds the workspace ({self.capacity} bytes)")
+            t = raw_bytes().view(region.dtype).view(region.shape)
             self._views[key] = t
         return t
 
