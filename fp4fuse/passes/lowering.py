@@ -202,7 +202,7 @@ def _quantized_input(a: Any, a_scale: Any) -> fx.Node | None:
     quant = a.args[0]
     if a_scale.args[0] is not quant or (a.args[1], a_scale.args[1]) != (0, 1) or not base.is_call(quant, _QUANT):
         return None
-    return quant.args[0]
+    return base.get_arg(quant, 0, "x")
 
 
 def _on_cuda(node: fx.Node) -> bool:
@@ -237,13 +237,13 @@ class KernelLoweringPass(GraphPass):
                 call = self._prepare(node, _LOWERABLE[node.target])
                 if call is not None:
                     lowerable[node] = call
-        keys = {node: key for node, call in lowerable.items() if (key := self._sibling_key(node, call)) is not None}
+        keys = {node: key for node, call in lowerable.items() if (key := self._sibling_key(call)) is not None}
         grouped: set[fx.Node] = set()
         # each lowering replaces its node's outputs (a quantization's are a GEMM's operands), so a
         # call's arguments are read again when it is lowered; quantizations go first, so that a
         # group of them puts every quantized activation before the GEMMs that read them
         for op in _SIBLING_ORDER:
-            for members, calls in self._sibling_groups(graph, {n: k for n, k in keys.items() if k[0] == op}):
+            for members, calls in self._sibling_groups({n: k for n, k in keys.items() if k[0] == op}):
                 self._lower_siblings(members, calls)
                 grouped.update(members)
         for node, call in lowerable.items():
@@ -293,8 +293,8 @@ class KernelLoweringPass(GraphPass):
             self.recorder.matched("alpha_from_global_scales")
 
     @staticmethod
-    def _sibling_key(node: fx.Node, call: _Call) -> tuple | None:
-        """What ``node`` must share with another call to be lowered with it through the op's sibling
+    def _sibling_key(call: _Call) -> tuple | None:
+        """What ``call`` must share with another call to be lowered with it through the op's sibling
         kernel (``kernel_table.sibling_kernel_for``), or None where the op has none: a
         quantization's input; a GEMM's output dtype and activation -- the quantized input where
         ``a`` and ``a_scale`` come from one ``scaled_fp4_quant`` call (so the q/k/v GEMMs of one
@@ -308,8 +308,7 @@ class KernelLoweringPass(GraphPass):
         source = _quantized_input(a, a_scale)
         return call.op, call.backend, out_dtype, ("quantized", source) if source is not None else (a, a_scale)
 
-    def _sibling_groups(self, graph: fx.Graph, keys: dict[fx.Node, tuple]
-                        ) -> list[tuple[list[fx.Node], list[_Call]]]:
+    def _sibling_groups(self, keys: dict[fx.Node, tuple]) -> list[tuple[list[fx.Node], list[_Call]]]:
         """Calls to lower together, with their (re-read) arguments: those of one key
         (``_sibling_key``), in graph order, whose inputs exist where the first of them runs (where
         their launch goes) or can be moved there (``_inputs_before``)."""
