@@ -98,6 +98,7 @@ __all__ = [
     "mm_fp4_decode_group",
     "mm_fp4_decode_products",
     "narrow_step_config",
+    "permuted_planes",
     "predecode_activation",
     "predecode_activations",
     "wide_step_config",
@@ -143,8 +144,6 @@ def _decoded_tile(q_ptr, s_ptr, q_rows, s_rows, kb0, KB, KG,
     Both operands use this order, so their product over K is unchanged."""
     BKB: tl.constexpr = BLOCK_K // 2
     G: tl.constexpr = BLOCK_K // 16
-    RR: tl.constexpr = BLOCK_K // 64
-    NR: tl.constexpr = q_rows.shape[0]
     kb = kb0 + tl.arange(0, BKB)
     grp = kb0 // 8 + tl.arange(0, G)
     if EVEN_K:
@@ -157,6 +156,17 @@ def _decoded_tile(q_ptr, s_ptr, q_rows, s_rows, kb0, KB, KG,
         scales = tl.load(s_ptr + s_rows[:, None] + grp[None, :])
     else:
         scales = tl.load(s_ptr + s_rows[:, None] + grp[None, :], mask=(grp < KG)[None, :], other=0.0)
+    return permuted_planes(codes, scales, BLOCK_K, FAST_DECODE)
+
+
+@triton.jit
+def permuted_planes(codes, scales, BLOCK_K: tl.constexpr, FAST_DECODE: tl.constexpr):
+    """``_decoded_tile`` of a step already loaded: code bytes ``[R, BLOCK_K / 2]`` and e4m3 block
+    scales ``[R, BLOCK_K / 16]`` -> the (low, high) fp16 planes in the step's permuted order."""
+    NR: tl.constexpr = codes.shape[0]
+    BKB: tl.constexpr = BLOCK_K // 2
+    G: tl.constexpr = BLOCK_K // 16
+    RR: tl.constexpr = BLOCK_K // 64
     lo, hi = decode_codes(codes, FAST_DECODE)
     s = decode_scales(scales, FAST_DECODE)[:, :, None]
     lo = tl.reshape(tl.reshape(lo, (NR, G, 8)) * s, (NR, 4, RR, 2, 2, 2))
