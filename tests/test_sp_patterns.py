@@ -242,6 +242,68 @@ def test_the_offset_form_in_fp32_is_the_manual_form_with_one_plus_weight(sp_pass
                                "quant_before_gather": 2}
 
 
+def scaled_layers(norm, embedding_scale=12.0, residual_scale=0.22, **norm_kwargs):
+    """Granite's residual stream: the embedding's all-reduce times ``embedding_multiplier``, each
+    row-parallel output times ``residual_multiplier`` before the residual add."""
+    def fn(x0, x1, x2, w0, w1, w2):
+        r0 = all_reduce(x0) * embedding_scale
+        q0, s0 = static_quant(norm(r0, w0, **norm_kwargs))[:2]
+        n1, r1 = norm(all_reduce(x1) * residual_scale, w1, r0, **norm_kwargs)
+        q1, s1 = static_quant(n1)[:2]
+        n2, _ = norm(all_reduce(x2) * residual_scale, w2, r1, **norm_kwargs)
+        return q0, s0, q1, s1, n2
+    return fn
+
+
+def _scales_of_shards(gm: torch.fx.GraphModule) -> list[float]:
+    """The numbers that multiply a reduce-scatter's (waited) result."""
+    return sorted(n.args[1] for n in gm.graph.find_nodes(op="call_function", target=aten.mul.Tensor)
+                  if n.args[0].target is fc.wait_tensor.default
+                  and n.args[0].args[0].target is fc.reduce_scatter_tensor.default)
+
+
+@pytest.mark.parametrize("form", ["torch_functional", "torch_fp32"])
+@pytest.mark.parametrize("residual_first", [False, True])
+def test_scaled_all_reduces(sp_pass, form, residual_first):
+    """``all_reduce(x) * number`` before the norm (first) or the residual add: the scaled patterns
+    rewrite all three, and each number multiplies the shard instead."""
+    gm = trace(scaled_layers(NORMS[form], residual_first=residual_first), layer_shapes(), state=NORM_WEIGHTS)
+    assert run(sp_pass, gm) == 5
+    assert counts(sp_pass) == {f"first.{form}_scaled": 1, f"middle.{form}_scaled": 1, f"last.{form}_scaled": 1,
+                               "quant_before_gather": 2}
+    assert ops(gm)[fc.all_reduce.default] == 0
+    assert _scales_of_shards(gm) == [0.22, 0.22, 12.0]
+
+
+@pytest.mark.parametrize("emulate", [False, True])
+def test_rewritten_scalings_and_residual_adds_round_as_eager_under_emulate_precision_casts(emulate):
+    """With ``emulate_precision_casts`` the bf16 ops the rewrite writes in place of eager-level ones
+    -- each shard's scaling and each residual add -- carry AOT autograd's eager-rounding mark; without
+    it nothing is marked."""
+    sp = SequenceParallelismPass(FusionConfig(enable_sequence_parallelism=True))
+    gm = trace(scaled_layers(torch_fp32_norm, residual_first=True), layer_shapes(), state=NORM_WEIGHTS)
+    with torch._inductor.config.patch(emulate_precision_casts=emulate):
+        assert run(sp, gm) == 5
+    marked = collections.Counter(n.target for n in gm.graph.nodes if n.meta.get("low_precision_pointwise_barrier"))
+    assert marked == (collections.Counter({aten.mul.Tensor: 3, aten.add.Tensor: 2}) if emulate else collections.Counter())
+
+
+def test_an_all_reduce_scaled_by_a_tensor_is_left_alone(sp_pass, caplog):
+    """A tensor factor (here per hidden column) is not applied to the shard: the match is skipped
+    with the reason, while the embedding's number-scaled all-reduce is rewritten."""
+    def fn(x0, x1, w0, w1, t):
+        r0 = all_reduce(x0) * 2.0
+        q0, s0 = static_quant(torch_fp32_norm(r0, w0))[:2]
+        n1, _ = torch_fp32_norm(all_reduce(x1) * t, w1, r0)
+        return q0, s0, n1
+    gm = trace(fn, [(8, H), (8, H), (H,), (H,), (H,)], state={2: "layers.0.input_norm.weight", 3: "norm.weight"})
+    with caplog.at_level(logging.DEBUG, logger=SP_LOGGER):
+        run(sp_pass, gm)
+    assert counts(sp_pass) == {"first.torch_fp32_scaled": 1, "quant_before_gather": 1}
+    assert ops(gm)[fc.all_reduce.default] == 1
+    assert_skipped(sp_pass, caplog, "a tensor: only a number is applied to the shard", "_scaled")
+
+
 def test_torch_norm_fp32_activations(sp_pass):
     gm = trace(three_layers(torch_functional_norm), layer_shapes(), state=NORM_WEIGHTS, dtype=torch.float32)
     assert run(sp_pass, gm) == 5

@@ -7,13 +7,14 @@ Steps of one call:
 2. norms (``fp4fuse/patterns/sequence_parallel.py``, Inductor pattern matcher): move views of
    all-reduced tensors before the all-reduce (``[tokens, h]`` rows viewed as ``[b, s, h]``),
    register the group's patterns for the norm families, dtypes and activation ranks present (once
-   per pass instance) and apply them. Each match is checked -- token count (the product of the
+   per pass instance; the scaled forms, ``all_reduce(x) * number -> [add ->] norm``, only where
+   such a product occurs) and apply them. Each match is checked -- token count (the product of the
    leading dims) divisible by the group size and at least ``min_tokens`` (a symbolic count gets
    guards, see ``guard_token_count``), per-row weight, unbroadcast residual, norm weight and
    residual the same on every rank (fp4fuse.patterns.rank_uniform) -- and skipped with a
    DEBUG-logged reason, or rewritten into a form that is correct on its own:
    ``reduce_scatter -> norm -> all_gather``. Under ``emulate_precision_casts`` the rewritten
-   residual adds get the eager-rounding mark AOT autograd gave the adds they replace
+   residual adds and scalings get the eager-rounding mark AOT autograd gave the ops they replace
    (``round_residual_adds``). An all-reduce no pattern matched is recorded as skipped (key
    ``unmatched``) with what reads it;
 3. no-op view chains the rewrites left (``view(all_gather(r), [b, s, h]).reshape(-1, h)``) fold;
@@ -56,7 +57,7 @@ from fp4fuse.patterns.quant_before_gather import QuantBeforeGather
 from fp4fuse.patterns.rank_uniform import RankCheckSite, RankUniformity
 from fp4fuse.patterns.thresholds import sp_min_tokens
 from fp4fuse.patterns.sequence_parallel import (
-    NORM_SETS, NormSet, SPGroup, round_residual_adds, views_before_all_reduces,
+    NORM_SETS, NormSet, SPGroup, round_residual_adds, scales_all_reduces, views_before_all_reduces,
 )
 
 __all__ = ["SequenceParallelismPass"]
@@ -109,7 +110,7 @@ class SequenceParallelismPass(GraphPass):
     def __init__(self, config: FusionConfig) -> None:
         super().__init__(config)
         self._patterns: dict[SPGroup, pm.PatternMatcherPass] = {}
-        self._registered: set[tuple[SPGroup, str, torch.dtype, int]] = set()
+        self._registered: set[tuple[SPGroup, int, str, torch.dtype, int, bool]] = set()
         self.uniformity = RankUniformity(config.rank_check)
         self.quant_before_gather = QuantBeforeGather(config, self.uniformity)
         self.folded_residuals = 0
@@ -182,12 +183,15 @@ class SequenceParallelismPass(GraphPass):
         pm_pass = self._patterns.get((group, min_tokens))
         if pm_pass is None:
             pm_pass = self._patterns[group, min_tokens] = pm.PatternMatcherPass(pass_name=f"{self.name}[{group.name}]")
+        scalings = (False, True) if scales_all_reduces(graph, group.name) else (False,)
         for norm_set, dtype, ndim in self._blocks_needed(group, graph):
-            if (group, min_tokens, norm_set.name, dtype, ndim) in self._registered:
-                continue
-            for pattern in norm_set.build_patterns(group, self.uniformity, dtype, ndim, min_tokens):
-                pattern.register(pm_pass, self.recorder)
-            self._registered.add((group, min_tokens, norm_set.name, dtype, ndim))
+            for scaled in scalings:
+                key = (group, min_tokens, norm_set.name, dtype, ndim, scaled)
+                if key in self._registered:
+                    continue
+                for pattern in norm_set.build_patterns(group, self.uniformity, dtype, ndim, min_tokens, scaled):
+                    pattern.register(pm_pass, self.recorder)
+                self._registered.add(key)
         return pm_pass
 
     @staticmethod

@@ -15,7 +15,10 @@ reads global distributed state). Norm families (:data:`NORM_SETS`):
   which is registered first and matches it there.
 
 The torch forms add the residual with a plain ``+``, written either ``x + residual`` or
-``residual + x`` (an FX pattern is not commutative, so both orders are registered). Before /
+``residual + x`` (an FX pattern is not commutative, so both orders are registered). Every form also
+comes scaled: the all-reduced tensor times a number before the add or the norm (Granite's
+``embedding_multiplier`` / ``residual_multiplier``, MiniCPM's depth scale), which the rewrite applies
+to the shard. Before /
 after, for a middle layer (``x`` is ``[..., hidden]``; its rows, the product of the leading
 dimensions, are the tokens that are split)::
 
@@ -75,8 +78,8 @@ from fp4fuse.patterns.base import (
 from fp4fuse.patterns.rank_uniform import RankUniformity
 
 __all__ = [
-    "EXAMPLE_EPS", "NORM_SETS", "NormFamily", "NormSet", "Position", "SPGroup", "SPMatch", "SPPattern",
-    "guard_token_count", "round_residual_adds", "views_before_all_reduces",
+    "EXAMPLE_EPS", "EXAMPLE_SCALE", "NORM_SETS", "NormFamily", "NormSet", "Position", "SPGroup", "SPMatch", "SPPattern",
+    "guard_token_count", "round_residual_adds", "scales_all_reduces", "views_before_all_reduces",
 ]
 
 logger = logging.getLogger(__name__)
@@ -90,6 +93,9 @@ _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 # through float32 (F.rms_norm stores eps as a float32), hence a power of two, and be unlikely to
 # occur elsewhere in a norm.
 EXAMPLE_EPS = 2.0 ** -17
+# The scale of a scaled pattern (``all_reduce(x) * scale``, Granite's ``residual_multiplier``), a
+# wildcard the same way; any other power of two.
+EXAMPLE_SCALE = 2.0 ** -11
 
 
 class Position(enum.Enum):
@@ -226,8 +232,14 @@ class SPPattern(ReplacementPattern):
         LAST    out, _ = add_norm(all_reduce(x), res)       ->  out_r, _ = add_norm(rs(x), shard_rows(res))
                                                                 out = ag(out_r)
 
+    ``scaled``: the all-reduced tensor is multiplied by a number before the add / norm
+    (``all_reduce(x) * scale``: Granite's ``embedding_multiplier`` and ``residual_multiplier``,
+    MiniCPM's depth scale); the replacement multiplies the shard (``rs(x) * scale``: the same
+    elementwise op on the same rows). Named ``<position>.<family>_scaled``.
+
     ``check`` rejects (with the reason) a residual that broadcasts, a norm weight that is not one
-    row of ``hidden`` values, a norm weight or residual that may differ across ranks
+    row of ``hidden`` values, a scale that is a tensor rather than a number, a norm weight or
+    residual that may differ across ranks
     (:class:`~fp4fuse.patterns.rank_uniform.RankUniformity`), and a token count that is not
     divisible by the group size or is below ``min_tokens`` (a symbolic count is guarded instead,
     see :func:`guard_token_count`). ``ndim`` is the rank of the activations the pattern is traced
@@ -235,18 +247,19 @@ class SPPattern(ReplacementPattern):
     """
 
     def __init__(self, family: NormFamily, position: Position, group: SPGroup, uniformity: RankUniformity,
-                 dtype: torch.dtype = torch.bfloat16, min_tokens: int = 0, ndim: int = 2) -> None:
+                 dtype: torch.dtype = torch.bfloat16, min_tokens: int = 0, ndim: int = 2, scaled: bool = False) -> None:
         self.family, self.position, self.group, self.uniformity = family, position, group, uniformity
-        self.dtype, self.min_tokens, self.ndim = dtype, min_tokens, ndim
+        self.dtype, self.min_tokens, self.ndim, self.scaled = dtype, min_tokens, ndim, scaled
 
     @property
     def name(self) -> str:  # type: ignore[override]
-        return f"{self.position.value}.{self.family.name}"
+        return f"{self.position.value}.{self.family.name}" + ("_scaled" if self.scaled else "")
 
     def arg_names(self) -> list[str]:
-        """x, [residual], weight, eps (eps is a scalar wildcard, not an example tensor: one pattern
-        serves every epsilon)."""
-        return ["x"] + (["residual"] if self.position is not Position.FIRST else []) + ["weight", "eps"]
+        """x, [residual], weight, eps, [scale] (eps and scale are scalar wildcards, not example
+        tensors: one pattern serves every epsilon and scale)."""
+        return (["x"] + (["residual"] if self.position is not Position.FIRST else []) + ["weight", "eps"]
+                + (["scale"] if self.scaled else []))
 
     def example_inputs(self) -> list[Any]:
         shape = (2,) * (self.ndim - 2) + (4 * self.group.size, 32)
@@ -255,11 +268,13 @@ class SPPattern(ReplacementPattern):
             "residual": torch.empty(shape, dtype=self.dtype),
             "weight": torch.empty(shape[-1], dtype=self.dtype),
         }
-        return [tensors[n] for n in self.arg_names() if n != "eps"]
+        return [tensors[n] for n in self.arg_names() if n not in self.scalar_workaround()]
 
     def pattern(self, *args: Any) -> Any:
         a = dict(zip(self.arg_names(), args))
         reduced = all_reduce_sum(a["x"], self.group)
+        if self.scaled:
+            reduced = reduced * a["scale"]
         if self.position is Position.FIRST:
             return self.family.norm(reduced, a["weight"], a["eps"]), reduced
         out, residual_out = self.family.add_norm(reduced, a["residual"], a["weight"], a["eps"])
@@ -276,6 +291,8 @@ class SPPattern(ReplacementPattern):
             return full if x.dim() == 2 else full.view(x.shape)
 
         shard = reduce_scatter_rows(rows(x), self.group)
+        if self.scaled:
+            shard = shard * a["scale"]
         if self.position is Position.FIRST:
             return gathered(self.family.norm(shard, a["weight"], a["eps"])), gathered(shard)
         residual = shard_rows(rows(a["residual"]), self.group)
@@ -296,6 +313,9 @@ class SPPattern(ReplacementPattern):
         if m.residual is not None and (residual_shape is None or not shapes_known_equal(residual_shape, m.shape)):
             return (f"residual shape {residual_shape} differs from the all_reduce's {list(m.shape)} "
                     "(a broadcast residual cannot be sharded by rows)")
+        if self.scaled and not isinstance(match.kwargs["scale"], (int, float)):
+            return (f"the all_reduce's result is multiplied by {match.kwargs['scale']}, a tensor: only a number "
+                    "is applied to the shard as it is to the whole")
         weight_shape = _shape_of(m.weight)
         if weight_shape is None or len(weight_shape) != 1 or not _is_exactly(weight_shape[0], hidden):
             return f"norm weight shape {weight_shape} is not [hidden={hidden}] (it must not vary by row)"
@@ -312,7 +332,7 @@ class SPPattern(ReplacementPattern):
         return reason
 
     def scalar_workaround(self) -> dict[str, float]:
-        return {"eps": EXAMPLE_EPS}
+        return {"eps": EXAMPLE_EPS, **({"scale": EXAMPLE_SCALE} if self.scaled else {})}
 
 
 # --------------------------------------------------------------------------- norm families
@@ -389,11 +409,11 @@ class NormSet:
         return any(graph.find_nodes(op="call_function", target=t) for t in self.marker_ops)
 
     def build_patterns(self, group: SPGroup, uniformity: RankUniformity, dtype: torch.dtype,
-                       ndim: int = 2, min_tokens: int = 0) -> list[SPPattern]:
-        """Every family and position (and, for the torch forms, both add orders) for ``group``,
-        one activation dtype and one activation rank. A dtype-generic set (fp4fuse's ops) traces
-        the same for every dtype; the torch forms trace fp32 without the casts of bf16/fp16 (fp16
-        traces like bf16)."""
+                       ndim: int = 2, min_tokens: int = 0, scaled: bool = False) -> list[SPPattern]:
+        """Every family and position (and, for the torch forms, both add orders) for ``group``, one
+        activation dtype and one activation rank, plain or ``scaled`` (:class:`SPPattern`). A
+        dtype-generic set (fp4fuse's ops) traces the same for every dtype; the torch forms trace
+        fp32 without the casts of bf16/fp16 (fp16 traces like bf16)."""
         example_dtype = torch.bfloat16 if self.dtype_generic or dtype != torch.float32 else torch.float32
         patterns = []
         for family in self.families:
@@ -401,7 +421,7 @@ class NormSet:
                 orders = (False,) if family is FP4FuseNorm or pos is Position.FIRST else (False, True)
                 for residual_first in orders:
                     norm = family() if family is FP4FuseNorm else family(residual_first)
-                    patterns.append(SPPattern(norm, pos, group, uniformity, example_dtype, min_tokens, ndim))
+                    patterns.append(SPPattern(norm, pos, group, uniformity, example_dtype, min_tokens, ndim, scaled))
         return patterns
 
 
@@ -447,23 +467,50 @@ def views_before_all_reduces(graph: fx.Graph, group_name: str) -> int:
     return moved
 
 
+def scales_all_reduces(graph: fx.Graph, group_name: str) -> bool:
+    """Whether some sum all-reduce over ``group_name`` is multiplied by a number (the scaled
+    patterns' shape: their patterns are registered only for graphs where this holds)."""
+    for c in find_collectives(graph, CollectiveKind.ALL_REDUCE):
+        if c.group_name == group_name and c.reduce_op == "sum" and c.wait is not None and any(
+                is_call(u, aten.mul.Tensor) and u.args[0] is c.wait and isinstance(u.args[1], (int, float))
+                for u in c.wait.users):
+            return True
+    return False
+
+
 def round_residual_adds(graph: fx.Graph, group_name: str) -> int:
-    """Under ``emulate_precision_casts``, mark the residual adds of rewritten bf16/fp16 norms as
-    eager-level ops, as AOT autograd marked the adds they replace (module docstring, "Numerics"):
-    ``add(wait(reduce_scatter(..., group)), shard_rows(...))`` in either order, an add only the
-    replacements above write. Returns how many were marked (none without the setting)."""
+    """Under ``emulate_precision_casts``, mark the residual adds (and the scalings of the scaled
+    patterns) of rewritten bf16/fp16 norms as eager-level ops, as AOT autograd marked the ops they
+    replace (module docstring, "Numerics"): ``add(shard, shard_rows(...))`` in either order, where
+    ``shard`` is ``wait(reduce_scatter(..., group))`` or that times a number, an add only the
+    replacements above write; and ``wait(reduce_scatter(..., group)) * number``. Returns how many
+    ops were marked (none without the setting)."""
     if not inductor_config.emulate_precision_casts:
         return 0
     marked = 0
+    for mul in graph.find_nodes(op="call_function", target=aten.mul.Tensor):
+        if _low_precision(mul) and _is_scaled_local_shard(mul, group_name):
+            mul.meta["low_precision_pointwise_barrier"] = True
+            marked += 1
     for add in graph.find_nodes(op="call_function", target=aten.add.Tensor):
         args = [a for a in add.args if isinstance(a, fx.Node)]
-        val = fake_value(add)
-        if (len(args) == 2 and isinstance(val, torch.Tensor) and val.dtype in (torch.bfloat16, torch.float16)
-                and any(_is_local_shard(a, group_name) for a in args)
+        if (len(args) == 2 and _low_precision(add)
+                and any(_is_local_shard(a, group_name) or _is_scaled_local_shard(a, group_name) for a in args)
                 and any(is_call(a, torch.ops.fp4fuse.shard_rows) for a in args)):
             add.meta["low_precision_pointwise_barrier"] = True
             marked += 1
     return marked
+
+
+def _low_precision(node: fx.Node) -> bool:
+    val = fake_value(node)
+    return isinstance(val, torch.Tensor) and val.dtype in (torch.bfloat16, torch.float16)
+
+
+def _is_scaled_local_shard(node: fx.Node, group_name: str) -> bool:
+    """``node`` is ``wait(reduce_scatter(..., group_name)) * number``."""
+    return (is_call(node, aten.mul.Tensor) and _is_local_shard(node.args[0], group_name)
+            and isinstance(node.args[1], (int, float)))
 
 
 def _is_local_shard(node: fx.Node, group_name: str) -> bool:

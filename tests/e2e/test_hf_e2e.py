@@ -1,5 +1,6 @@
-"""End to end, TP=2 on gloo: Hugging Face ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` (q/k/v biases)
-and ``Gemma3ForCausalLM`` (its own test: sandwich norms, in bf16),
+"""End to end, TP=2 on gloo: Hugging Face ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` (q/k/v biases),
+``GraniteForCausalLM`` (its own test: scaled embedding and residuals) and ``Gemma3ForCausalLM``
+(its own test: sandwich norms, in bf16),
 tiny configs with random weights (tests/hf_tiny.py), put on TP with ``fp4fuse.tp.parallelize``
 (NVFP4 linears, ``config.base_model_tp_plan``), compiled with and without
 ``fp4fuse.FusionPass(FusionConfig(enable_async_tp=True, ...))``. Inputs ``[batch, seq]`` token ids,
@@ -96,8 +97,9 @@ class Run(NamedTuple):
     same_as: str | None = None        # or compare with this earlier run's logits
 
 
-# What each run adds (a compile of these tiny models takes about 30 s of a CI core, 9 in all, so
+# What each run adds (a compile of these tiny models takes about 30 s of a CI core, 11 in all, so
 # each run covers what no cheaper test does): Qwen2, static activation scales and q/k/v biases;
+# Granite, whose residual stream is scaled (the scaled sequence-parallel patterns);
 # Gemma 3 in bf16, its serving dtype (its fp32 norm form, torch_manual, is covered by
 # tests/test_sp_patterns.py); Llama with a replicated embedding, static shapes and dynamic scales,
 # in both check modes (the default mode fuses nothing, asserted, so its graph is the unfused compile
@@ -105,6 +107,7 @@ class Run(NamedTuple):
 # model's rewrites. Qwen3's per-head q/k norms read a column-parallel output, never an all-reduce, so
 # no rewrite can match them (tests/test_parallelize.py runs Qwen3 at TP=2).
 RUNS = (Run("qwen2-static", "qwen2", static=True), Run("gemma3-bf16", "gemma3", dtype="bfloat16"),
+        Run("granite", "granite"),
         Run("llama-replicated", "llama", batches=(1,), vocab_parallel=False, unfused=False),
         Run("llama-replicated-always", "llama", batches=(1,), rank_check="always", vocab_parallel=False,
             unfused=False, same_as="llama-replicated"),
@@ -194,6 +197,20 @@ def test_gemma3_fuses_its_sandwich_norms_and_reduce_scatters_bitwise(results):
         pytest.xfail("torch < 2.13: Inductor does not round a fused bf16 intermediate before a reduction "
                      "under emulate_precision_casts (tests/e2e/test_norm_numerics_e2e.py)")
     assert got["equal"], "gemma3-bf16: logits differ from the model compiled without fp4fuse"
+
+
+def test_granite_scaled_residual_stream_fuses_bitwise(results):
+    """Granite multiplies the embedding's all-reduce by ``embedding_multiplier`` and every
+    row-parallel output by ``residual_multiplier`` before the norm / residual add: the scaled
+    sequence-parallel patterns take every norm (Llama's counts under the ``_scaled`` names), each
+    number multiplies the shard, and the logits equal the compile without fp4fuse bit for bit."""
+    got = results["granite", 3]
+    want = {key.replace(".torch_fp32", ".torch_fp32_scaled"): n
+            for key, n in expected_counts(hf_tiny.LAYERS, static=False).items()}
+    assert got["graphs"] == 1 and got["shape"] == (3, SEQ, hf_tiny.VOCAB)
+    assert got["counts"] == want, got["counts"]
+    assert got["skips"] == [], got["skips"]
+    assert got["equal"], "granite: logits differ from the model compiled without fp4fuse"
 
 
 def test_the_check_names_what_the_rewrites_rely_on(results):
