@@ -176,6 +176,15 @@ class SPMatch:
         return cls(reduce, x, match.kwargs.get("residual"), match.kwargs["weight"], math.prod(shape[:-1]), shape)
 
 
+def _scale_of(match: pm.Match, reduce: fx.Node) -> Any:
+    """The factor of the match's ``wait(all_reduce) * factor`` (None if it has none)."""
+    for n in match.nodes:
+        if (is_call(n, aten.mul.Tensor) and is_call(n.args[0], c10d.wait_tensor)
+                and get_arg(n.args[0], 0, "input") is reduce):
+            return n.args[1]
+    return None
+
+
 def _shape_of(node: Any) -> tuple[Any, ...] | None:
     val = fake_value(node)
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
@@ -313,9 +322,13 @@ class SPPattern(ReplacementPattern):
         if m.residual is not None and (residual_shape is None or not shapes_known_equal(residual_shape, m.shape)):
             return (f"residual shape {residual_shape} differs from the all_reduce's {list(m.shape)} "
                     "(a broadcast residual cannot be sharded by rows)")
-        if self.scaled and not isinstance(match.kwargs["scale"], (int, float)):
-            return (f"the all_reduce's result is multiplied by {match.kwargs['scale']}, a tensor: only a number "
-                    "is applied to the shard as it is to the whole")
+        if self.scaled:
+            # read from the graph: torch 2.11 runs this check on a match of the pattern re-traced with
+            # the actual scalars, where the scale is a literal, not a keyword argument
+            scale = _scale_of(match, m.all_reduce)
+            if not isinstance(scale, (int, float)):
+                return (f"the all_reduce's result is multiplied by {scale}, a tensor: only a number is applied "
+                        "to the shard as it is to the whole")
         weight_shape = _shape_of(m.weight)
         if weight_shape is None or len(weight_shape) != 1 or not _is_exactly(weight_shape[0], hidden):
             return f"norm weight shape {weight_shape} is not [hidden={hidden}] (it must not vary by row)"
