@@ -247,46 +247,10 @@ def _e4m3_rne(s):
 
 # ------------------------------------------------------------------------------ per block
 
-#: PTX of ``_div6_rn`` (``0f3E2AAAAB`` = fp32(1/6), ``0fC0C00000`` = -6): the quotient by one
-#: Markstein correction; ``div.rn`` (with its slow path) only for ``0 < a < 2**-125`` (bits 1 ..
-#: 0xFFFFFF), inf passed through.
-_DIV6_PTX = tl.constexpr("""{
-    .reg .pred tiny, inf;
-    .reg .b32 bits;
-    .reg .f32 q0, r;
-    mul.rn.f32 q0, $1, 0f3E2AAAAB;
-    fma.rn.f32 r, q0, 0fC0C00000, $1;
-    fma.rn.f32 $0, r, 0f3E2AAAAB, q0;
-    mov.b32 bits, $1;
-    sub.u32 bits, bits, 1;
-    setp.lt.u32 tiny, bits, 0x00FFFFFF;
-    @!tiny bra DIV6_DONE;
-    div.rn.f32 $0, $1, 0f40C00000;
-DIV6_DONE:
-    setp.eq.f32 inf, $1, 0f7F800000;
-    @inf mov.f32 $0, $1;
-}""")
-
-
-@triton.jit
-def _div6_rn(a, ON_CUDA: tl.constexpr):
-    """``a / 6`` correctly rounded (IEEE ``div_rn``) for ``a >= 0`` or NaN (a block amax).
-
-    CUDA: ``q0 = RN(a * y)``, ``y = RN(1/6)``; ``r = fma(q0, -6, a)`` (exact); ``q = fma(r, y, q0)``: three
-    FMA-pipe instructions in place of ``div.rn``'s reciprocal refinement, its range check and branch.
-    Checked exhaustively against IEEE fp32 division with an exact FMA model for every fp32 ``a`` in
-    ``[0, inf)``: correct for every ``a >= 2**-125`` and for 0; below (quotients deep in the subnormal
-    range) it is not, so those take ``div.rn``; ``inf`` (``r`` would be NaN) is passed through."""
-    if ON_CUDA:
-        return tl.inline_asm_elementwise(_DIV6_PTX, "=f,f", [a], dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        return tl.math.div_rn(a, 6.0)
-
-
 @triton.jit
 def _block_scale(amax, gs, ON_CUDA: tl.constexpr):
     """(e4m3 bits as uint8, decoded scale in fp32) of ``e4m3(min(div_rn(amax, 6) * gs, 448))``."""
-    s = _div6_rn(amax, ON_CUDA) * gs
+    s = tl.math.div_rn(amax, 6.0) * gs
     s = tl.where((gs > 0.0) & (gs < float("inf")), s, float("nan"))  # bad gs poisons: +NaN scales
     s = tl.where(s > 448.0, 448.0, s)                             # saturate; NaN stays NaN
     if ON_CUDA:
