@@ -32,11 +32,14 @@ def build(kind: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Mo
     """A ``LlamaForCausalLM`` (``kind="llama"``; ``"llama-tied"``: LM head tied to the input
     embedding), ``Qwen2ForCausalLM`` (``"qwen2"``), ``GraniteForCausalLM`` (``"granite"``: the
     embedding and every row-parallel output multiplied by a number before the norm / residual add),
+    ``Starcoder2ForCausalLM`` (``"starcoder2"``: LayerNorm, biases on every linear, one MLP input
+    projection ``c_fc``),
     ``Qwen3ForCausalLM`` (``"qwen3"``: per-head q/k norms, replicated by its TP plan) or
     ``Gemma3ForCausalLM`` (``"gemma3"``: those norms, a scaled input embedding, sandwich norms of
     the ``(1 + weight)`` form, one sliding-window layer), eval mode."""
     from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, LlamaConfig,
-                              LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                              LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                              Starcoder2Config, Starcoder2ForCausalLM)
     sizes = dict(vocab_size=VOCAB, hidden_size=96, intermediate_size=160, num_hidden_layers=LAYERS,
                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1)
     torch.manual_seed(seed)
@@ -50,6 +53,8 @@ def build(kind: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Mo
     elif kind == "granite":
         model = GraniteForCausalLM(GraniteConfig(**sizes, embedding_multiplier=12.0, residual_multiplier=0.22,
                                                  attention_multiplier=0.0625, logits_scaling=8.0))
+    elif kind == "starcoder2":
+        model = Starcoder2ForCausalLM(Starcoder2Config(**sizes, use_bias=True, sliding_window=None))
     elif kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**sizes))
         with torch.no_grad():

@@ -288,6 +288,94 @@ def test_rewritten_scalings_and_residual_adds_round_as_eager_under_emulate_preci
     assert marked == (collections.Counter({aten.mul.Tensor: 3, aten.add.Tensor: 2}) if emulate else collections.Counter())
 
 
+def layer_norm(x, w, residual=None, eps=1e-5, residual_first=False, b=None):
+    """``nn.LayerNorm``'s ``F.layer_norm(x, (hidden,), weight, bias, eps)`` (the bias is ``w`` reversed
+    unless given)."""
+    bias = w.flip(0) if b is None else b
+    if residual is None:
+        return F.layer_norm(x, (x.shape[-1],), w, bias, eps)
+    total = residual + x if residual_first else x + residual
+    return F.layer_norm(total, (x.shape[-1],), w, bias, eps), total
+
+
+@pytest.mark.parametrize("residual_first", [False, True])
+def test_layer_norm(sp_pass, residual_first):
+    """LayerNorm (weight and bias) takes the same three rewrites, the bias proven like the weight."""
+    def fn(x0, x1, x2, w0, w1, w2, b0, b1, b2):
+        r0 = all_reduce(x0)
+        q0, s0 = static_quant(layer_norm(r0, w0, b=b0))[:2]
+        n1, r1 = layer_norm(all_reduce(x1), w1, r0, residual_first=residual_first, b=b1)
+        q1, s1 = static_quant(n1)[:2]
+        n2, _ = layer_norm(all_reduce(x2), w2, r1, residual_first=residual_first, b=b2)
+        return q0, s0, q1, s1, n2
+    state = {**NORM_WEIGHTS, 6: "layers.0.input_norm.bias", 7: "layers.0.post_norm.bias", 8: "norm.bias"}
+    gm = trace(fn, layer_shapes() + [(H,)] * 3, state=state)
+    assert run(sp_pass, gm) == 5
+    assert counts(sp_pass) == {"first.torch_layer_norm": 1, "middle.torch_layer_norm": 1, "last.torch_layer_norm": 1,
+                               "quant_before_gather": 2}
+    assert ops(gm)[fc.all_reduce.default] == 0
+
+
+def test_a_layer_norm_bias_that_may_differ_across_ranks_is_left_alone(sp_pass, caplog):
+    """A norm bias that is a per-call input (not model state) may differ across ranks: skipped."""
+    def fn(x0, w0, b0):
+        return static_quant(layer_norm(all_reduce(x0), w0, b=b0))[:2]
+    gm = trace(fn, [(8, H), (H,), (H,)], state={1: "layers.0.input_norm.weight"})
+    with caplog.at_level(logging.DEBUG, logger=SP_LOGGER):
+        run(sp_pass, gm)
+    assert ops(gm)[fc.all_reduce.default] == 1
+    assert_skipped(sp_pass, caplog, "norm bias", "torch_layer_norm")
+
+
+def biased_hf_layers(norm):
+    """Hugging Face layers with row-parallel biases: each row-parallel linear adds its bias to the
+    all-reduced 2-D rows, then views them back to ``[b, s, h]`` (fp4fuse.tp.rows.row_parallel_sum)."""
+    def fn(e, p1, p2, w0, w1, w2, b1, b2):
+        lead = e.shape[:-1]
+        h = all_reduce(e)                                  # a vocab-parallel embedding's sum
+        q0, s0 = rows_quant(norm(h, w0))
+        total = h + (all_reduce(p1) + b1).view(*lead, H)
+        q1, s1 = rows_quant(norm(total, w1))
+        n2 = norm(total + (all_reduce(p2) + b2).view(*lead, H), w2)
+        return q0, s0, q1, s1, n2
+    return fn
+
+
+BIASED_SHAPES = [(2, 4, H), (8, H), (8, H), (H,), (H,), (H,), (H,), (H,)]
+BIASED_NORM_WEIGHTS = {3: "layers.0.input_layernorm.weight", 4: "layers.0.post_attention_layernorm.weight",
+                       5: "norm.weight"}
+
+
+@pytest.mark.parametrize("norm", ["torch_fp32", "layer_norm"])
+def test_row_parallel_biases(sp_pass, norm):
+    """``all_reduce(rows) + row_bias`` viewed back to 3-D before the residual add: the view moves
+    before the add and the all-reduce, and the biased patterns add the row to the shard."""
+    norm_fn = hf_norm if norm == "torch_fp32" else (lambda x, w: layer_norm(x, w, b=w))
+    gm = trace(biased_hf_layers(norm_fn), BIASED_SHAPES,
+               state={**BIASED_NORM_WEIGHTS, 6: "layers.0.self_attn.o_proj.bias", 7: "layers.0.mlp.down_proj.bias"})
+    assert run(sp_pass, gm) == 5
+    family = "torch_fp32" if norm == "torch_fp32" else "torch_layer_norm"
+    assert counts(sp_pass) == {f"first.{family}": 1, f"middle.{family}_biased": 1, f"last.{family}_biased": 1,
+                               "quant_before_gather": 2}
+    assert ops(gm)[fc.all_reduce.default] == 0
+    row_adds = [n for n in gm.graph.find_nodes(op="call_function", target=aten.add.Tensor)
+                if n.args[0].target is fc.wait_tensor.default and n.args[1].meta["val"].dim() == 1]
+    # each bias is added to a 4-row shard of a reduce-scatter
+    assert sorted(str(n.args[1]) for n in row_adds) == ["arg6_1", "arg7_1"], row_adds
+    assert all(n.args[0].args[0].target is fc.reduce_scatter_tensor.default and n.meta["val"].shape == (4, H)
+               for n in row_adds)
+
+
+def test_a_row_bias_from_a_per_call_input_is_left_alone(sp_pass, caplog):
+    """A row added after the all-reduce that is not model state may differ across ranks: skipped."""
+    gm = trace(biased_hf_layers(hf_norm), BIASED_SHAPES, state=BIASED_NORM_WEIGHTS)
+    with caplog.at_level(logging.DEBUG, logger=SP_LOGGER):
+        run(sp_pass, gm)
+    assert counts(sp_pass) == {"first.torch_fp32": 1, "quant_before_gather": 1}
+    assert ops(gm)[fc.all_reduce.default] == 2
+    assert_skipped(sp_pass, caplog, "row-parallel bias", "_biased")
+
+
 def test_an_all_reduce_scaled_by_a_tensor_is_left_alone(sp_pass, caplog):
     """A tensor factor (here per hidden column) is not applied to the shard: the match is skipped
     with the reason, while the embedding's number-scaled all-reduce is rewritten."""

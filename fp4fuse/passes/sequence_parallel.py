@@ -1,5 +1,5 @@
-"""``SequenceParallelismPass``: ``all_reduce -> rms_norm [-> NVFP4 quant]`` becomes
-``reduce_scatter -> rms_norm [-> quant] -> all_gather``.
+"""``SequenceParallelismPass``: ``all_reduce -> norm [-> NVFP4 quant]`` (RMSNorm, LayerNorm) becomes
+``reduce_scatter -> norm [-> quant] -> all_gather``.
 
 Steps of one call:
 
@@ -7,14 +7,15 @@ Steps of one call:
 2. norms (``fp4fuse/patterns/sequence_parallel.py``, Inductor pattern matcher): move views of
    all-reduced tensors before the all-reduce (``[tokens, h]`` rows viewed as ``[b, s, h]``),
    register the group's patterns for the norm families, dtypes and activation ranks present (once
-   per pass instance; the scaled forms, ``all_reduce(x) * number -> [add ->] norm``, only where
-   such a product occurs) and apply them. Each match is checked -- token count (the product of the
+   per pass instance; the forms with an epilogue, ``all_reduce(x) * number`` or ``+ row_bias``
+   before the add / norm, only where one occurs; a row bias's views move before it first) and
+   apply them. Each match is checked -- token count (the product of the
    leading dims) divisible by the group size and at least ``min_tokens`` (a symbolic count gets
    guards, see ``guard_token_count``), per-row weight, unbroadcast residual, norm weight and
    residual the same on every rank (fp4fuse.patterns.rank_uniform) -- and skipped with a
    DEBUG-logged reason, or rewritten into a form that is correct on its own:
    ``reduce_scatter -> norm -> all_gather``. Under ``emulate_precision_casts`` the rewritten
-   residual adds and scalings get the eager-rounding mark AOT autograd gave the ops they replace
+   residual adds and epilogues get the eager-rounding mark AOT autograd gave the ops they replace
    (``round_residual_adds``). An all-reduce no pattern matched is recorded as skipped (key
    ``unmatched``) with what reads it;
 3. no-op view chains the rewrites left (``view(all_gather(r), [b, s, h]).reshape(-1, h)``) fold;
@@ -57,7 +58,8 @@ from fp4fuse.patterns.quant_before_gather import QuantBeforeGather
 from fp4fuse.patterns.rank_uniform import RankCheckSite, RankUniformity
 from fp4fuse.patterns.thresholds import sp_min_tokens
 from fp4fuse.patterns.sequence_parallel import (
-    NORM_SETS, NormSet, SPGroup, round_residual_adds, scales_all_reduces, views_before_all_reduces,
+    NORM_SETS, Epilogue, NormSet, SPGroup, epilogues_of_all_reduces, round_residual_adds, views_before_all_reduces,
+    views_before_row_biases,
 )
 
 __all__ = ["SequenceParallelismPass"]
@@ -100,7 +102,7 @@ class _GatherThenShard:
 
 
 class SequenceParallelismPass(GraphPass):
-    """Sequence parallelism around RMSNorm; see the module docstring."""
+    """Sequence parallelism around RMSNorm and LayerNorm; see the module docstring."""
 
     name = "sequence_parallel"
     reads_process_groups = True
@@ -110,7 +112,7 @@ class SequenceParallelismPass(GraphPass):
     def __init__(self, config: FusionConfig) -> None:
         super().__init__(config)
         self._patterns: dict[SPGroup, pm.PatternMatcherPass] = {}
-        self._registered: set[tuple[SPGroup, int, str, torch.dtype, int, bool]] = set()
+        self._registered: set[tuple[SPGroup, int, str, torch.dtype, int, Epilogue]] = set()
         self.uniformity = RankUniformity(config.rank_check)
         self.quant_before_gather = QuantBeforeGather(config, self.uniformity)
         self.folded_residuals = 0
@@ -128,6 +130,7 @@ class SequenceParallelismPass(GraphPass):
                 group = self._resolve(group_name)
                 if group is None:
                     continue
+                views_before_row_biases(graph, group.name)
                 views_before_all_reduces(graph, group.name)
                 self._patterns_for(group, graph).apply(graph)
                 round_residual_adds(graph, group.name)
@@ -183,13 +186,13 @@ class SequenceParallelismPass(GraphPass):
         pm_pass = self._patterns.get((group, min_tokens))
         if pm_pass is None:
             pm_pass = self._patterns[group, min_tokens] = pm.PatternMatcherPass(pass_name=f"{self.name}[{group.name}]")
-        scalings = (False, True) if scales_all_reduces(graph, group.name) else (False,)
+        epilogues = [Epilogue.NONE, *epilogues_of_all_reduces(graph, group.name)]
         for norm_set, dtype, ndim in self._blocks_needed(group, graph):
-            for scaled in scalings:
-                key = (group, min_tokens, norm_set.name, dtype, ndim, scaled)
+            for epilogue in epilogues:
+                key = (group, min_tokens, norm_set.name, dtype, ndim, epilogue)
                 if key in self._registered:
                     continue
-                for pattern in norm_set.build_patterns(group, self.uniformity, dtype, ndim, min_tokens, scaled):
+                for pattern in norm_set.build_patterns(group, self.uniformity, dtype, ndim, min_tokens, epilogue):
                     pattern.register(pm_pass, self.recorder)
                 self._registered.add(key)
         return pm_pass
@@ -226,8 +229,9 @@ class SequenceParallelismPass(GraphPass):
             readers = sorted({str(getattr(u, "target", u)) for w in c.node.users for u in w.users})
             self.recorder.skipped("unmatched", c.node, (
                 f"no sequence-parallel norm pattern starts at this all_reduce (its result is read by "
-                f"{', '.join(readers) or 'nothing'}); the patterns need all_reduce -> [residual add ->] RMSNorm, "
-                f"the norm written as one of {', '.join(f.name for s in NORM_SETS for f in s.families)}"))
+                f"{', '.join(readers) or 'nothing'}); the patterns need all_reduce [* number | + row bias] -> "
+                f"[residual add ->] norm, the norm written as one of "
+                f"{', '.join(f.name for s in NORM_SETS for f in s.families)}"))
 
     def _cleanup(self, graph: fx.Graph) -> None:
         for pair in _GatherThenShard.find(graph):

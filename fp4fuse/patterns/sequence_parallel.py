@@ -1,4 +1,5 @@
-"""Sequence-parallel (SP) rewrites of ``all_reduce -> rms_norm``, for every way a model writes the norm.
+"""Sequence-parallel (SP) rewrites of ``all_reduce -> norm`` (RMSNorm, LayerNorm), for every way a model
+writes the norm.
 
 Each pattern is one ``Position`` of one norm family (which supplies ``norm`` and ``add_norm``),
 built for one tensor-parallel group (name and size are constructor arguments; nothing here
@@ -12,13 +13,17 @@ reads global distributed state). Norm families (:data:`NORM_SETS`):
 * ``torch_offset_fp32``: the Hugging Face Gemma form, the weight stored as an offset from 1 and one
   rounding at the end: ``(xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 +
   weight.float())).to(x.dtype)``. In fp32 it is the manual form with ``1 + weight`` as the weight,
-  which is registered first and matches it there.
+  which is registered first and matches it there;
+* ``torch_layer_norm``: ``torch.nn.functional.layer_norm(x, (hidden,), weight, bias, eps)``
+  (``nn.LayerNorm``: Starcoder2); its bias is proven the same on every rank like the weight.
 
 The torch forms add the residual with a plain ``+``, written either ``x + residual`` or
 ``residual + x`` (an FX pattern is not commutative, so both orders are registered). Every form also
-comes scaled: the all-reduced tensor times a number before the add or the norm (Granite's
-``embedding_multiplier`` / ``residual_multiplier``, MiniCPM's depth scale), which the rewrite applies
-to the shard. Before /
+comes with an :class:`Epilogue` on the all-reduced tensor before the add or the norm, which the
+rewrite applies to the shard: times a number (Granite's ``embedding_multiplier`` /
+``residual_multiplier``, MiniCPM's depth scale) or plus a ``[hidden]`` row (a row-parallel linear's
+bias, added after its all-reduce: :func:`views_before_row_biases` first moves the view back to
+``[b, s, h]`` before that add). Before /
 after, for a middle layer (``x`` is ``[..., hidden]``; its rows, the product of the leading
 dimensions, are the tokens that are split)::
 
@@ -78,8 +83,8 @@ from fp4fuse.patterns.base import (
 from fp4fuse.patterns.rank_uniform import RankUniformity
 
 __all__ = [
-    "EXAMPLE_EPS", "EXAMPLE_SCALE", "NORM_SETS", "NormFamily", "NormSet", "Position", "SPGroup", "SPMatch", "SPPattern",
-    "guard_token_count", "round_residual_adds", "scales_all_reduces", "views_before_all_reduces",
+    "EXAMPLE_EPS", "EXAMPLE_SCALE", "Epilogue", "NORM_SETS", "NormFamily", "NormSet", "Position", "SPGroup", "SPMatch", "SPPattern",
+    "epilogues_of_all_reduces", "guard_token_count", "round_residual_adds", "views_before_all_reduces",
 ]
 
 logger = logging.getLogger(__name__)
@@ -98,6 +103,33 @@ EXAMPLE_EPS = 2.0 ** -17
 EXAMPLE_SCALE = 2.0 ** -11
 
 
+class Epilogue(enum.Enum):
+    """What a model applies to the all-reduced rows before the residual add / norm; the rewrite
+    applies the same elementwise op to the shard's rows, so the rows come out the same."""
+
+    NONE = ""
+    SCALED = "scaled"    # ``all_reduce(x) * number``: Granite's multipliers, MiniCPM's depth scale
+    BIASED = "biased"    # ``all_reduce(x) + row_bias``: a row-parallel linear's bias, added after its sum
+
+    def apply(self, t: torch.Tensor, a: dict[str, Any]) -> torch.Tensor:
+        if self is Epilogue.SCALED:
+            return t * a["scale"]
+        if self is Epilogue.BIASED:
+            return t + a["row_bias"]
+        return t
+
+    @staticmethod
+    def of(user: fx.Node, wait: fx.Node) -> Epilogue | None:
+        """The epilogue ``user`` applies to ``wait`` (an all-reduce's result), if it is one."""
+        if is_call(user, aten.mul.Tensor) and user.args[0] is wait and isinstance(user.args[1], (int, float)):
+            return Epilogue.SCALED
+        if is_call(user, aten.add.Tensor) and user.args[0] is wait and isinstance(user.args[1], fx.Node):
+            row, full = _shape_of(user.args[1]), _shape_of(wait)
+            if row is not None and full is not None and len(row) == 1 and shapes_known_equal(row, full[-1:]):
+                return Epilogue.BIASED
+        return None
+
+
 class Position(enum.Enum):
     FIRST = "first"      # all_reduce -> norm; the reduced tensor is also the residual stream
     MIDDLE = "middle"    # all_reduce -> add residual -> norm; the sum is the next residual
@@ -113,17 +145,19 @@ class SPGroup:
 
 
 class NormFamily(abc.ABC):
-    """One way a model writes RMSNorm (the classes below; :data:`NORM_SETS` groups them)."""
+    """One way a model writes its norm (the classes below; :data:`NORM_SETS` groups them).
+    ``has_bias``: the norm also takes a ``bias`` row (LayerNorm), passed after ``eps``."""
 
     name: ClassVar[str]
+    has_bias: ClassVar[bool] = False
 
     @abc.abstractmethod
-    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """``rms_norm(x) * weight``."""
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, *bias: torch.Tensor) -> torch.Tensor:
+        """``rms_norm(x) * weight`` (or ``layer_norm(x) * weight + bias``)."""
 
     @abc.abstractmethod
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, *bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm(x + residual), x + residual)``."""
 
 
@@ -165,6 +199,7 @@ class SPMatch:
     input: fx.Node
     residual: fx.Node | None
     weight: fx.Node
+    bias: fx.Node | None
     tokens: int | torch.SymInt
     shape: tuple[Any, ...]
 
@@ -173,13 +208,14 @@ class SPMatch:
         reduce = next(n for n in match.nodes if is_call(n, c10d.all_reduce) and get_arg(n, 1, "reduce_op") == "sum")
         x = get_arg(reduce, 0, "input")
         shape = tuple(fake_value(x).shape)
-        return cls(reduce, x, match.kwargs.get("residual"), match.kwargs["weight"], math.prod(shape[:-1]), shape)
+        return cls(reduce, x, match.kwargs.get("residual"), match.kwargs["weight"], match.kwargs.get("bias"),
+                   math.prod(shape[:-1]), shape)
 
 
-def _scale_of(match: pm.Match, reduce: fx.Node) -> Any:
-    """The factor of the match's ``wait(all_reduce) * factor`` (None if it has none)."""
+def _epilogue_operand(match: pm.Match, reduce: fx.Node) -> Any:
+    """The second operand of the match's ``wait(all_reduce) * / + operand`` (None if it has none)."""
     for n in match.nodes:
-        if (is_call(n, aten.mul.Tensor) and is_call(n.args[0], c10d.wait_tensor)
+        if (is_call(n, aten.mul.Tensor, aten.add.Tensor) and is_call(n.args[0], c10d.wait_tensor)
                 and get_arg(n.args[0], 0, "input") is reduce):
             return n.args[1]
     return None
@@ -241,14 +277,14 @@ class SPPattern(ReplacementPattern):
         LAST    out, _ = add_norm(all_reduce(x), res)       ->  out_r, _ = add_norm(rs(x), shard_rows(res))
                                                                 out = ag(out_r)
 
-    ``scaled``: the all-reduced tensor is multiplied by a number before the add / norm
-    (``all_reduce(x) * scale``: Granite's ``embedding_multiplier`` and ``residual_multiplier``,
-    MiniCPM's depth scale); the replacement multiplies the shard (``rs(x) * scale``: the same
-    elementwise op on the same rows). Named ``<position>.<family>_scaled``.
+    ``epilogue`` (:class:`Epilogue`): an op the model applies to the all-reduced tensor before the
+    add / norm (``all_reduce(x) * scale``, ``all_reduce(x) + row_bias``); the replacement applies it
+    to the shard (``rs(x) * scale``: the same elementwise op on the same rows). Named
+    ``<position>.<family>_<epilogue>``.
 
-    ``check`` rejects (with the reason) a residual that broadcasts, a norm weight that is not one
-    row of ``hidden`` values, a scale that is a tensor rather than a number, a norm weight or
-    residual that may differ across ranks
+    ``check`` rejects (with the reason) a residual that broadcasts, a norm weight or bias that is not
+    one row of ``hidden`` values, a scale that is a tensor rather than a number, a norm weight, bias,
+    row bias or residual that may differ across ranks
     (:class:`~fp4fuse.patterns.rank_uniform.RankUniformity`), and a token count that is not
     divisible by the group size or is below ``min_tokens`` (a symbolic count is guarded instead,
     see :func:`guard_token_count`). ``ndim`` is the rank of the activations the pattern is traced
@@ -256,19 +292,22 @@ class SPPattern(ReplacementPattern):
     """
 
     def __init__(self, family: NormFamily, position: Position, group: SPGroup, uniformity: RankUniformity,
-                 dtype: torch.dtype = torch.bfloat16, min_tokens: int = 0, ndim: int = 2, scaled: bool = False) -> None:
+                 dtype: torch.dtype = torch.bfloat16, min_tokens: int = 0, ndim: int = 2,
+                 epilogue: Epilogue = Epilogue.NONE) -> None:
         self.family, self.position, self.group, self.uniformity = family, position, group, uniformity
-        self.dtype, self.min_tokens, self.ndim, self.scaled = dtype, min_tokens, ndim, scaled
+        self.dtype, self.min_tokens, self.ndim, self.epilogue = dtype, min_tokens, ndim, epilogue
 
     @property
     def name(self) -> str:  # type: ignore[override]
-        return f"{self.position.value}.{self.family.name}" + ("_scaled" if self.scaled else "")
+        suffix = f"_{self.epilogue.value}" if self.epilogue is not Epilogue.NONE else ""
+        return f"{self.position.value}.{self.family.name}{suffix}"
 
     def arg_names(self) -> list[str]:
-        """x, [residual], weight, eps, [scale] (eps and scale are scalar wildcards, not example
-        tensors: one pattern serves every epsilon and scale)."""
+        """x, [residual], weight, eps, [bias], [scale | row_bias] (eps and scale are scalar
+        wildcards, not example tensors: one pattern serves every epsilon and scale)."""
+        epilogue = {Epilogue.NONE: [], Epilogue.SCALED: ["scale"], Epilogue.BIASED: ["row_bias"]}[self.epilogue]
         return (["x"] + (["residual"] if self.position is not Position.FIRST else []) + ["weight", "eps"]
-                + (["scale"] if self.scaled else []))
+                + (["bias"] if self.family.has_bias else []) + epilogue)
 
     def example_inputs(self) -> list[Any]:
         shape = (2,) * (self.ndim - 2) + (4 * self.group.size, 32)
@@ -276,17 +315,20 @@ class SPPattern(ReplacementPattern):
             "x": torch.empty(shape, dtype=self.dtype),
             "residual": torch.empty(shape, dtype=self.dtype),
             "weight": torch.empty(shape[-1], dtype=self.dtype),
+            "bias": torch.empty(shape[-1], dtype=self.dtype),
+            "row_bias": torch.empty(shape[-1], dtype=self.dtype),
         }
         return [tensors[n] for n in self.arg_names() if n not in self.scalar_workaround()]
 
+    def _norm_args(self, a: dict[str, Any]) -> tuple[Any, ...]:
+        return (a["weight"], a["eps"]) + ((a["bias"],) if self.family.has_bias else ())
+
     def pattern(self, *args: Any) -> Any:
         a = dict(zip(self.arg_names(), args))
-        reduced = all_reduce_sum(a["x"], self.group)
-        if self.scaled:
-            reduced = reduced * a["scale"]
+        reduced = self.epilogue.apply(all_reduce_sum(a["x"], self.group), a)
         if self.position is Position.FIRST:
-            return self.family.norm(reduced, a["weight"], a["eps"]), reduced
-        out, residual_out = self.family.add_norm(reduced, a["residual"], a["weight"], a["eps"])
+            return self.family.norm(reduced, *self._norm_args(a)), reduced
+        out, residual_out = self.family.add_norm(reduced, a["residual"], *self._norm_args(a))
         return out if self.position is Position.LAST else (out, residual_out)
 
     def replacement(self, *args: Any) -> Any:
@@ -299,13 +341,11 @@ class SPPattern(ReplacementPattern):
             full = all_gather_rows(shard, self.group)
             return full if x.dim() == 2 else full.view(x.shape)
 
-        shard = reduce_scatter_rows(rows(x), self.group)
-        if self.scaled:
-            shard = shard * a["scale"]
+        shard = self.epilogue.apply(reduce_scatter_rows(rows(x), self.group), a)
         if self.position is Position.FIRST:
-            return gathered(self.family.norm(shard, a["weight"], a["eps"])), gathered(shard)
+            return gathered(self.family.norm(shard, *self._norm_args(a))), gathered(shard)
         residual = shard_rows(rows(a["residual"]), self.group)
-        out, residual_shard = self.family.add_norm(shard, residual, a["weight"], a["eps"])
+        out, residual_shard = self.family.add_norm(shard, residual, *self._norm_args(a))
         if self.position is Position.LAST:
             return gathered(out)
         return gathered(out), gathered(residual_shard)
@@ -322,13 +362,12 @@ class SPPattern(ReplacementPattern):
         if m.residual is not None and (residual_shape is None or not shapes_known_equal(residual_shape, m.shape)):
             return (f"residual shape {residual_shape} differs from the all_reduce's {list(m.shape)} "
                     "(a broadcast residual cannot be sharded by rows)")
-        if self.scaled:
-            # read from the graph: torch 2.11 runs this check on a match of the pattern re-traced with
-            # the actual scalars, where the scale is a literal, not a keyword argument
-            scale = _scale_of(match, m.all_reduce)
-            if not isinstance(scale, (int, float)):
-                return (f"the all_reduce's result is multiplied by {scale}, a tensor: only a number is applied "
-                        "to the shard as it is to the whole")
+        # read from the graph: torch 2.11 runs this check on a match of the pattern re-traced with the
+        # actual scalars, where a scale is a literal, not a keyword argument
+        operand = _epilogue_operand(match, m.all_reduce)
+        if self.epilogue is Epilogue.SCALED and not isinstance(operand, (int, float)):
+            return (f"the all_reduce's result is multiplied by {operand}, a tensor: only a number is applied "
+                    "to the shard as it is to the whole")
         weight_shape = _shape_of(m.weight)
         if weight_shape is None or len(weight_shape) != 1 or not _is_exactly(weight_shape[0], hidden):
             return f"norm weight shape {weight_shape} is not [hidden={hidden}] (it must not vary by row)"
@@ -336,7 +375,18 @@ class SPPattern(ReplacementPattern):
             reason = hoist_before(m.weight, replacement_point(match), keep_out=match.nodes)
             if reason is not None:
                 return f"norm weight: {reason}"
-        operands = [("norm weight", m.weight)] + ([("residual", m.residual)] if m.residual is not None else [])
+        rows_ = [("norm bias", m.bias)] if m.bias is not None else []
+        if self.epilogue is Epilogue.BIASED:
+            rows_.append(("row-parallel bias", operand))
+        for what, row in rows_:
+            row_shape = _shape_of(row)
+            if row_shape is None or len(row_shape) != 1 or not _is_exactly(row_shape[0], hidden):
+                return f"{what} shape {row_shape} is not [hidden={hidden}] (it must not vary by row)"
+            reason = hoist_before(row, replacement_point(match), keep_out=match.nodes)
+            if reason is not None:
+                return f"{what}: {reason}"
+        operands = ([("norm weight", m.weight)] + rows_
+                    + ([("residual", m.residual)] if m.residual is not None else []))
         reason, relies_on = self.uniformity.prove(self.group.name, operands)
         if reason is None:
             reason = guard_token_count(m.tokens, self.group.size, self.min_tokens)
@@ -345,7 +395,7 @@ class SPPattern(ReplacementPattern):
         return reason
 
     def scalar_workaround(self) -> dict[str, float]:
-        return {"eps": EXAMPLE_EPS, **({"scale": EXAMPLE_SCALE} if self.scaled else {})}
+        return {"eps": EXAMPLE_EPS, **({"scale": EXAMPLE_SCALE} if self.epilogue is Epilogue.SCALED else {})}
 
 
 # --------------------------------------------------------------------------- norm families
@@ -354,11 +404,11 @@ class SPPattern(ReplacementPattern):
 class FP4FuseNorm(NormFamily):
     name = "fp4fuse"
 
-    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, *bias: torch.Tensor) -> torch.Tensor:
         return torch.ops.fp4fuse.rms_norm(x, weight, eps)
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, *bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out, residual_out = torch.ops.fp4fuse.fused_add_rms_norm(x, residual, weight, eps)
         return out, residual_out
 
@@ -368,29 +418,29 @@ class _TorchNorm(NormFamily):
         self.residual_first = residual_first
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, *bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         total = residual + x if self.residual_first else x + residual
-        return self.norm(total, weight, eps), total
+        return self.norm(total, weight, eps, *bias), total
 
 
 class TorchFunctionalNorm(_TorchNorm):
     name = "torch_functional"
 
-    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, *bias: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 class TorchManualNorm(_TorchNorm):
     name = "torch_manual"
 
-    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, *bias: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
 class TorchFP32Norm(_TorchNorm):
     name = "torch_fp32"
 
-    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, *bias: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -398,9 +448,19 @@ class TorchFP32Norm(_TorchNorm):
 class TorchOffsetFP32Norm(_TorchNorm):
     name = "torch_offset_fp32"
 
-    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, *bias: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
+
+
+class TorchLayerNorm(_TorchNorm):
+    """``F.layer_norm(x, (hidden,), weight, bias, eps)`` (``nn.LayerNorm``: Starcoder2, StableLM)."""
+
+    name = "torch_layer_norm"
+    has_bias = True
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, *bias: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), weight, *bias, eps)
 
 
 # LAST before MIDDLE in registration (= priority) order, so a final norm whose residual sum nobody
@@ -422,9 +482,9 @@ class NormSet:
         return any(graph.find_nodes(op="call_function", target=t) for t in self.marker_ops)
 
     def build_patterns(self, group: SPGroup, uniformity: RankUniformity, dtype: torch.dtype,
-                       ndim: int = 2, min_tokens: int = 0, scaled: bool = False) -> list[SPPattern]:
+                       ndim: int = 2, min_tokens: int = 0, epilogue: Epilogue = Epilogue.NONE) -> list[SPPattern]:
         """Every family and position (and, for the torch forms, both add orders) for ``group``, one
-        activation dtype and one activation rank, plain or ``scaled`` (:class:`SPPattern`). A
+        activation dtype and one activation rank, with one ``epilogue`` (:class:`SPPattern`). A
         dtype-generic set (fp4fuse's ops) traces the same for every dtype; the torch forms trace
         fp32 without the casts of bf16/fp16 (fp16 traces like bf16)."""
         example_dtype = torch.bfloat16 if self.dtype_generic or dtype != torch.float32 else torch.float32
@@ -434,7 +494,7 @@ class NormSet:
                 orders = (False,) if family is FP4FuseNorm or pos is Position.FIRST else (False, True)
                 for residual_first in orders:
                     norm = family() if family is FP4FuseNorm else family(residual_first)
-                    patterns.append(SPPattern(norm, pos, group, uniformity, example_dtype, min_tokens, ndim, scaled))
+                    patterns.append(SPPattern(norm, pos, group, uniformity, example_dtype, min_tokens, ndim, epilogue))
         return patterns
 
 
@@ -444,6 +504,7 @@ NORM_SETS: tuple[NormSet, ...] = (
             (torch.ops.fp4fuse.rms_norm.default, torch.ops.fp4fuse.fused_add_rms_norm.default), True),
     NormSet("torch", (TorchFunctionalNorm, TorchManualNorm, TorchFP32Norm, TorchOffsetFP32Norm),
             (torch.ops.aten.rsqrt.default,), False),
+    NormSet("torch_layer_norm", (TorchLayerNorm,), (torch.ops.aten.var_mean.correction,), False),
 )
 
 
@@ -480,35 +541,70 @@ def views_before_all_reduces(graph: fx.Graph, group_name: str) -> int:
     return moved
 
 
-def scales_all_reduces(graph: fx.Graph, group_name: str) -> bool:
-    """Whether some sum all-reduce over ``group_name`` is multiplied by a number (the scaled
-    patterns' shape: their patterns are registered only for graphs where this holds)."""
+def epilogues_of_all_reduces(graph: fx.Graph, group_name: str) -> list[Epilogue]:
+    """The :class:`Epilogue` s other than NONE applied to the sum all-reduces over ``group_name``
+    (their patterns are registered only for graphs where they occur)."""
+    found: list[Epilogue] = []
     for c in find_collectives(graph, CollectiveKind.ALL_REDUCE):
-        if c.group_name == group_name and c.reduce_op == "sum" and c.wait is not None and any(
-                is_call(u, aten.mul.Tensor) and u.args[0] is c.wait and isinstance(u.args[1], (int, float))
-                for u in c.wait.users):
-            return True
-    return False
+        if c.group_name == group_name and c.reduce_op == "sum" and c.wait is not None:
+            for user in c.wait.users:
+                kind = Epilogue.of(user, c.wait)
+                if kind is not None and kind not in found:
+                    found.append(kind)
+    return found
+
+
+def views_before_row_biases(graph: fx.Graph, group_name: str) -> int:
+    """Move views of ``all_reduce(x) + row_bias`` before the add (a row-parallel linear adds its
+    bias to the 2-D rows, then views them back to ``[b, s, h]``), so that
+    :func:`views_before_all_reduces` can move them on; returns how many adds had their views moved::
+
+        v = view(add(wait(all_reduce(p)), b), shape)  ->  v = add(view(wait(all_reduce(p)), shape), b)
+
+    Exact: adding one ``[hidden]`` row to every row commutes with a view that keeps the last dim.
+    Only an add whose every reader is a view to one (provably) same shape moves."""
+    moved = 0
+    for c in find_collectives(graph, CollectiveKind.ALL_REDUCE):
+        if c.group_name != group_name or c.wait is None:
+            continue
+        for add in list(c.wait.users):
+            if Epilogue.of(add, c.wait) is not Epilogue.BIASED or not add.users:
+                continue
+            views = sorted(add.users)
+            shapes = [_shape_of(v) for v in views]
+            if (not all(is_call(v, *_VIEWS) for v in views) or shapes[0] is None
+                    or not all(s is not None and shapes_known_equal(s, shapes[0]) for s in shapes)
+                    or not shapes_known_equal(shapes[0][-1:], _shape_of(add)[-1:])):
+                continue
+            with graph.inserting_before(views[0]):
+                view = insert_call(graph, aten.reshape.default, (c.wait, get_arg(views[0], 1, "size")))
+                biased = insert_call(graph, aten.add.Tensor, (view, add.args[1]))
+            for v in views:
+                v.replace_all_uses_with(biased)
+            erase_if_unused([*views, add])
+            moved += 1
+    return moved
 
 
 def round_residual_adds(graph: fx.Graph, group_name: str) -> int:
-    """Under ``emulate_precision_casts``, mark the residual adds (and the scalings of the scaled
-    patterns) of rewritten bf16/fp16 norms as eager-level ops, as AOT autograd marked the ops they
-    replace (module docstring, "Numerics"): ``add(shard, shard_rows(...))`` in either order, where
-    ``shard`` is ``wait(reduce_scatter(..., group))`` or that times a number, an add only the
-    replacements above write; and ``wait(reduce_scatter(..., group)) * number``. Returns how many
-    ops were marked (none without the setting)."""
+    """Under ``emulate_precision_casts``, mark the residual adds (and the epilogues) of rewritten
+    bf16/fp16 norms as eager-level ops, as AOT autograd marked the ops they replace (module
+    docstring, "Numerics"): ``add(shard, shard_rows(...))`` in either order, where ``shard`` is
+    ``wait(reduce_scatter(..., group))`` or that with its :class:`Epilogue`, an add only the
+    replacements above write; and each epilogue of ``wait(reduce_scatter(..., group))``. Returns how
+    many ops were marked (none without the setting)."""
     if not inductor_config.emulate_precision_casts:
         return 0
     marked = 0
-    for mul in graph.find_nodes(op="call_function", target=aten.mul.Tensor):
-        if _low_precision(mul) and _is_scaled_local_shard(mul, group_name):
-            mul.meta["low_precision_pointwise_barrier"] = True
+    for op in [*graph.find_nodes(op="call_function", target=aten.mul.Tensor),
+               *graph.find_nodes(op="call_function", target=aten.add.Tensor)]:
+        if _low_precision(op) and _is_epilogue_of_local_shard(op, group_name):
+            op.meta["low_precision_pointwise_barrier"] = True
             marked += 1
     for add in graph.find_nodes(op="call_function", target=aten.add.Tensor):
         args = [a for a in add.args if isinstance(a, fx.Node)]
         if (len(args) == 2 and _low_precision(add)
-                and any(_is_local_shard(a, group_name) or _is_scaled_local_shard(a, group_name) for a in args)
+                and any(_is_local_shard(a, group_name) or _is_epilogue_of_local_shard(a, group_name) for a in args)
                 and any(is_call(a, torch.ops.fp4fuse.shard_rows) for a in args)):
             add.meta["low_precision_pointwise_barrier"] = True
             marked += 1
@@ -520,10 +616,10 @@ def _low_precision(node: fx.Node) -> bool:
     return isinstance(val, torch.Tensor) and val.dtype in (torch.bfloat16, torch.float16)
 
 
-def _is_scaled_local_shard(node: fx.Node, group_name: str) -> bool:
-    """``node`` is ``wait(reduce_scatter(..., group_name)) * number``."""
-    return (is_call(node, aten.mul.Tensor) and _is_local_shard(node.args[0], group_name)
-            and isinstance(node.args[1], (int, float)))
+def _is_epilogue_of_local_shard(node: fx.Node, group_name: str) -> bool:
+    """``node`` is ``wait(reduce_scatter(..., group_name))`` times a number or plus a row."""
+    return (is_call(node, aten.mul.Tensor, aten.add.Tensor) and bool(node.args)
+            and _is_local_shard(node.args[0], group_name) and Epilogue.of(node, node.args[0]) is not None)
 
 
 def _is_local_shard(node: fx.Node, group_name: str) -> bool:

@@ -1,6 +1,7 @@
 """End to end, TP=2 on gloo: Hugging Face ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` (q/k/v biases),
-``GraniteForCausalLM`` (its own test: scaled embedding and residuals) and ``Gemma3ForCausalLM``
-(its own test: sandwich norms, in bf16),
+``GraniteForCausalLM`` (its own test: scaled embedding and residuals), ``Starcoder2ForCausalLM``
+(its own test: LayerNorm, row-parallel biases) and ``Gemma3ForCausalLM`` (its own test: sandwich
+norms, in bf16),
 tiny configs with random weights (tests/hf_tiny.py), put on TP with ``fp4fuse.tp.parallelize``
 (NVFP4 linears, ``config.base_model_tp_plan``), compiled with and without
 ``fp4fuse.FusionPass(FusionConfig(enable_async_tp=True, ...))``. Inputs ``[batch, seq]`` token ids,
@@ -97,9 +98,10 @@ class Run(NamedTuple):
     same_as: str | None = None        # or compare with this earlier run's logits
 
 
-# What each run adds (a compile of these tiny models takes about 30 s of a CI core, 11 in all, so
+# What each run adds (a compile of these tiny models takes about 30 s of a CI core, 13 in all, so
 # each run covers what no cheaper test does): Qwen2, static activation scales and q/k/v biases;
-# Granite, whose residual stream is scaled (the scaled sequence-parallel patterns);
+# Granite, whose residual stream is scaled (the scaled sequence-parallel patterns); Starcoder2,
+# LayerNorm and row-parallel biases added after the all-reduce (the biased patterns);
 # Gemma 3 in bf16, its serving dtype (its fp32 norm form, torch_manual, is covered by
 # tests/test_sp_patterns.py); Llama with a replicated embedding, static shapes and dynamic scales,
 # in both check modes (the default mode fuses nothing, asserted, so its graph is the unfused compile
@@ -107,7 +109,7 @@ class Run(NamedTuple):
 # model's rewrites. Qwen3's per-head q/k norms read a column-parallel output, never an all-reduce, so
 # no rewrite can match them (tests/test_parallelize.py runs Qwen3 at TP=2).
 RUNS = (Run("qwen2-static", "qwen2", static=True), Run("gemma3-bf16", "gemma3", dtype="bfloat16"),
-        Run("granite", "granite"),
+        Run("granite", "granite"), Run("starcoder2", "starcoder2"),
         Run("llama-replicated", "llama", batches=(1,), vocab_parallel=False, unfused=False),
         Run("llama-replicated-always", "llama", batches=(1,), rank_check="always", vocab_parallel=False,
             unfused=False, same_as="llama-replicated"),
@@ -211,6 +213,25 @@ def test_granite_scaled_residual_stream_fuses_bitwise(results):
     assert got["counts"] == want, got["counts"]
     assert got["skips"] == [], got["skips"]
     assert got["equal"], "granite: logits differ from the model compiled without fp4fuse"
+
+
+def test_starcoder2_layer_norms_and_row_parallel_biases_fuse_bitwise(results):
+    """Starcoder2 normalizes with ``nn.LayerNorm`` and its row-parallel linears (``o_proj``, ``c_proj``)
+    add their bias after the all-reduce, on the 2-D rows, before the view back to ``[b, s, h]``: the
+    view moves before the add, the LayerNorm patterns take every norm (the middle and last ones in
+    their ``_biased`` form, adding the bias row to the shard), q/k/v and the one MLP input projection
+    ``c_fc`` quantize before the gather (4 per layer), and the logits equal the compile without
+    fp4fuse bit for bit."""
+    got = results["starcoder2", 3]
+    layers = hf_tiny.LAYERS
+    assert got["graphs"] == 1 and got["shape"] == (3, SEQ, hf_tiny.VOCAB)
+    assert got["counts"] == {
+        "sequence_parallel.first.torch_layer_norm": 1, "sequence_parallel.middle.torch_layer_norm_biased": 2 * layers - 1,
+        "sequence_parallel.last.torch_layer_norm_biased": 1,
+        "sequence_parallel.quant_before_gather.dynamic_scale": 4 * layers,
+        "async_tp.all_gather_mm_fp4": 4 * layers, "async_tp.mm_fp4_reduce_scatter": 2 * layers}, got["counts"]
+    assert got["skips"] == [], got["skips"]
+    assert got["equal"], "starcoder2: logits differ from the model compiled without fp4fuse"
 
 
 def test_the_check_names_what_the_rewrites_rely_on(results):
