@@ -83,8 +83,9 @@ from fp4fuse.patterns.base import (
 from fp4fuse.patterns.rank_uniform import RankUniformity
 
 __all__ = [
-    "EXAMPLE_EPS", "EXAMPLE_SCALE", "Epilogue", "NORM_SETS", "NormFamily", "NormSet", "Position", "SPGroup", "SPMatch", "SPPattern",
-    "epilogues_of_all_reduces", "guard_token_count", "round_residual_adds", "views_before_all_reduces",
+    "EXAMPLE_EPS", "EXAMPLE_SCALE", "Epilogue", "NORM_SETS", "NormFamily", "NormSet", "Position", "SPGroup",
+    "SPMatch", "SPPattern", "epilogues_of_all_reduces", "guard_token_count", "round_residual_adds",
+    "views_before_all_reduces", "views_before_row_biases",
 ]
 
 logger = logging.getLogger(__name__)
@@ -364,7 +365,7 @@ class SPPattern(ReplacementPattern):
                     "(a broadcast residual cannot be sharded by rows)")
         # read from the graph: torch 2.11 runs this check on a match of the pattern re-traced with the
         # actual scalars, where a scale is a literal, not a keyword argument
-        operand = _epilogue_operand(match, m.all_reduce)
+        operand = _epilogue_operand(match, m.all_reduce) if self.epilogue is not Epilogue.NONE else None
         if self.epilogue is Epilogue.SCALED and not isinstance(operand, (int, float)):
             return (f"the all_reduce's result is multiplied by {operand}, a tensor: only a number is applied "
                     "to the shard as it is to the whole")
@@ -375,17 +376,17 @@ class SPPattern(ReplacementPattern):
             reason = hoist_before(m.weight, replacement_point(match), keep_out=match.nodes)
             if reason is not None:
                 return f"norm weight: {reason}"
-        rows_ = [("norm bias", m.bias)] if m.bias is not None else []
+        row_operands = [("norm bias", m.bias)] if m.bias is not None else []
         if self.epilogue is Epilogue.BIASED:
-            rows_.append(("row-parallel bias", operand))
-        for what, row in rows_:
+            row_operands.append(("row-parallel bias", operand))
+        for what, row in row_operands:
             row_shape = _shape_of(row)
             if row_shape is None or len(row_shape) != 1 or not _is_exactly(row_shape[0], hidden):
                 return f"{what} shape {row_shape} is not [hidden={hidden}] (it must not vary by row)"
             reason = hoist_before(row, replacement_point(match), keep_out=match.nodes)
             if reason is not None:
                 return f"{what}: {reason}"
-        operands = ([("norm weight", m.weight)] + rows_
+        operands = ([("norm weight", m.weight)] + row_operands
                     + ([("residual", m.residual)] if m.residual is not None else []))
         reason, relies_on = self.uniformity.prove(self.group.name, operands)
         if reason is None:
