@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_ops import ROTATIONS, bench_graph  # noqa: E402
 
 from fp4fuse.kernels.triton import mm_decode  # noqa: E402
-from fp4fuse.kernels.triton.mm_decode import DecodeConfig, _store_output, filling_split, permuted_planes  # noqa: E402
+from fp4fuse.kernels.triton.mm_decode import DecodeConfig, filling_split, finish_tile, permuted_planes  # noqa: E402
 
 SHAPES = ((8192, 8192), (28672, 8192), (8192, 28672), (6144, 4096), (4096, 4096), (4096, 14336))
 
@@ -67,21 +67,8 @@ def _tma_kernel(a_desc, as_desc, b_desc, bs_desc, alpha_ptr, out_ptr, part_ptr, 
             x_lo, x_hi = permuted_planes(a_desc.load([m0, kb0]), as_desc.load([m0, kb0 // 8]), BLOCK_K, True)
         acc = tl.dot(w_lo, tl.trans(x_lo), acc)
         acc = tl.dot(w_hi, tl.trans(x_hi), acc)
-    if not PARTIAL:
-        _store_output(acc, alpha_ptr, alpha_ptr, out_ptr, rows_m, cols_n, M, N, False, False)
-    else:
-        TILE: tl.constexpr = BLOCK_N * BLOCK_M
-        in_tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-        tile_base = part_ptr + tile.to(tl.int64) * n_split * TILE
-        tl.store(tile_base + split * TILE + in_tile, acc)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == n_split - 1:
-            total = tl.load(tile_base + in_tile, cache_modifier=".cg")
-            for sp in range(1, n_split):
-                total += tl.load(tile_base + sp * TILE + in_tile, cache_modifier=".cg")
-            _store_output(total, alpha_ptr, alpha_ptr, out_ptr, rows_m, cols_n, M, N, False, False)
-            tl.store(count_ptr + tile, 0)
+    finish_tile(acc, alpha_ptr, alpha_ptr, out_ptr, part_ptr, count_ptr, tile, split, n_split, rows_m, cols_n, M, N,
+                PARTIAL, False, False)
 
 
 def tma_mm(a, sa, b, sb, alpha, bm, bn, bk, split, warps, stages, max_registers, workspace):

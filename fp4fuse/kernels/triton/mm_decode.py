@@ -92,6 +92,7 @@ __all__ = [
     "decode_workspace_numel",
     "empty_decode_workspace",
     "filling_split",
+    "finish_tile",
     "group_configs",
     "leaves_counters_zero",
     "mm_fp4_decode",
@@ -318,9 +319,20 @@ def _decode_program(
         acc = tl.dot(w_lo, tl.trans(x_lo), acc)
         acc = tl.dot(w_hi, tl.trans(x_hi), acc)
 
+    finish_tile(acc, alpha_ptr, alpha_b_ptr, out_ptr, part_ptr, count_ptr, tile, split, n_split, rows_m, cols_n, M, N,
+                PARTIAL, ALPHA_FROM_SCALES, ALPHA_DIV_RN)
+
+
+@triton.jit
+def finish_tile(acc, alpha_ptr, alpha_b_ptr, out_ptr, part_ptr, count_ptr, tile, split, n_split, rows_m, cols_n, M, N,
+                PARTIAL: tl.constexpr, ALPHA_FROM_SCALES: tl.constexpr, ALPHA_DIV_RN: tl.constexpr):
+    """The end of program ``(tile, split)`` with its fp32 ``acc[BLOCK_N, BLOCK_M]``: the output
+    (not PARTIAL), or the partial and the last-arriver reduction (PARTIAL; module docstring)."""
     if not PARTIAL:
         _store_output(acc, alpha_ptr, alpha_b_ptr, out_ptr, rows_m, cols_n, M, N, ALPHA_FROM_SCALES, ALPHA_DIV_RN)
     else:
+        BLOCK_N: tl.constexpr = acc.shape[0]
+        BLOCK_M: tl.constexpr = acc.shape[1]
         TILE: tl.constexpr = BLOCK_N * BLOCK_M
         in_tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
         tile_base = part_ptr + tile.to(tl.int64) * n_split * TILE
