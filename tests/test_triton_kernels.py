@@ -245,8 +245,8 @@ def test_cuda_quant_special_global_scales(gs, dtype):
 @pytest.mark.cuda
 @pytest.mark.parametrize("log2_gs", [126, 127])
 def test_cuda_quant_subnormal_block_amaxes(log2_gs):
-    """Blocks whose amax is an fp32 subnormal or in the lowest normal binades (``amax / 6`` then
-    has a subnormal quotient), with a global scale large enough that their block scales are live
+    """Blocks whose amax is an fp32 subnormal or in the lowest normal binades (``amax / 6`` in or
+    near the subnormal range), with a global scale large enough that their block scales are live
     e4m3 values: bit-equal to the reference."""
     _require_triton_backend()
     from fp4fuse.kernels.triton.quant import scaled_fp4_quant_triton
