@@ -366,6 +366,23 @@ def test_row_parallel_biases(sp_pass, norm):
                for n in row_adds)
 
 
+def test_a_moved_row_bias_keeps_its_eager_rounding_where_nothing_fuses(sp_pass):
+    """Moving a row bias's view before the add writes a new add; under ``emulate_precision_casts`` it
+    keeps the eager-rounding mark AOT autograd gave the old one, also where no rewrite follows (7
+    tokens do not split over 2 ranks), so the graph rounds as the one without the pass."""
+    shapes = [(1, 7, H), (7, H), (7, H)] + [(H,)] * 5
+    state = {**BIASED_NORM_WEIGHTS, 6: "layers.0.self_attn.o_proj.bias", 7: "layers.0.mlp.down_proj.bias"}
+    with torch._inductor.config.patch(emulate_precision_casts=True):
+        gm = trace(biased_hf_layers(hf_norm), shapes, state=state)
+        assert run(sp_pass, gm) == 0
+    row_adds = [n for n in gm.graph.find_nodes(op="call_function", target=aten.add.Tensor)
+                if isinstance(n.args[1], torch.fx.Node) and n.args[1].meta["val"].dim() == 1]
+    assert len(row_adds) == 2
+    # the views moved before the adds and on before the all-reduces: add(wait(all_reduce(reshape(p))), b)
+    assert all(n.args[0].args[0].args[0].target is aten.reshape.default for n in row_adds), row_adds
+    assert all(n.meta.get("low_precision_pointwise_barrier") for n in row_adds)
+
+
 def test_a_row_bias_from_a_per_call_input_is_left_alone(sp_pass, caplog):
     """A row added after the all-reduce that is not model state may differ across ranks: skipped."""
     gm = trace(biased_hf_layers(hf_norm), BIASED_SHAPES, state=BIASED_NORM_WEIGHTS)

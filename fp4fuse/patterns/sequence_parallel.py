@@ -522,13 +522,10 @@ def views_before_all_reduces(graph: fx.Graph, group_name: str) -> int:
     ranks commutes with a view)."""
     moved = 0
     for c in find_collectives(graph, CollectiveKind.ALL_REDUCE):
-        if c.group_name != group_name or c.wait is None or not c.wait.users:
+        if c.group_name != group_name or c.wait is None:
             continue
-        views = sorted(c.wait.users)
-        if not all(is_call(v, *_VIEWS) for v in views):
-            continue
-        shapes = [_shape_of(v) for v in views]
-        if shapes[0] is None or not all(s is not None and shapes_known_equal(s, shapes[0]) for s in shapes[1:]):
+        views = _views_to_one_shape(c.wait)
+        if views is None:
             continue
         first = views[0]
         with graph.inserting_before(first):
@@ -540,6 +537,18 @@ def views_before_all_reduces(graph: fx.Graph, group_name: str) -> int:
         erase_if_unused([*views, c.wait, c.node])
         moved += 1
     return moved
+
+
+def _views_to_one_shape(node: fx.Node) -> list[fx.Node] | None:
+    """``node``'s readers, sorted, when there are some and every one is a view to one (provably)
+    same shape; else None."""
+    views = sorted(node.users)
+    if not views or not all(is_call(v, *_VIEWS) for v in views):
+        return None
+    shapes = [_shape_of(v) for v in views]
+    if shapes[0] is None or not all(s is not None and shapes_known_equal(s, shapes[0]) for s in shapes[1:]):
+        return None
+    return views
 
 
 def epilogues_of_all_reduces(graph: fx.Graph, group_name: str) -> list[Epilogue]:
@@ -569,17 +578,15 @@ def views_before_row_biases(graph: fx.Graph, group_name: str) -> int:
         if c.group_name != group_name or c.wait is None:
             continue
         for add in list(c.wait.users):
-            if Epilogue.of(add, c.wait) is not Epilogue.BIASED or not add.users:
-                continue
-            views = sorted(add.users)
-            shapes = [_shape_of(v) for v in views]
-            if (not all(is_call(v, *_VIEWS) for v in views) or shapes[0] is None
-                    or not all(s is not None and shapes_known_equal(s, shapes[0]) for s in shapes)
-                    or not shapes_known_equal(shapes[0][-1:], _shape_of(add)[-1:])):
+            views = _views_to_one_shape(add) if Epilogue.of(add, c.wait) is Epilogue.BIASED else None
+            added = _shape_of(add)
+            if views is None or added is None or not shapes_known_equal(_shape_of(views[0])[-1:], added[-1:]):
                 continue
             with graph.inserting_before(views[0]):
                 view = insert_call(graph, aten.reshape.default, (c.wait, get_arg(views[0], 1, "size")))
                 biased = insert_call(graph, aten.add.Tensor, (view, add.args[1]))
+            if "low_precision_pointwise_barrier" in add.meta:  # keep the eager rounding AOT autograd marked
+                biased.meta["low_precision_pointwise_barrier"] = add.meta["low_precision_pointwise_barrier"]
             for v in views:
                 v.replace_all_uses_with(biased)
             erase_if_unused([*views, add])
