@@ -28,7 +28,7 @@ COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate
 ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 
 
-def build(kind: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
+def build(kind: str, dtype: torch.dtype = torch.float32, seed: int = 0, layers: int = LAYERS) -> nn.Module:
     """A ``LlamaForCausalLM`` (``kind="llama"``; ``"llama-tied"``: LM head tied to the input
     embedding), ``Qwen2ForCausalLM`` (``"qwen2"``), ``GraniteForCausalLM`` (``"granite"``: the
     embedding and every row-parallel output multiplied by a number before the norm / residual add),
@@ -36,11 +36,11 @@ def build(kind: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Mo
     projection ``c_fc``),
     ``Qwen3ForCausalLM`` (``"qwen3"``: per-head q/k norms, replicated by its TP plan) or
     ``Gemma3ForCausalLM`` (``"gemma3"``: those norms, a scaled input embedding, sandwich norms of
-    the ``(1 + weight)`` form, one sliding-window layer), eval mode."""
+    the ``(1 + weight)`` form, one sliding-window layer), eval mode, with ``layers`` decoder layers."""
     from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, LlamaConfig,
                               LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
                               Starcoder2Config, Starcoder2ForCausalLM)
-    sizes = dict(vocab_size=VOCAB, hidden_size=96, intermediate_size=160, num_hidden_layers=LAYERS,
+    sizes = dict(vocab_size=VOCAB, hidden_size=96, intermediate_size=160, num_hidden_layers=layers,
                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1)
     torch.manual_seed(seed)
     if kind in ("llama", "llama-tied"):  # llama-tied: the LM head is the input embedding (Llama 3.2 1B/3B)
