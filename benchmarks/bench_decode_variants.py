@@ -71,15 +71,14 @@ def _tma_kernel(a_desc, as_desc, b_desc, bs_desc, alpha_ptr, out_ptr, part_ptr, 
                 PARTIAL, False, False)
 
 
-def tma_mm(a, sa, b, sb, alpha, bm, bn, bk, split, warps, stages, max_registers, workspace):
-    """``mm_fp4_decode`` through ``_tma_kernel`` (bf16 out); the activation pre-decoded above 64 rows."""
+def tma_mm(a, sa, b, sb, alpha, cfg: DecodeConfig, workspace: mm_decode.DecodeWorkspace):
+    """``mm_fp4_decode(..., config=cfg, workspace=workspace)`` through ``_tma_kernel`` (bf16 out); the
+    activation pre-decoded above 64 rows."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, n, kb = a.shape[0], b.shape[0], b.shape[1]
-    bkb = bk // 2
-    steps = triton.cdiv(kb, bkb)
-    iters = triton.cdiv(steps, split)
-    split = triton.cdiv(steps, iters)
+    bm, bn, bk, bkb = cfg.block_m, cfg.block_n, cfg.block_k, cfg.block_k // 2
+    plan = mm_decode._plan(cfg, m, n, 2 * kb)
     predecoded = m > mm_decode.INKERNEL_DECODE_MAX_M
     if predecoded:
         lo, hi = mm_decode.predecode_activation(a, sa, bk)
@@ -87,12 +86,12 @@ def tma_mm(a, sa, b, sb, alpha, bm, bn, bk, split, warps, stages, max_registers,
     else:
         a_desc, as_desc = TensorDescriptor.from_tensor(a, [bm, bkb]), TensorDescriptor.from_tensor(sa, [bm, bk // 16])
     out = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
-    extra = {} if max_registers is None else {"maxnreg": max_registers}
-    _tma_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn), split)](
+    extra = {} if cfg.max_registers is None else {"maxnreg": cfg.max_registers}
+    _tma_kernel[(plan.tiles, plan.split)](
         a_desc, as_desc, TensorDescriptor.from_tensor(b, [bn, bkb]), TensorDescriptor.from_tensor(sb, [bn, bk // 16]),
-        alpha, out, workspace[0], workspace[1], m, n, kb, iters, split,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=split > 1, PREDECODED=predecoded, STAGES=stages,
-        num_warps=warps, num_stages=stages, **extra)
+        alpha, out, workspace.partials, workspace.counters, m, n, kb, plan.iters_per_split, plan.split,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=plan.split > 1, PREDECODED=predecoded, STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
     return out
 
 
@@ -132,12 +131,11 @@ def tma_sweep() -> list[dict]:
         for bm, bn, bk, split, warps, stages, regs in cands:
             if k % bk:
                 continue
-            tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-            ws = (torch.empty(tiles * split * bm * bn, device="cuda"), torch.zeros(tiles, dtype=torch.int32, device="cuda"))
+            c = DecodeConfig(bm, bn, bk, split, warps, stages, max_registers=regs)
+            ws = mm_decode.empty_decode_workspace(*mm_decode.decode_workspace_numel(m, n, k, c), a.device)
             name = f"{bm}x{bn}x{bk} s{split} st{stages}" + (f" r{regs}" if regs else "")
-            got = tma_mm(a, sa, *weights[0], alpha, bm, bn, bk, split, warps, stages, regs, ws)
-            us = bench_graph([lambda b=b, sb=sb: tma_mm(a, sa, b, sb, alpha, bm, bn, bk, split, warps, stages, regs, ws)
-                              for b, sb in weights]) * 1e3
+            got = tma_mm(a, sa, *weights[0], alpha, c, ws)
+            us = bench_graph([lambda b=b, sb=sb, c=c, ws=ws: tma_mm(a, sa, b, sb, alpha, c, ws) for b, sb in weights]) * 1e3
             row["variants"][name] = {"us": us, "bitwise": bool(torch.equal(got, ref))}
         rows.append(row)
         _print_row(row, cfg)
