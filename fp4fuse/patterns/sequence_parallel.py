@@ -626,8 +626,7 @@ def _low_precision(node: fx.Node) -> bool:
 
 def _is_epilogue_of_local_shard(node: fx.Node, group_name: str) -> bool:
     """``node`` is ``wait(reduce_scatter(..., group_name))`` times a number or plus a row."""
-    return (is_call(node, aten.mul.Tensor, aten.add.Tensor) and bool(node.args)
-            and _is_local_shard(node.args[0], group_name) and Epilogue.of(node, node.args[0]) is not None)
+    return bool(node.args) and _is_local_shard(node.args[0], group_name) and Epilogue.of(node, node.args[0]) is not None
 
 
 def _is_local_shard(node: fx.Node, group_name: str) -> bool:

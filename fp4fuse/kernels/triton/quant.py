@@ -617,7 +617,6 @@ def scaled_fp4_quant_triton(
     return q, s
 
 
-
 #: Quantizations one ``_quant_group_kernel`` launch computes at most.
 MAX_QUANT_GROUP = 3
 
