@@ -36,6 +36,10 @@ every timed call, so weights are read from HBM as in a real decode step):
 9. ``--dequant-sweep`` (only this, after the ceilings): the dequantize + cuBLAS path's weight
    dequantization at several launch configurations against a copy of the same bytes
    (``dequant_sweep``).
+10. ``--hopper-sweep`` (only this, after the ceilings): M in 257..4096 at the issue-12 shapes and
+    Llama-3-8B's TP=2 shard shapes: the Hopper Gluon GEMM (``fp4fuse.kernels.triton.mm_hopper``,
+    both token tiles) against the shipped dispatch, dequantize + cuBLAS and cuBLAS bf16, as
+    CUDA-graph replays (``hopper_sweep``).
 """
 from __future__ import annotations
 
@@ -614,6 +618,45 @@ def mid_sweep(ceil: Ceilings, raw: dict) -> None:
     raw["mid_sweep"] = rows
 
 
+#: (N, K): the three issue-12 shapes, then Llama-3-8B's per-rank linears at TP=2 (q/k/v, o, gate/up, down).
+HOPPER_SHAPES = ((8192, 8192), (28672, 8192), (8192, 28672), (3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168))
+HOPPER_MS = (257, 512, 1024, 2048, 4096)
+
+
+def hopper_sweep(ceil: Ceilings, raw: dict) -> None:
+    """``--hopper-sweep``: M = 257..4096, bf16 output, as CUDA-graph replays over rotating weights: the
+    shipped dispatch, the Hopper Gluon GEMM (256- and 128-token tiles), dequantize + cuBLAS and
+    cuBLAS bf16; with the Gluon GEMM's rate in TFLOP/s."""
+    hopper = triton_mm.hopper_kernels()
+    rows = []
+    for n, k in HOPPER_SHAPES:
+        weights = [quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16)) for _ in range(ROTATIONS)]
+        w_t = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() for _ in range(2)]
+        for m in HOPPER_MS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            a, sa, ga = quantize(x)
+            alpha = 1.0 / (ga * weights[0][2])
+            cands = {
+                "shipped": lambda wq, ws: triton_mm.mm_fp4_triton(a, wq, sa, ws, alpha, torch.bfloat16),
+                "hopper": lambda wq, ws: hopper.mm_fp4_hopper(a, wq, sa, ws, alpha, torch.bfloat16),
+                "hopper_128": lambda wq, ws: hopper.mm_fp4_hopper(a, wq, sa, ws, alpha, torch.bfloat16, block_m=128),
+                "dequant_mm": lambda wq, ws: triton_mm.mm_fp4_dequant_mm(a, wq, sa, ws, alpha),
+            }
+            us = {name: bench_graph([functools.partial(fn, wq, wsq) for wq, wsq, _ in weights]) * 1e3
+                  for name, fn in cands.items()}
+            us["bf16"] = bench_graph([functools.partial(torch.mm, x, wt) for wt in w_t]) * 1e3
+            row = {"m": m, "n": n, "k": k, "us": us, "hopper_tflops": 2 * m * n * k / us["hopper"] / 1e6,
+                   "shipped_path": "hopper" if triton_mm.hopper_serves(m, n, k, torch.bfloat16, a.device) else "other"}
+            rows.append(row)
+            print(f"HOPPER m={m:<5d} n={n:<6d} k={k:<6d} " + " ".join(f"{kk}={v:.1f}" for kk, v in us.items())
+                  + f" | hopper {us['bf16'] / us['hopper']:.2f}x bf16, {us['dequant_mm'] / us['hopper']:.2f}x dequant, "
+                  f"{row['hopper_tflops']:.0f} TFLOP/s; shipped ({row['shipped_path']}) {us['bf16'] / us['shipped']:.2f}x bf16",
+                  flush=True)
+        weights = w_t = None
+        torch.cuda.empty_cache()
+    raw["hopper_sweep"] = rows
+
+
 def markdown(dev: str, ceil: Ceilings, op_rows: list[dict], mm_rows: list[dict]) -> str:
     lines = [
         f"# fp4fuse single-GPU ops, {datetime.date.today().isoformat()}",
@@ -659,6 +702,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the M<=64 sweep of the decode GEMM's 256-K-step tile as CUDA-graph replays")
     parser.add_argument("--dequant-sweep", action="store_true",
                         help="only the weight dequantization's launch sweep against a copy of the same bytes")
+    parser.add_argument("--hopper-sweep", action="store_true",
+                        help="only M=257..4096: the Hopper Gluon GEMM against the other paths and cuBLAS bf16")
     parser.add_argument("--scale-words-sweep", action="store_true",
                         help="only the decode GEMM at M<=64 with word- vs byte-loaded activation scales")
     args = parser.parse_args(argv)
@@ -673,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
     sweeps = [fn for flag, fn in ((args.decode_sweep, decode_sweep), (args.mid_sweep, mid_sweep),
                                   (args.wide_step_sweep, wide_step_sweep),
                                   (args.scale_words_sweep, scale_words_sweep),
-                                  (args.dequant_sweep, dequant_sweep)) if flag]
+                                  (args.dequant_sweep, dequant_sweep), (args.hopper_sweep, hopper_sweep)) if flag]
     if sweeps:
         raw = {"device": dev, "torch": torch.__version__, "triton": triton.__version__,
                "ceilings": dataclasses.asdict(ceil)}

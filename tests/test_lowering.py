@@ -250,6 +250,26 @@ def test_other_dynamic_sizes_keep_the_op_call(triton_cuda_target):
     assert len(shape_env.guards) == guards_before
 
 
+def test_a_gemm_the_hopper_kernel_serves_keeps_the_op_call(triton_cuda_target, monkeypatch):
+    """Where ``mm_fp4_triton`` would launch the Hopper Gluon GEMM (whose TMA-descriptor launch a
+    tracer cannot record), the lowering keeps the op call -- its kernel then makes the same choice
+    per call, so the compiled graph keeps the eager op's bits -- and says why; the graph's other
+    calls are lowered. (On this CPU machine the fake tensors are not on an sm_90 GPU, so the
+    kernel module's own answer is forced; tests/test_mm_hopper.py runs the GPU side.)"""
+    from fp4fuse.kernels.triton import mm as triton_mm
+
+    seen = []
+    monkeypatch.setattr(triton_mm, "hopper_serves", lambda m, n, k, out_dtype, device: seen.append((m, n, k)) or True)
+    _, _, gm = _dynamic_rows_graph(300)
+    lowering = KernelLoweringPass(FusionConfig())
+    assert lowering(gm.graph) == 2
+    assert lowering.match_counts == {"lowering.rms_norm": 1, "lowering.scaled_fp4_quant": 1}
+    (reason,) = [s.reason for s in lowering.skips]
+    assert "Hopper Gluon GEMM" in reason and "the op call stays" in reason
+    assert [n.target for n in gm.graph.nodes].count(fp4.mm_fp4.default) == 1
+    assert [(n, k) for _, n, k in seen] == [(48, 64)]
+
+
 def _static_graph(fn, *shapes_dtypes):
     with FakeTensorMode() as mode:
         inputs = [mode.from_tensor(torch.empty(shape, dtype=dtype)) for shape, dtype in shapes_dtypes]

@@ -21,6 +21,7 @@ class GemmMode(enum.Enum):
     """How :class:`RowBlockGemm` writes a row block's ``mm_fp4`` into an output view."""
     DEQUANT_CUBLAS = "exact bf16 dequantize + cuBLAS into out="
     DECODE = "one-launch decode GEMM with the whole GEMM's configuration, then copy"
+    HOPPER = "Hopper Gluon GEMM into out="
     TILED = "tiled Triton kernel with the whole GEMM's configuration, then copy"
     COPY = "mm_fp4 then copy"
 
@@ -39,6 +40,9 @@ class RowBlockGemm:
     ``fp4fuse::mm_fp4`` returns a fresh tensor; copying each block's output into place would cost
     a full extra pass over ``[M, N]`` (7% of a large GEMM), so this picks, once per op call:
 
+    * ``HOPPER``: the Hopper Gluon GEMM (``triton_mm.hopper_serves`` for the whole GEMM's
+      ``total_rows``), written straight into the view; each output element's sums do not depend on
+      the other rows, so bitwise equal to the unfused graph;
     * ``DEQUANT_CUBLAS``: the Triton backend's own large-M bf16 path, reproduced through its public
       functions so it can write into the view: ``torch.mm(dequant(a), dequant(b).T, out=view)`` then
       the in-place alpha scale -- the same kernels and arithmetic as ``triton_mm.mm_fp4_dequant_mm``, so
@@ -51,7 +55,7 @@ class RowBlockGemm:
       element is accumulated in the same order as in the unfused graph (bitwise equal to it);
     * ``COPY``: anything else (reference backend, whose kernel is row-independent).
 
-    The path (dequantize + cuBLAS or tiled) is chosen from ``total_rows`` too, as the unfused
+    The path (Hopper, dequantize + cuBLAS or tiled) is chosen from ``total_rows`` too, as the unfused
     ``mm_fp4`` over all rows would choose it. cuBLAS picks its own kernels by shape, so on the
     DEQUANT_CUBLAS path a block may round differently from the whole GEMM in the last bit.
 
@@ -75,23 +79,27 @@ class RowBlockGemm:
         self._b_dequant: torch.Tensor | None = None
         backend = backend_for(b)
         triton_mm = _triton_mm_module() if backend is Backend.TRITON else None
-        if triton_mm is not None and out_dtype == torch.bfloat16 and total_rows >= triton_mm.DEQUANT_MIN_M:
+        n, k = b.shape[0], b.shape[1] * 2
+        if (triton_mm is not None and triton_mm.hopper_serves(total_rows, n, k, out_dtype, b.device)
+                and triton_mm.hopper_kernels().hopper_operands_ok(b, b_scale)):
+            self.mode = GemmMode.HOPPER
+            self._hopper = triton_mm.hopper_kernels().mm_fp4_hopper
+        elif triton_mm is not None and out_dtype == torch.bfloat16 and total_rows >= triton_mm.DEQUANT_MIN_M:
             self.mode = GemmMode.DEQUANT_CUBLAS
             self._dequantize = triton_mm.dequantize_fp4_triton
             self._scale_by_alpha = triton_mm.scale_by_alpha_
         elif triton_mm is not None and total_rows <= triton_mm.DECODE_MAX_M:
             self.mode = GemmMode.DECODE
             self._decode_gemm = triton_mm.mm_fp4_decode
-            self._config = triton_mm.decode_config_for(total_rows, b.shape[0], b.shape[1] * 2,
-                                                       triton_mm.num_sms(b.device))
+            self._config = triton_mm.decode_config_for(total_rows, n, k, triton_mm.num_sms(b.device))
         elif triton_mm is not None:
             self.mode = GemmMode.TILED
             self._tiled = triton_mm.mm_fp4_tiled
-            self._config = triton_mm.mm_config_for(total_rows, b.shape[0], b.shape[1] * 2, b.device)
+            self._config = triton_mm.mm_config_for(total_rows, n, k, b.device)
         else:
             self.mode = GemmMode.COPY
-        # fp4fuse's Triton GEMMs retire their programs tile by tile; anything else may be persistent.
-        self.may_hold_all_sms = self.mode not in (GemmMode.TILED, GemmMode.DECODE)
+        # fp4fuse's Triton and Gluon GEMMs retire their programs tile by tile; anything else may be persistent.
+        self.may_hold_all_sms = self.mode not in (GemmMode.TILED, GemmMode.DECODE, GemmMode.HOPPER)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("fp4fuse: %d-row blocks of %d rows, N=%d, %s: %s", block_rows, total_rows, b.shape[0],
                          out_dtype, self.mode.value)
@@ -130,6 +138,8 @@ class RowBlockGemm:
         stream; ``out`` a contiguous ``[rows, N]`` view."""
         if self.mode is GemmMode.DEQUANT_CUBLAS:
             self.run_decoded(out, block.a_dequant)
+        elif self.mode is GemmMode.HOPPER:
+            self._hopper(block.a, self.b, block.a_scale, self.b_scale, self.alpha, self.out_dtype, out=out)
         elif self.mode is GemmMode.DECODE:
             out.copy_(self._decode_gemm(block.a, self.b, block.a_scale, self.b_scale, self.alpha, self.out_dtype,
                                         config=self._config))

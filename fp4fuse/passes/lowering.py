@@ -271,6 +271,9 @@ class KernelLoweringPass(GraphPass):
         call = _Call(op, backend, args, [i for i, a in enumerate(args) if isinstance(a, fx.Node)], factors,
                      alpha if factors is not None else None, _inductor_divides_rn())
         reason = _dynamic_size_reason([fake_value(n) for n in call.inputs])
+        if reason is None:
+            reason = kernel_table.op_call_reason(op, backend, [fake_value(a) if isinstance(a, fx.Node) else a
+                                                               for a in _ordered_args(node)])
         if reason is not None:
             if record:
                 self.recorder.skipped(op, node, reason)

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["DECODE_SCALE_UNDO", "decode_codes", "decode_scales", "num_sms"]
+__all__ = ["DECODE_PTX", "DECODE_SCALE_UNDO", "decode_codes", "decode_scales", "num_sms"]
 
 #: 2**14 per operand from the fp16 decode, undone in the GEMM epilogues.
 DECODE_SCALE_UNDO = tl.constexpr(268435456.0)  # 2**28
@@ -33,13 +33,12 @@ def _e4m3_to_fp16(bits):
 # the fp16 pattern of e2m1 * 2**-14. Outputs: $0,$1 = low nibbles of bytes 0..3 as fp16x2,
 # $2,$3 = high nibbles; input $4 = the 4 bytes.
 # One line (Inductor copies this global into the modules it compiles, and breaks a multi-line string).
-_DECODE_PTX = tl.constexpr(
+DECODE_PTX = tl.constexpr(
     "{ .reg .b32 a, b, l, h, z; mov.b32 z, 0; "
     "shl.b32 a, $4, 1; and.b32 a, a, 0x0E0E0E0E; shl.b32 b, $4, 4; and.b32 b, b, 0x80808080; or.b32 l, a, b; "
     "shr.b32 a, $4, 3; and.b32 a, a, 0x0E0E0E0E; and.b32 b, $4, 0x80808080; or.b32 h, a, b; "
     "prmt.b32 $0, z, l, 0x5040; prmt.b32 $1, z, l, 0x7060; prmt.b32 $2, z, h, 0x5040; prmt.b32 $3, z, h, 0x7060; }"
 )
-
 
 
 @triton.jit
@@ -50,7 +49,7 @@ def decode_codes(codes, FAST_DECODE: tl.constexpr):
     same bits from per-element integer ops."""
     if FAST_DECODE:
         lo, hi = tl.inline_asm_elementwise(
-            _DECODE_PTX, "=r,=r,=r,=r,r", [codes], dtype=(tl.float16, tl.float16),
+            DECODE_PTX, "=r,=r,=r,=r,r", [codes], dtype=(tl.float16, tl.float16),
             is_pure=True, pack=4)
     else:
         c = codes.to(tl.int16)

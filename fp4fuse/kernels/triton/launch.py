@@ -31,7 +31,7 @@ import triton
 from torch.library import wrap_triton
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["FastKernel", "traceable", "tracing"]
+__all__ = ["FastKernel", "traceable", "tracing", "triton_version"]
 
 #: Triton versions whose ``CompiledKernel.run`` takes ``JITFunction.run``'s positional layout:
 #: ``(grid x, y, z, stream, function, packed_metadata, launch_metadata, enter hook, exit hook, *args)``.
@@ -40,12 +40,12 @@ _KNOWN_TRITON = ((3, 2), (3, 9))
 MAX_ENTRIES = 4096
 
 
-def _triton_version() -> tuple[int, int]:
+def triton_version() -> tuple[int, int]:
     major, minor = triton.__version__.split(".")[:2]
     return int(major), int(minor)
 
 
-_FAST_OK = _KNOWN_TRITON[0] <= _triton_version() <= _KNOWN_TRITON[1]
+_FAST_OK = _KNOWN_TRITON[0] <= triton_version() <= _KNOWN_TRITON[1]
 
 
 def _arg_key(value: Any) -> Any:

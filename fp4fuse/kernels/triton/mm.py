@@ -24,7 +24,11 @@ Kernels and dispatch (``mm_fp4_triton``; measurements in benchmarks/results/):
   order (deterministic) and scales by alpha. Tried and dropped: decoding both operands in the
   GEMM, and the "swapped" orientation with the weight as the register (A) operand: Triton then
   decodes in the MMA's register layout from 2-byte shared-memory reads (about 2x slower).
-* ``_dequant_pair_kernel`` + cuBLAS: from ``DEQUANT_MIN_M`` on with bf16 output (where the GEMM
+* on Hopper (sm_90) with Triton 3.6, above ``DECODE_MAX_M`` rows (bf16 output: up to
+  ``mm_hopper.HOPPER_BF16_MAX_M``) where K is a multiple of 64 and the weight is aligned:
+  ``fp4fuse.kernels.triton.mm_hopper``, a warp-specialized Gluon kernel that decodes the weight
+  straight into wgmma register fragments (:func:`hopper_serves`);
+* ``_dequant_pair_kernel`` + cuBLAS: otherwise from ``DEQUANT_MIN_M`` on with bf16 output (where the GEMM
   becomes compute-bound and each weight tile would be decoded once per M tile), so both operands are
   decoded once to bf16 (exact, one launch) and
   multiplied by ``torch.mm``, then scaled by alpha in place by ``_scale_kernel`` (a second rounding
@@ -35,7 +39,9 @@ Kernels and dispatch (``mm_fp4_triton``; measurements in benchmarks/results/):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+from typing import Any
 
 import torch
 import triton
@@ -43,7 +49,7 @@ import triton.language as tl
 
 from fp4fuse.kernels.triton.alpha import Alpha, alpha_meta, alpha_operands, alpha_tensor, load_alpha
 from fp4fuse.kernels.triton.decode import DECODE_SCALE_UNDO, decode_codes, decode_scales, num_sms
-from fp4fuse.kernels.triton.launch import traceable
+from fp4fuse.kernels.triton.launch import traceable, tracing
 from fp4fuse.kernels.triton.mm_decode import (
     DECODE_MAX_M, DecodeProduct, decode_config_for, mm_fp4_decode, mm_fp4_decode_products,
 )
@@ -62,12 +68,15 @@ __all__ = [
     "decode_fp4_halves",
     "dequantize_fp4_pair_triton",
     "dequantize_fp4_triton",
+    "hopper_kernels",
+    "hopper_serves",
     "mm_config_for",
     "mm_fp4_calls_triton",
     "mm_fp4_dequant_mm",
     "mm_fp4_group_triton",
     "mm_fp4_tiled",
     "mm_fp4_triton",
+    "op_call_reason",
     "scale_by_alpha_",
 ]
 
@@ -427,6 +436,37 @@ def scale_by_alpha_(x: torch.Tensor, alpha: Alpha) -> torch.Tensor:
     return x
 
 
+@functools.cache
+def hopper_kernels() -> Any:
+    """``fp4fuse.kernels.triton.mm_hopper`` (the Gluon GEMM), or None where this Triton has no Gluon."""
+    try:
+        from fp4fuse.kernels.triton import mm_hopper
+    except ImportError as exc:
+        logger.debug("fp4fuse: no Hopper Gluon GEMM: %s", exc)
+        return None
+    return mm_hopper
+
+
+def hopper_serves(m: int | torch.SymInt, n: int, k: int, out_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``mm_fp4_triton`` sends this product to the Hopper Gluon GEMM (``mm_hopper.hopper_serves``:
+    sm_90, Triton 3.6, M above ``DECODE_MAX_M`` (bf16: up to ``HOPPER_BF16_MAX_M``), ``K % 64 == 0``),
+    provided the weight is aligned (checked per call). A tracer cannot record that launch: a traced
+    call in its range must stay an op call (``fp4fuse.passes.lowering``)."""
+    hopper = hopper_kernels() if device.type == "cuda" else None
+    return hopper is not None and hopper.hopper_serves(m, n, k, out_dtype, device)
+
+
+def op_call_reason(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, alpha: Any,
+                   out_dtype: torch.dtype) -> str | None:
+    """Why a traced ``mm_fp4`` call on these operands (fake tensors) must stay an op call, or None
+    (``fp4fuse.ops.kernel_table.op_call_reason``)."""
+    m, n, k = a.shape[0], b.shape[0], a.shape[1] * 2
+    if hopper_serves(m, n, k, out_dtype, a.device):
+        return ("the product is the Hopper Gluon GEMM's (fp4fuse/kernels/triton/mm_hopper.py), whose TMA-descriptor "
+                "launch Inductor cannot make itself; the op call stays and its kernel launches it")
+    return None
+
+
 def mm_fp4_triton(
     a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
     alpha: Alpha, out_dtype: torch.dtype,
@@ -435,6 +475,13 @@ def mm_fp4_triton(
     m, n, k = a.shape[0], b.shape[0], a.shape[1] * 2
     if m <= DECODE_MAX_M:
         return mm_fp4_decode(a, b, a_scale, b_scale, alpha, out_dtype)
+    if hopper_serves(m, n, k, out_dtype, a.device):
+        hopper = hopper_kernels()
+        if tracing():
+            raise RuntimeError(f"mm_fp4_triton: a traced {m}x{n}x{k} product is the Hopper Gluon GEMM's, whose launch "
+                               "a tracer cannot record; the call must stay an op call (fp4fuse.passes.lowering)")
+        if hopper.hopper_operands_ok(b, b_scale):
+            return hopper.mm_fp4_hopper(a, b, a_scale, b_scale, alpha, out_dtype)
     if out_dtype == torch.bfloat16 and m >= DEQUANT_MIN_M:
         return mm_fp4_dequant_mm(a, b, a_scale, b_scale, alpha)
     return mm_fp4_tiled(a, b, a_scale, b_scale, alpha, out_dtype, mm_config_for(m, n, k, a.device))

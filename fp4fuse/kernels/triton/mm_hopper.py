@@ -1,0 +1,318 @@
+"""Warp-specialized W4A4 NVFP4 GEMM for Hopper (sm_90), in Gluon: the middle range of M.
+
+Contract: ``mm_fp4_hopper(a, b, a_scale, b_scale, alpha, out_dtype, out=None) -> out [M, N]``, the
+same as ``mm_fp4`` (``fp4fuse.kernels.triton.mm``) for the calls :func:`hopper_serves` and
+:func:`hopper_operands_ok` accept: a uint8 ``[M, K/2]``, b uint8 ``[N, K/2]`` (weight, row-major,
+16-byte aligned), linear e4m3 scales ``[M, K/16]`` / ``[N, K/16]`` (``b_scale`` 4-byte aligned),
+``K % 64 == 0``, alpha a one-element fp32 tensor or ``GlobalScales`` (``fp4fuse.kernels.triton.alpha``),
+``out = alpha * (q_a * s_a) @ (q_b * s_b)^T`` in bf16/fp16/fp32, written into ``out`` when given (a
+``[M, N]`` tensor with row stride N: a row range of a larger output).
+
+Numerics: those of ``_mm_fp4_kernel`` (fp4fuse/kernels/triton/mm.py): both operands decoded exactly to
+fp16 ``e2m1 * 2**-14 * s`` (``fp4fuse.kernels.triton.decode``), products exact in fp32, fp32
+accumulation in the tensor cores, the epilogue times ``2**28`` (exact) and alpha, one rounding.
+Each output element is summed over the same K steps in the same order whatever M, N or its tile,
+so a row block of a GEMM computed alone is bitwise that block of the whole GEMM. A NaN block scale
+makes the outputs that read it NaN.
+
+Design (``_mm_hopper_kernel``):
+
+* Swapped product: a program computes ``acc[BLOCK_N, BLOCK_M] = W_tile @ X_tile^T``. The weight
+  rows are the wgmma M side, so the decoded weight is wgmma's register operand (A) and is never
+  stored decoded; the activation, decoded once per call into fp16 halves ``[M, K/2]`` (even / odd
+  elements, ``decode_fp4_halves``), is the shared-memory operand (B). A K step of 64 elements
+  (32 code bytes) runs two wgmma chains: even weight elements with the even half, odd with odd.
+* Warp specialization (``gl.warp_specialize``): one loader warp issues TMA loads of the step's
+  two activation halves ``[BLOCK_M, 32]`` and weight code bytes ``[BLOCK_N, 32]`` into a
+  ``STAGES``-deep ring (mbarriers ``ready`` / ``empty``); two consumer warpgroups (8 warps) each
+  own 64 weight rows. A consumer loads its code bytes from shared memory in the wgmma fragment
+  layout itself (``DotOperandLayout``, k_width 2: a thread's two adjacent bytes are exactly the
+  element pairs its fragment holds in each nibble plane), decodes them with the GEMMs' PTX
+  decoder and multiplies by the block scales (loaded from global memory as int32 words of four:
+  one word per row and step).
+* Queued wgmmas: a step is decoded and its wgmmas issued while the previous step's still run; then
+  the consumer waits for the previous step's and frees its stage. A wgmma reads its register
+  operand asynchronously, so nothing may write those registers before a wait covers it: the loop
+  body holds two steps (``_queued_step`` twice), so consecutive steps' fragments live in different
+  registers and each set is rewritten only after the wait on the wgmmas that read it (checked in
+  the PTX: every fragment register is written once per loop iteration, after that wait). Step 0
+  runs before the loop with ``use_acc=False`` so that no instruction but a wgmma writes the
+  accumulator while wgmmas are in flight (ptxas serializes them otherwise, warning C7515).
+* Tile 128 weight rows x 256 tokens, one program per tile; programs sharing a weight tile are
+  adjacent in launch order (``GROUP_M`` token tiles at a time) so the tile is read from HBM once.
+  168 registers per thread for 12 warps (the loader's warpgroup gives its registers to the
+  consumers: ``setmaxnreg`` 24 / 240).
+
+Measured against the other paths and cuBLAS bf16 in benchmarks/results/ (``bench_ops.py
+--hopper-sweep``); :data:`HOPPER_BF16_MAX_M` comes from there. Gluon is Triton's experimental
+low-level language and its API changes between releases: this module is written for, and only
+used with, Triton 3.6 (``hopper_available``); other versions take the other paths.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from fp4fuse.kernels.triton.alpha import Alpha, alpha_meta, alpha_operands
+from fp4fuse.kernels.triton.decode import DECODE_PTX, num_sms
+from fp4fuse.kernels.triton.launch import tracing, triton_version
+from fp4fuse.kernels.triton.mm import DECODE_MAX_M, decode_fp4_halves
+
+__all__ = ["HOPPER_BF16_MAX_M", "fills_the_gpu", "hopper_available", "hopper_operands_ok", "hopper_serves",
+           "mm_fp4_hopper", "serves_shape"]
+
+logger = logging.getLogger(__name__)
+
+#: The Triton release whose Gluon API this module is written to.
+GLUON_TRITON = (3, 6)
+#: bf16 outputs use this kernel from DECODE_MAX_M + 1 rows up to here where the product fills the
+#: GPU (``fills_the_gpu``); otherwise dequantize + cuBLAS (faster at 4096 rows on every measured
+#: shape). fp16 / fp32 outputs use it for every M above DECODE_MAX_M (their other path, the tiled
+#: kernel, is 2-3x slower).
+HOPPER_BF16_MAX_M = 2048
+#: ``fills_the_gpu``'s least fill of the launched tiles, in tenths.
+MIN_FILL_TENTHS = 8
+#: K elements per step (code bytes: half), and the alignment of K it needs (whole scale words).
+STEP_K = 64
+BLOCK_M = 256
+BLOCK_N = 128
+STAGES = 4
+GROUP_M = 8
+#: The two consumer warpgroups (the default partition).
+NUM_WARPS = 8
+#: Registers per thread over the 12 warps (8 consumers, the loader rounded up to a warpgroup), and
+#: what ``setmaxnreg`` leaves the loader (the consumers get the rest: 240).
+MAX_REGISTERS = 168
+LOADER_REGISTERS = gl.constexpr(24)
+
+
+@functools.cache
+def hopper_available(device_index: int) -> bool:
+    """Whether CUDA device ``device_index`` runs this kernel: compute capability 9.0 (wgmma, TMA)
+    and Triton 3.6 (cached per device)."""
+    if triton_version() != GLUON_TRITON:
+        logger.debug("fp4fuse: Hopper Gluon GEMM off: Triton %s is not %s", triton.__version__, GLUON_TRITON)
+        return False
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def hopper_serves(m: int | torch.SymInt, n: int, k: int, out_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``mm_fp4_triton`` sends an ``[M, K] x [N, K]^T`` product to this kernel (shapes and
+    device only; the operands' alignment is :func:`hopper_operands_ok`'s)."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return hopper_available(index) and serves_shape(m, n, k, out_dtype, num_sms(device))
+
+
+def serves_shape(m: int | torch.SymInt, n: int, k: int, out_dtype: torch.dtype, sms: int) -> bool:
+    """The shape rule of :func:`hopper_serves` on a GPU of ``sms`` multiprocessors: K a nonzero
+    multiple of ``STEP_K``, N > 0, M above ``DECODE_MAX_M``; for a bf16 output also M at most
+    ``HOPPER_BF16_MAX_M`` and a product that fills the launched tiles (:func:`fills_the_gpu`),
+    where dequantize + cuBLAS is otherwise faster. A symbolic ``m`` is compared like a number:
+    each comparison is guarded by the tracer."""
+    if k == 0 or k % STEP_K or n == 0 or m <= DECODE_MAX_M:
+        return False
+    return out_dtype != torch.bfloat16 or (m <= HOPPER_BF16_MAX_M and fills_the_gpu(m, n, sms))
+
+
+def fills_the_gpu(m: int | torch.SymInt, n: int, sms: int) -> bool:
+    """Whether the ``[m, n]`` output fills at least ``MIN_FILL`` of what its launch can compute:
+    waves of ``sms`` programs of ``BLOCK_M x BLOCK_N`` outputs. A partial last wave and padded
+    token rows leave multiprocessors idle, and one program's tile takes the same time whatever it
+    holds (benchmarks/results/: below 0.8 the kernel lost to dequantize + cuBLAS on every measured
+    shape but one, above it won or tied)."""
+    tiles = -(-m // BLOCK_M) * -(-n // BLOCK_N)
+    waves = -(-tiles // sms)
+    return MIN_FILL_TENTHS * waves * sms * BLOCK_M * BLOCK_N <= 10 * m * n
+
+
+def hopper_operands_ok(b: torch.Tensor, b_scale: torch.Tensor) -> bool:
+    """The weight's alignment the kernel needs: TMA reads the codes (16-byte base), the scales
+    are read as int32 words (4-byte base). Not checkable while tracing (fake tensors)."""
+    return b.data_ptr() % 16 == 0 and b_scale.data_ptr() % 4 == 0
+
+
+@gluon.jit
+def _load_partition(xlo_desc, xhi_desc, w_desc, xlo_bufs, xhi_bufs, w_bufs, ready, empty, off_m, off_n, k_steps):
+    """Loader warp: TMA loads of each K step's activation halves and weight codes into the ring."""
+    num_stages: gl.constexpr = w_bufs.type.shape[0]
+    step_bytes: gl.constexpr = w_desc.block_type.shape[1]
+    nbytes: gl.constexpr = 2 * xlo_desc.block_type.nbytes + w_desc.block_type.nbytes
+    for i in range(k_steps):
+        stage = i % num_stages
+        mbarrier.wait(empty.index(stage), ((i // num_stages) & 1) ^ 1)
+        bar = ready.index(stage)
+        mbarrier.expect(bar, nbytes)
+        col = i * step_bytes
+        tma.async_copy_global_to_shared(xlo_desc, [off_m, col], bar, xlo_bufs.index(stage))
+        tma.async_copy_global_to_shared(xhi_desc, [off_m, col], bar, xhi_bufs.index(stage))
+        tma.async_copy_global_to_shared(w_desc, [off_n, col], bar, w_bufs.index(stage))
+
+
+@gluon.jit
+def _decoded_weight(w_buf, words, shift, a_layout: gl.constexpr):
+    """A stage's weight codes -> (even, odd) elements as fp16 wgmma A fragments, times their scales."""
+    codes = w_buf.load(a_layout)
+    lo, hi = gl.inline_asm_elementwise(DECODE_PTX, "=r,=r,=r,=r,r", [codes],
+                                       dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+    scale_bits = ((words[:, None] >> shift[None, :]) & 0xFF).to(gl.uint8)
+    scales = scale_bits.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+    return lo * scales, hi * scales
+
+
+@gluon.jit
+def _queued_step(acc, i, lo_prev, hi_prev, xlo_bufs, xhi_bufs, w_bufs, ready, empty, word_ptrs, shift,
+                 a_layout: gl.constexpr):
+    """K step ``i``: decode its weight fragments (while step i - 1's wgmmas run), issue its wgmmas,
+    then wait for step i - 1's (whose fragments ``lo_prev, hi_prev`` stay live until then) and free
+    that step's stage. Returns the accumulator and step i's fragments."""
+    num_stages: gl.constexpr = w_bufs.type.shape[0]
+    stage = i % num_stages
+    words = gl.load(word_ptrs + i)
+    mbarrier.wait(ready.index(stage), (i // num_stages) & 1)
+    lo, hi = _decoded_weight(w_bufs.index(stage), words, shift, a_layout)
+    acc = warpgroup_mma(lo, xlo_bufs.index(stage).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(hi, xhi_bufs.index(stage).permute((1, 0)), acc, is_async=True)
+    lo_prev, hi_prev = warpgroup_mma_wait(num_outstanding=2, deps=(lo_prev, hi_prev))
+    mbarrier.arrive(empty.index((i - 1) % num_stages))
+    return acc, lo, hi
+
+
+@gluon.jit
+def _mma_partition(xlo_bufs, xhi_bufs, w_bufs, ready, empty, ws_ptr, words_per_row, off_n, N, k_steps,
+                   BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
+    """Consumer warpgroups: decode each step's weight rows into wgmma fragments and accumulate
+    ``acc[BLOCK_N, BLOCK_M]`` (a step decoded and its wgmmas queued while the previous step's run)."""
+    num_stages: gl.constexpr = w_bufs.type.shape[0]
+    step_bytes: gl.constexpr = w_bufs.type.shape[2]
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
+    rows = gl.where(rows < N, rows, 0)  # rows past N (zero codes from TMA) read row 0's scales; not stored
+    word_ptrs = ws_ptr + rows.to(gl.int64) * words_per_row
+    # byte of the row's scale word for each code byte of the step (8 code bytes per 16-element block)
+    shift = (gl.arange(0, step_bytes, layout=gl.SliceLayout(0, a_layout)) // 8) * 8
+    # Step i's wgmmas are issued while step i - 1's still run. A wgmma reads its register operand
+    # asynchronously, so no instruction may write those registers before a wait covers it: two
+    # call sites of _queued_step per loop iteration give consecutive steps their own registers, and
+    # each site rewrites its registers one step after the wait on the wgmmas that read them.
+    # Step 0 with use_acc=False: nothing but wgmmas may write the accumulator while they are in
+    # flight (ptxas would serialize them), and from then on they always are.
+    mbarrier.wait(ready.index(0), 0)
+    lo_a, hi_a = _decoded_weight(w_bufs.index(0), gl.load(word_ptrs), shift, a_layout)
+    acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, mma_layout)
+    acc = warpgroup_mma(lo_a, xlo_bufs.index(0).permute((1, 0)), acc, use_acc=False, is_async=True)
+    acc = warpgroup_mma(hi_a, xhi_bufs.index(0).permute((1, 0)), acc, is_async=True)
+    for i in range(1, k_steps - 1, 2):
+        acc, lo_b, hi_b = _queued_step(acc, i, lo_a, hi_a, xlo_bufs, xhi_bufs, w_bufs, ready, empty, word_ptrs, shift,
+                                       a_layout)
+        acc, lo_a, hi_a = _queued_step(acc, i + 1, lo_b, hi_b, xlo_bufs, xhi_bufs, w_bufs, ready, empty, word_ptrs,
+                                       shift, a_layout)
+    if k_steps % 2 == 0:
+        acc, lo_b, hi_b = _queued_step(acc, k_steps - 1, lo_a, hi_a, xlo_bufs, xhi_bufs, w_bufs, ready, empty,
+                                       word_ptrs, shift, a_layout)
+        result, lo_b, hi_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc, lo_b, hi_b))
+    else:
+        result, lo_a, hi_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, lo_a, hi_a))
+    return (result,)
+
+
+@gluon.jit
+def _mm_hopper_kernel(xlo_desc, xhi_desc, w_desc, ws_ptr, alpha_ptr, alpha_b_ptr, out_ptr, M, N, k_steps,
+                      words_per_row, ALPHA_FROM_SCALES: gl.constexpr, ALPHA_DIV_RN: gl.constexpr,
+                      STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
+    BLOCK_M: gl.constexpr = xlo_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    step_bytes: gl.constexpr = w_desc.block_type.shape[1]
+    pid = gl.program_id(0)
+    num_m = gl.cdiv(M, BLOCK_M)
+    num_n = gl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = gl.minimum(num_m - first_m, GROUP_M)
+    off_m = (first_m + (pid % per_group) % group_rows) * BLOCK_M
+    off_n = ((pid % per_group) // group_rows) * BLOCK_N
+
+    xlo_bufs = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_M, step_bytes], xlo_desc.layout)
+    xhi_bufs = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_M, step_bytes], xhi_desc.layout)
+    w_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, step_bytes], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+
+    results = gl.warp_specialize([
+        (_mma_partition, (xlo_bufs, xhi_bufs, w_bufs, ready, empty, ws_ptr, words_per_row, off_n, N, k_steps,
+                          BLOCK_N, BLOCK_M, num_warps)),
+        (_load_partition, (xlo_desc, xhi_desc, w_desc, xlo_bufs, xhi_bufs, w_bufs, ready, empty, off_m, off_n,
+                           k_steps)),
+    ], [1], [LOADER_REGISTERS])
+    acc = results[0]
+
+    if ALPHA_FROM_SCALES:
+        product = gl.load(alpha_ptr) * gl.load(alpha_b_ptr)
+        if ALPHA_DIV_RN:
+            alpha = gl.div_rn(1.0, product)
+        else:
+            alpha = 1.0 / product
+    else:
+        alpha = gl.load(alpha_ptr)
+    res = ((acc * 268435456.0) * alpha).to(out_ptr.dtype.element_ty)  # 2**28 undoes the fp16 decode's 2**-14 twice
+    # out[m, n] = res[n, m]: 8 consecutive n per thread, so each thread stores 16 contiguous bytes
+    out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, num_warps], [0, 1])
+    res = gl.convert_layout(res, out_layout)
+    n_idx = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
+    m_idx = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
+    offs = m_idx[None, :].to(gl.int64) * N + n_idx[:, None]
+    gl.store(out_ptr + offs, res, mask=(m_idx < M)[None, :] & (n_idx < N)[:, None])
+
+
+def mm_fp4_hopper(
+    a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, alpha: Alpha,
+    out_dtype: torch.dtype, out: torch.Tensor | None = None, block_m: int = BLOCK_M,
+) -> torch.Tensor:
+    """``alpha * (q_a * s_a) @ (q_b * s_b)^T`` (module docstring); ``out``: where to write it;
+    ``block_m``: tokens per program, 256 or 128 (sweeps)."""
+    if tracing():
+        raise RuntimeError("mm_fp4_hopper: the Gluon kernel takes TMA descriptors, which a tracer cannot record; "
+                           "a traced mm_fp4 in its range must stay an op call (fp4fuse.passes.lowering)")
+    m, n, k = a.shape[0], b.shape[0], a.shape[1] * 2
+    if k % STEP_K or not hopper_operands_ok(b, b_scale):
+        raise ValueError(f"mm_fp4_hopper: needs K % {STEP_K} == 0, a 16-byte aligned b and a 4-byte aligned "
+                         f"b_scale; got K={k}, b at {b.data_ptr() % 16} mod 16, b_scale at {b_scale.data_ptr() % 4} mod 4")
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    elif out.shape != (m, n) or out.dtype != out_dtype or out.stride() != (n, 1):
+        raise ValueError(f"mm_fp4_hopper: out must be a [{m}, {n}] {out_dtype} tensor with row stride {n}; got "
+                         f"{out.dtype} {list(out.shape)} strides {out.stride()}")
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    xlo, xhi = decode_fp4_halves(a, a_scale)
+    step_bytes = STEP_K // 2
+    if block_m not in (128, 256):
+        raise ValueError(f"mm_fp4_hopper: block_m must be 128 or 256; got {block_m}")
+    x_layout = gl.NVMMASharedLayout.get_default_for([block_m, step_bytes], gl.float16)
+    w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, step_bytes], gl.uint8)
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, BLOCK_N),)
+    _mm_hopper_kernel[grid](
+        TensorDescriptor.from_tensor(xlo, [block_m, step_bytes], x_layout),
+        TensorDescriptor.from_tensor(xhi, [block_m, step_bytes], x_layout),
+        TensorDescriptor.from_tensor(b, [BLOCK_N, step_bytes], w_layout),
+        b_scale.view(torch.int32), *alpha_operands(alpha), out, m, n, k // STEP_K, k // STEP_K,
+        **alpha_meta(alpha), STAGES=STAGES, GROUP_M=GROUP_M, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
+    )
+    return out

@@ -1,0 +1,185 @@
+"""The Hopper Gluon GEMM (fp4fuse/kernels/triton/mm_hopper.py): its shape rule (CPU), and on an sm_90
+GPU with Triton 3.6 the kernel against the float64 reference at odd shapes, through ``mm_fp4``'s
+dispatch, row blocks bitwise the whole product (what the collective GEMMs rely on), NaN scales,
+the fallback for a misaligned weight, and a compiled graph keeping the op call."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+mm_hopper = pytest.importorskip("fp4fuse.kernels.triton.mm_hopper")  # needs Triton's Gluon
+
+import fp4fuse  # noqa: E402,F401
+from fp4fuse.config import FusionConfig  # noqa: E402
+from fp4fuse.kernels.triton import mm as triton_mm  # noqa: E402
+from fp4fuse.kernels.triton.alpha import GlobalScales  # noqa: E402
+from fp4fuse.nvfp4 import format as nvfp4  # noqa: E402
+
+ops = torch.ops.fp4fuse
+
+
+@pytest.mark.parametrize("m,n,k,out_dtype,serves", [
+    (512, 8192, 8192, torch.bfloat16, True),     # 128 tiles of 256 x 128: one wave, filled
+    (2048, 8192, 8192, torch.bfloat16, True),
+    (2049, 8192, 8192, torch.bfloat16, False),   # dequantize + cuBLAS above
+    (512, 3072, 4096, torch.bfloat16, False),    # 48 tiles: a third of one wave
+    (1024, 3072, 4096, torch.bfloat16, False),   # 96 tiles: 0.73 of a wave
+    (257, 28672, 8192, torch.bfloat16, False),   # 2 token tiles, the second holding 1 row
+    (1024, 14336, 4096, torch.bfloat16, True),   # 448 tiles in 4 waves: 0.85 filled
+    (257, 300, 192, torch.float16, True),        # fp16 / fp32: any fill, no upper bound (the tiled
+    (9000, 8192, 8192, torch.float32, True),     # kernel, their other path, is slower)
+    (256, 8192, 8192, torch.float32, False),     # the decode GEMM's range
+    (1000, 8192, 8160, torch.bfloat16, False),   # K not a multiple of 64 (whole scale words per step)
+    (1000, 0, 256, torch.float16, False),
+    (1000, 64, 0, torch.float32, False),
+])
+def test_shape_rule(m, n, k, out_dtype, serves):
+    assert mm_hopper.serves_shape(m, n, k, out_dtype, sms=132) is serves
+
+
+def test_fill_rule_against_counted_tiles():
+    """``fills_the_gpu`` against the fill counted tile by tile: outputs over launched capacity."""
+    for sms in (132, 114):
+        for m in range(257, 2049, 37):
+            for n in (136, 3072, 4096, 8200, 14336, 28672):
+                tiles = [(i, j) for i in range(0, m, 256) for j in range(0, n, 128)]
+                waves = (len(tiles) + sms - 1) // sms
+                fill = m * n / (waves * sms * 256 * 128)
+                assert mm_hopper.fills_the_gpu(m, n, sms) == (fill >= 0.8), (m, n, sms, fill)
+
+
+def test_not_served_off_cuda():
+    assert not triton_mm.hopper_serves(1000, 4096, 4096, torch.bfloat16, torch.device("cpu"))
+
+
+# ---------------------------------------------------------------------------------------- CUDA
+
+def _require_hopper() -> None:
+    if not mm_hopper.hopper_available(torch.cuda.current_device()):
+        pytest.skip("needs an sm_90 GPU and Triton 3.6 (the Gluon kernel's target)")
+
+
+def _operands(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """``(a, sa, ga, b, sb, gb)``: random operands with block-varying magnitudes, quantized by the op."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def blocks(rows: int) -> torch.Tensor:
+        spread = torch.rand(rows, k // 16, generator=gen, device="cuda").pow(4).repeat_interleave(16, 1)
+        return (torch.randn(rows, k, generator=gen, device="cuda") * spread * 3).to(torch.bfloat16)
+
+    xa, xb = blocks(m), blocks(n)
+    ga = nvfp4.global_scale_from_amax(xa.float().abs().amax()).reshape(1)
+    gb = nvfp4.global_scale_from_amax(xb.float().abs().amax()).reshape(1)
+    a, sa = ops.scaled_fp4_quant(xa, ga)
+    b, sb = ops.scaled_fp4_quant(xb, gb)
+    return a, sa, ga, b, sb, gb
+
+
+def _rel_error(out: torch.Tensor, a, b, sa, sb, alpha: torch.Tensor) -> float:
+    ref = nvfp4.mm_fp4_reference(a.cpu(), b.cpu(), sa.cpu(), sb.cpu(), alpha.cpu(), torch.float64)
+    return ((out.double().cpu() - ref).norm() / ref.norm()).item()
+
+
+_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m,n,k", [(257, 300, 192), (1000, 3000, 3584), (2048, 136, 640), (777, 8200, 1024),
+                                   (1500, 14000, 1088)])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_matches_float64(m, n, k, out_dtype):
+    """The Gluon kernel at odd shapes is the float64 reference up to fp32 accumulation and one
+    rounding; where ``mm_fp4`` sends the shape to it on this GPU, the op's output is bitwise its."""
+    _require_hopper()
+    a, sa, ga, b, sb, gb = _operands(m, n, k, seed=m + n + k)
+    alpha = 1.0 / (ga * gb)
+    out = mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, out_dtype)
+    serves = triton_mm.hopper_serves(m, n, k, out_dtype, a.device)
+    assert serves or out_dtype == torch.bfloat16  # fp16 / fp32: every M above the decode GEMM's
+    if serves:
+        assert torch.equal(ops.mm_fp4(a, b, sa, sb, alpha, out_dtype), out)
+    assert out.dtype == out_dtype and out.shape == (m, n) and torch.isfinite(out).all()
+    assert _rel_error(out, a, b, sa, sb, alpha) <= _TOL[out_dtype]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("div_rn", [True, False])
+def test_cuda_alpha_from_global_scales(div_rn):
+    """``GlobalScales``: the epilogue forms ``1 / (gs_a * gs_b)``; with IEEE division it is the
+    alpha eager torch computes, so the output is bitwise the one with that alpha passed in."""
+    _require_hopper()
+    a, sa, ga, b, sb, gb = _operands(600, 520, 448, seed=3)
+    alpha = torch.reciprocal(ga * gb)
+    got = mm_hopper.mm_fp4_hopper(a, b, sa, sb, GlobalScales(ga, gb, div_rn), torch.bfloat16)
+    if div_rn:
+        assert torch.equal(got, mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16))
+    assert _rel_error(got, a, b, sa, sb, alpha) <= _TOL[torch.bfloat16]
+
+
+@pytest.mark.cuda
+def test_cuda_row_blocks_are_bitwise_the_whole_product():
+    """Blocks of rows written into views of one output (``RowBlockGemm``'s HOPPER mode in the
+    collective GEMMs) give the whole product's bits: each output's sums do not depend on M."""
+    _require_hopper()
+    m, n, k = 1301, 3000, 1024
+    a, sa, ga, b, sb, gb = _operands(m, n, k, seed=5)
+    alpha = 1.0 / (ga * gb)
+    whole = mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16)
+    out = torch.full_like(whole, float("nan"))
+    for r0, r1 in [(0, 300), (300, 777), (777, 1300), (1300, m)]:
+        mm_hopper.mm_fp4_hopper(a[r0:r1], b, sa[r0:r1], sb, alpha, torch.bfloat16, out=out[r0:r1])
+    assert torch.equal(out, whole)
+
+
+@pytest.mark.cuda
+def test_cuda_nan_block_scales_propagate():
+    """A NaN weight block scale makes its output column NaN; a NaN activation block scale its row."""
+    _require_hopper()
+    a, sa, ga, b, sb, gb = _operands(700, 200, 320, seed=7)
+    sb.view(torch.uint8)[5, 3] = 0x7F
+    sa.view(torch.uint8)[9, 17] = 0xFF
+    out = mm_hopper.mm_fp4_hopper(a, b, sa, sb, 1.0 / (ga * gb), torch.float32)
+    assert torch.isnan(out[:, 5]).all() and torch.isnan(out[9]).all()
+    rest = torch.ones_like(out, dtype=torch.bool)
+    rest[:, 5] = False
+    rest[9] = False
+    assert torch.isfinite(out[rest]).all()
+
+
+@pytest.mark.cuda
+def test_cuda_misaligned_weight_scales_take_the_other_path():
+    """Scales the kernel cannot read as words (not 4-byte aligned): the kernel refuses them with the
+    rule, and ``mm_fp4`` computes the product through its other path."""
+    _require_hopper()
+    m, n, k = 600, 96, 256
+    a, sa, ga, b, sb, gb = _operands(m, n, k, seed=11)
+    storage = torch.empty(sb.numel() + 1, dtype=torch.uint8, device="cuda")
+    sb_odd = storage[1:].view(n, k // 16)
+    sb_odd.copy_(sb.view(torch.uint8))
+    sb_odd = sb_odd.view(torch.float8_e4m3fn)
+    alpha = 1.0 / (ga * gb)
+    with pytest.raises(ValueError, match="b_scale"):
+        mm_hopper.mm_fp4_hopper(a, b, sa, sb_odd, alpha, torch.bfloat16)
+    out = ops.mm_fp4(a, b, sa, sb_odd, alpha, torch.bfloat16)
+    assert _rel_error(out, a, b, sa, sb, alpha) <= _TOL[torch.bfloat16]
+
+
+def _gemm_graph(a, b, sa, sb, alpha):
+    return ops.mm_fp4(a, b, sa, sb, alpha, torch.bfloat16).relu()
+
+
+@pytest.mark.cuda
+def test_cuda_compiled_graph_keeps_the_op_call_and_its_bits():
+    """A compiled ``mm_fp4`` in the Gluon kernel's range stays an op call (Inductor cannot launch a
+    TMA-descriptor kernel itself; the lowering records why) and gives the eager op's bits."""
+    _require_hopper()
+    torch._dynamo.reset()
+    a, sa, ga, b, sb, gb = _operands(1000, 4096, 256, seed=13)
+    assert triton_mm.hopper_serves(1000, 4096, 256, torch.bfloat16, a.device)
+    args = (a, b, sa, sb, 1.0 / (ga * gb))
+    eager = _gemm_graph(*args)
+    fusion = fp4fuse.FusionPass(FusionConfig())
+    got = torch.compile(_gemm_graph, fullgraph=True, options={"post_grad_custom_post_pass": fusion})(*args)
+    assert "lowering.mm_fp4" not in fusion.match_counts
+    assert torch.equal(got, eager)
