@@ -209,6 +209,8 @@ RUNTIME_ENV_VARS: tuple[RuntimeEnvVar, ...] = (
     RuntimeEnvVar("FP4FUSE_COLLECTIVE_CHECK", "cross-rank argument check: always, first, off", True),
     RuntimeEnvVar("FP4FUSE_BACKEND", "CUDA kernel family: reference, triton, flashinfer", True),
     RuntimeEnvVar("FP4FUSE_SYMM_MEM_TIMEOUT_MS", "device-side wait limit of the symmetric-memory pipelines", False),
+    RuntimeEnvVar("FP4FUSE_DISABLE_GLUON", "never use the Hopper Gluon GEMM (fp4fuse/kernels/triton/mm_hopper.py)",
+                  False),
 )
 
 _TRUE = ("1", "true", "yes", "on")

@@ -2,6 +2,8 @@
 ValueError naming the variable and the accepted values, an empty value means unset."""
 from __future__ import annotations
 
+import importlib
+
 import pathlib
 import re
 from typing import Any, Callable
@@ -37,6 +39,8 @@ READERS: dict[str, tuple[Callable[[], Any], Any]] = {
     "FP4FUSE_COLLECTIVE_CHECK": (lambda: groups.signature_check_mode("cpu"), groups.SignatureCheck.ALWAYS),
     "FP4FUSE_BACKEND": (backend.forced_backend, None),
     "FP4FUSE_SYMM_MEM_TIMEOUT_MS": (workspace.timeout_ms, workspace.DEFAULT_TIMEOUT_MS),
+    "FP4FUSE_DISABLE_GLUON": (lambda: importlib.import_module("fp4fuse.kernels.triton.mm_hopper").gluon_disabled(),
+                              False),
 }
 
 BOOL_ACCEPTED = ("1/true/yes/on", "0/false/no/off")
@@ -60,6 +64,7 @@ BAD_VALUES: dict[str, list[tuple[str, tuple[str, ...]]]] = {
     "FP4FUSE_BACKEND": [("cuda", ("reference, triton, flashinfer",))],
     "FP4FUSE_SYMM_MEM_TIMEOUT_MS": [("abc", ("an integer >= 1",)), ("-1", ("an integer >= 1",)),
                                     ("0", ("an integer >= 1",))],
+    "FP4FUSE_DISABLE_GLUON": [("gluon", BOOL_ACCEPTED)],
 }
 
 ALL_VARS = set(ENV_VARS.values()) | {v.name for v in RUNTIME_ENV_VARS}

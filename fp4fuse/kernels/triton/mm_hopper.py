@@ -62,16 +62,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from fp4fuse.config import env_bool
 from fp4fuse.kernels.triton.alpha import Alpha, alpha_meta, alpha_operands
 from fp4fuse.kernels.triton.decode import DECODE_PTX, num_sms
 from fp4fuse.kernels.triton.launch import tracing, triton_version
 from fp4fuse.kernels.triton.mm import DECODE_MAX_M, decode_fp4_halves
 
-__all__ = ["HOPPER_BF16_MAX_M", "fills_the_gpu", "hopper_available", "hopper_operands_ok", "hopper_serves",
+__all__ = ["ENV_DISABLE_GLUON", "HOPPER_BF16_MAX_M", "fills_the_gpu", "gluon_disabled", "hopper_available", "hopper_operands_ok", "hopper_serves",
            "mm_fp4_hopper", "serves_shape"]
 
 logger = logging.getLogger(__name__)
 
+ENV_DISABLE_GLUON = "FP4FUSE_DISABLE_GLUON"
 #: The Triton release whose Gluon API this module is written to.
 GLUON_TRITON = (3, 6)
 #: bf16 outputs use this kernel from DECODE_MAX_M + 1 rows up to here where the product fills the
@@ -95,10 +97,17 @@ MAX_REGISTERS = 168
 LOADER_REGISTERS = gl.constexpr(24)
 
 
+def gluon_disabled() -> bool:
+    """``FP4FUSE_DISABLE_GLUON=1``: never use this kernel (its products take the other paths)."""
+    return env_bool(ENV_DISABLE_GLUON, False)
+
+
 @functools.cache
 def hopper_available(device_index: int) -> bool:
-    """Whether CUDA device ``device_index`` runs this kernel: compute capability 9.0 (wgmma, TMA)
-    and Triton 3.6 (cached per device)."""
+    """Whether CUDA device ``device_index`` runs this kernel: compute capability 9.0 (wgmma, TMA),
+    Triton 3.6 and ``FP4FUSE_DISABLE_GLUON`` unset (cached per device: read once)."""
+    if gluon_disabled():
+        return False
     if triton_version() != GLUON_TRITON:
         logger.debug("fp4fuse: Hopper Gluon GEMM off: Triton %s is not %s", triton.__version__, GLUON_TRITON)
         return False
