@@ -629,31 +629,23 @@ def hopper_sweep(ceil: Ceilings, raw: dict) -> None:
     cuBLAS bf16; with the Gluon GEMM's rate in TFLOP/s."""
     hopper = triton_mm.hopper_kernels()
     rows = []
-    for n, k in HOPPER_SHAPES:
-        weights = [quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16)) for _ in range(ROTATIONS)]
-        w_t = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() for _ in range(2)]
-        for m in HOPPER_MS:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            a, sa, ga = quantize(x)
-            alpha = 1.0 / (ga * weights[0][2])
-            cands = {
-                "shipped": lambda wq, ws: triton_mm.mm_fp4_triton(a, wq, sa, ws, alpha, torch.bfloat16),
-                "hopper": lambda wq, ws: hopper.mm_fp4_hopper(a, wq, sa, ws, alpha, torch.bfloat16),
-                "hopper_128": lambda wq, ws: hopper.mm_fp4_hopper(a, wq, sa, ws, alpha, torch.bfloat16, block_m=128),
-                "dequant_mm": lambda wq, ws: triton_mm.mm_fp4_dequant_mm(a, wq, sa, ws, alpha),
-            }
-            us = {name: bench_graph([functools.partial(fn, wq, wsq) for wq, wsq, _ in weights]) * 1e3
-                  for name, fn in cands.items()}
-            us["bf16"] = bench_graph([functools.partial(torch.mm, x, wt) for wt in w_t]) * 1e3
-            row = {"m": m, "n": n, "k": k, "us": us, "hopper_tflops": 2 * m * n * k / us["hopper"] / 1e6,
-                   "shipped_path": "hopper" if triton_mm.hopper_serves(m, n, k, torch.bfloat16, a.device) else "other"}
-            rows.append(row)
-            print(f"HOPPER m={m:<5d} n={n:<6d} k={k:<6d} " + " ".join(f"{kk}={v:.1f}" for kk, v in us.items())
-                  + f" | hopper {us['bf16'] / us['hopper']:.2f}x bf16, {us['dequant_mm'] / us['hopper']:.2f}x dequant, "
-                  f"{row['hopper_tflops']:.0f} TFLOP/s; shipped ({row['shipped_path']}) {us['bf16'] / us['shipped']:.2f}x bf16",
-                  flush=True)
-        weights = w_t = None
-        torch.cuda.empty_cache()
+    for m, n, k, x, a, sa, alpha, weights, w_t in _rotating_points(HOPPER_SHAPES, HOPPER_MS):
+        cands = {
+            "shipped": lambda wq, ws: triton_mm.mm_fp4_triton(a, wq, sa, ws, alpha, torch.bfloat16),
+            "hopper": lambda wq, ws: hopper.mm_fp4_hopper(a, wq, sa, ws, alpha, torch.bfloat16),
+            "hopper_128": lambda wq, ws: hopper.mm_fp4_hopper(a, wq, sa, ws, alpha, torch.bfloat16, block_m=128),
+            "dequant_mm": lambda wq, ws: triton_mm.mm_fp4_dequant_mm(a, wq, sa, ws, alpha),
+        }
+        us = {name: bench_graph([functools.partial(fn, wq, wsq) for wq, wsq, _ in weights]) * 1e3
+              for name, fn in cands.items()}
+        us["bf16"] = bench_graph([functools.partial(torch.mm, x, wt) for wt in w_t]) * 1e3
+        row = {"m": m, "n": n, "k": k, "us": us, "hopper_tflops": 2 * m * n * k / us["hopper"] / 1e6,
+               "shipped_path": "hopper" if triton_mm.hopper_serves(m, n, k, torch.bfloat16, a.device) else "other"}
+        rows.append(row)
+        print(f"HOPPER m={m:<5d} n={n:<6d} k={k:<6d} " + " ".join(f"{kk}={v:.1f}" for kk, v in us.items())
+              + f" | hopper {us['bf16'] / us['hopper']:.2f}x bf16, {us['dequant_mm'] / us['hopper']:.2f}x dequant, "
+              f"{row['hopper_tflops']:.0f} TFLOP/s; shipped ({row['shipped_path']}) {us['bf16'] / us['shipped']:.2f}x bf16",
+              flush=True)
     raw["hopper_sweep"] = rows
 
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["DECODE_PTX", "DECODE_SCALE_UNDO", "decode_codes", "decode_scales", "num_sms"]
+__all__ = ["DECODE_PTX", "DECODE_SCALE_UNDO", "decode_codes", "decode_scales", "grouped_tile", "num_sms"]
 
 #: 2**14 per operand from the fp16 decode, undone in the GEMM epilogues.
 DECODE_SCALE_UNDO = tl.constexpr(268435456.0)  # 2**28
@@ -65,6 +65,19 @@ def decode_scales(scales, FAST_DECODE: tl.constexpr):
         return scales.to(tl.float16)
     return _e4m3_to_fp16(scales.to(tl.uint8, bitcast=True))
 
+
+
+@triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program ``pid``'s ``(row tile, column tile)`` of an ``[M, N]`` output in grouped order:
+    ``GROUP_M`` row tiles share each column (weight) tile while it sits in L2. Also called from
+    Gluon kernels (scalar arithmetic only)."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
 
 
 _SM_COUNT: dict[int, int] = {}

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from fp4fuse.kernels.triton.alpha import Alpha, alpha_meta, alpha_operands, alpha_tensor, load_alpha
-from fp4fuse.kernels.triton.decode import DECODE_SCALE_UNDO, decode_codes, decode_scales, num_sms
+from fp4fuse.kernels.triton.decode import DECODE_SCALE_UNDO, decode_codes, decode_scales, grouped_tile, num_sms
 from fp4fuse.kernels.triton.launch import traceable, tracing
 from fp4fuse.kernels.triton.mm_decode import (
     DECODE_MAX_M, DecodeProduct, decode_config_for, mm_fp4_decode, mm_fp4_decode_products,
@@ -121,16 +121,8 @@ def _mm_fp4_kernel(
     EVEN_K says that range never passes KG (no masks along K).
     not PARTIAL: ``out[m, n] = acc * 2**28 * alpha`` in out's dtype.
     PARTIAL (split-K): fp32 ``out[split, m, n]`` (``[splits, M, N]``), unscaled."""
-    pid = tl.program_id(0)
     split = tl.program_id(1)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    # grouped order: GROUP_M row tiles share each weight tile while it sits in L2
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -63,13 +63,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from fp4fuse.config import env_bool
-from fp4fuse.kernels.triton.alpha import Alpha, alpha_meta, alpha_operands
-from fp4fuse.kernels.triton.decode import DECODE_PTX, num_sms
+from fp4fuse.kernels.triton.alpha import Alpha, alpha_meta, alpha_operands, load_alpha
+from fp4fuse.kernels.triton.decode import DECODE_PTX, DECODE_SCALE_UNDO, grouped_tile, num_sms
 from fp4fuse.kernels.triton.launch import tracing, triton_version
 from fp4fuse.kernels.triton.mm import DECODE_MAX_M, decode_fp4_halves
 
-__all__ = ["ENV_DISABLE_GLUON", "HOPPER_BF16_MAX_M", "fills_the_gpu", "gluon_disabled", "hopper_available", "hopper_operands_ok", "hopper_serves",
-           "mm_fp4_hopper", "serves_shape"]
+__all__ = ["ENV_DISABLE_GLUON", "HOPPER_BF16_MAX_M", "fills_the_gpu", "gluon_disabled", "hopper_available",
+           "hopper_operands_ok", "hopper_serves", "mm_fp4_hopper", "serves_shape"]
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def serves_shape(m: int | torch.SymInt, n: int, k: int, out_dtype: torch.dtype, 
 
 
 def fills_the_gpu(m: int | torch.SymInt, n: int, sms: int) -> bool:
-    """Whether the ``[m, n]`` output fills at least ``MIN_FILL`` of what its launch can compute:
+    """Whether the ``[m, n]`` output fills at least ``MIN_FILL_TENTHS / 10`` of what its launch can compute:
     waves of ``sms`` programs of ``BLOCK_M x BLOCK_N`` outputs. A partial last wave and padded
     token rows leave multiprocessors idle, and one program's tile takes the same time whatever it
     holds (benchmarks/results/: below 0.8 the kernel lost to dequantize + cuBLAS on every measured
@@ -244,14 +244,9 @@ def _mm_hopper_kernel(xlo_desc, xhi_desc, w_desc, ws_ptr, alpha_ptr, alpha_b_ptr
     BLOCK_M: gl.constexpr = xlo_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     step_bytes: gl.constexpr = w_desc.block_type.shape[1]
-    pid = gl.program_id(0)
-    num_m = gl.cdiv(M, BLOCK_M)
-    num_n = gl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = gl.minimum(num_m - first_m, GROUP_M)
-    off_m = (first_m + (pid % per_group) % group_rows) * BLOCK_M
-    off_n = ((pid % per_group) // group_rows) * BLOCK_N
+    tile_m, tile_n = grouped_tile(gl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    off_m = tile_m * BLOCK_M
+    off_n = tile_n * BLOCK_N
 
     xlo_bufs = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_M, step_bytes], xlo_desc.layout)
     xhi_bufs = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_M, step_bytes], xhi_desc.layout)
@@ -270,15 +265,8 @@ def _mm_hopper_kernel(xlo_desc, xhi_desc, w_desc, ws_ptr, alpha_ptr, alpha_b_ptr
     ], [1], [LOADER_REGISTERS])
     acc = results[0]
 
-    if ALPHA_FROM_SCALES:
-        product = gl.load(alpha_ptr) * gl.load(alpha_b_ptr)
-        if ALPHA_DIV_RN:
-            alpha = gl.div_rn(1.0, product)
-        else:
-            alpha = 1.0 / product
-    else:
-        alpha = gl.load(alpha_ptr)
-    res = ((acc * 268435456.0) * alpha).to(out_ptr.dtype.element_ty)  # 2**28 undoes the fp16 decode's 2**-14 twice
+    alpha = load_alpha(alpha_ptr, alpha_b_ptr, ALPHA_FROM_SCALES, ALPHA_DIV_RN)
+    res = ((acc * DECODE_SCALE_UNDO) * alpha).to(out_ptr.dtype.element_ty)
     # out[m, n] = res[n, m]: 8 consecutive n per thread, so each thread stores 16 contiguous bytes
     out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, num_warps], [0, 1])
     res = gl.convert_layout(res, out_layout)
