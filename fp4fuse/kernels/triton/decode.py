@@ -66,7 +66,6 @@ def decode_scales(scales, FAST_DECODE: tl.constexpr):
     return _e4m3_to_fp16(scales.to(tl.uint8, bitcast=True))
 
 
-
 @triton.jit
 def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """Program ``pid``'s ``(row tile, column tile)`` of an ``[M, N]`` output in grouped order:

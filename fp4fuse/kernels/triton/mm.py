@@ -25,7 +25,8 @@ Kernels and dispatch (``mm_fp4_triton``; measurements in benchmarks/results/):
   GEMM, and the "swapped" orientation with the weight as the register (A) operand: Triton then
   decodes in the MMA's register layout from 2-byte shared-memory reads (about 2x slower).
 * on Hopper (sm_90) with Triton 3.6, above ``DECODE_MAX_M`` rows (bf16 output: up to
-  ``mm_hopper.HOPPER_BF16_MAX_M``) where K is a multiple of 64 and the weight is aligned:
+  ``mm_hopper.HOPPER_BF16_MAX_M`` rows and where the output fills the GPU's waves of tiles) where K
+  is a multiple of 64 and the weight is aligned:
   ``fp4fuse.kernels.triton.mm_hopper``, a warp-specialized Gluon kernel that decodes the weight
   straight into wgmma register fragments (:func:`hopper_serves`);
 * ``_dequant_pair_kernel`` + cuBLAS: otherwise from ``DEQUANT_MIN_M`` on with bf16 output (where the GEMM
@@ -441,7 +442,8 @@ def hopper_kernels() -> Any:
 
 def hopper_serves(m: int | torch.SymInt, n: int, k: int, out_dtype: torch.dtype, device: torch.device) -> bool:
     """Whether ``mm_fp4_triton`` sends this product to the Hopper Gluon GEMM (``mm_hopper.hopper_serves``:
-    sm_90, Triton 3.6, M above ``DECODE_MAX_M`` (bf16: up to ``HOPPER_BF16_MAX_M``), ``K % 64 == 0``),
+    sm_90, Triton 3.6, M above ``DECODE_MAX_M`` (bf16: up to ``HOPPER_BF16_MAX_M`` and an output
+    that fills the GPU, ``mm_hopper.fills_the_gpu``), ``K % 64 == 0``),
     provided the weight is aligned (checked per call). A tracer cannot record that launch: a traced
     call in its range must stay an op call (``fp4fuse.passes.lowering``)."""
     hopper = hopper_kernels() if device.type == "cuda" else None
