@@ -53,6 +53,32 @@ def test_not_served_off_cuda():
     assert not triton_mm.hopper_serves(1000, 4096, 4096, torch.bfloat16, torch.device("cpu"))
 
 
+def _cpu_operands(m: int, n: int, k: int) -> tuple[torch.Tensor, ...]:
+    """Operand tensors of the right dtypes and shapes (contents unused: the checks run first)."""
+    return (torch.zeros(m, k // 2, dtype=torch.uint8), torch.zeros(n, k // 2, dtype=torch.uint8),
+            torch.zeros(m, k // 16, dtype=torch.float8_e4m3fn), torch.zeros(n, k // 16, dtype=torch.float8_e4m3fn),
+            torch.ones(1))
+
+
+def test_refuses_operands_it_cannot_read_with_the_rule():
+    """Bad operands get a ValueError naming the argument and the rule before any launch: K not a
+    multiple of 64, a non-contiguous operand, scales the kernel cannot read as words, an output
+    view it cannot write row by row."""
+    a, b, sa, sb, alpha = _cpu_operands(300, 96, 192)
+    with pytest.raises(ValueError, match="K % 64 == 0"):
+        mm_hopper.mm_fp4_hopper(*_cpu_operands(300, 96, 160)[:4], alpha, torch.bfloat16)
+    with pytest.raises(ValueError, match="b must be contiguous"):
+        wide = torch.zeros(96, 192, dtype=torch.uint8)
+        mm_hopper.mm_fp4_hopper(a, wide[:, :96], sa, sb, alpha, torch.bfloat16)
+    storage = torch.zeros(sb.numel() + 1, dtype=torch.uint8)
+    sb_odd = storage[1:].view(sb.shape).view(torch.float8_e4m3fn)
+    assert sb_odd.data_ptr() % 4  # the storage offset puts the scales off a word boundary
+    with pytest.raises(ValueError, match="4-byte aligned b_scale"):
+        mm_hopper.mm_fp4_hopper(a, b, sa, sb_odd, alpha, torch.bfloat16)
+    with pytest.raises(ValueError, match="row stride 96"):
+        mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, out=torch.empty(96, 300, dtype=torch.bfloat16).t())
+
+
 # ---------------------------------------------------------------------------------------- CUDA
 
 def _require_hopper() -> None:

@@ -285,6 +285,9 @@ def mm_fp4_hopper(
     if tracing():
         raise RuntimeError("mm_fp4_hopper: the Gluon kernel takes TMA descriptors, which a tracer cannot record; "
                            "a traced mm_fp4 in its range must stay an op call (fp4fuse.passes.lowering)")
+    for name, t in (("a", a), ("b", b), ("a_scale", a_scale), ("b_scale", b_scale)):
+        if not t.is_contiguous():  # the kernel reads every operand as dense rows
+            raise ValueError(f"mm_fp4_hopper: {name} must be contiguous (row-major); got strides {t.stride()}")
     m, n, k = a.shape[0], b.shape[0], a.shape[1] * 2
     if k % STEP_K or not hopper_operands_ok(b, b_scale):
         raise ValueError(f"mm_fp4_hopper: needs K % {STEP_K} == 0, a 16-byte aligned b and a 4-byte aligned "
