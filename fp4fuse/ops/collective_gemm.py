@@ -40,7 +40,7 @@ class RowBlockGemm:
     ``fp4fuse::mm_fp4`` returns a fresh tensor; copying each block's output into place would cost
     a full extra pass over ``[M, N]`` (7% of a large GEMM), so this picks, once per op call:
 
-    * ``HOPPER``: the Hopper Gluon GEMM (``triton_mm.hopper_serves`` for the whole GEMM's
+    * ``HOPPER``: the Hopper Gluon GEMM (``triton_mm.hopper_gemm`` for the whole GEMM's
       ``total_rows``), written straight into the view; each output element's sums do not depend on
       the other rows, so bitwise equal to the unfused graph;
     * ``DEQUANT_CUBLAS``: the Triton backend's own large-M bf16 path, reproduced through its public
@@ -80,10 +80,10 @@ class RowBlockGemm:
         backend = backend_for(b)
         triton_mm = _triton_mm_module() if backend is Backend.TRITON else None
         n, k = b.shape[0], b.shape[1] * 2
-        if (triton_mm is not None and triton_mm.hopper_serves(total_rows, n, k, out_dtype, b.device)
-                and triton_mm.hopper_kernels().hopper_operands_ok(b, b_scale)):
+        hopper = triton_mm.hopper_gemm(total_rows, b, b_scale, out_dtype) if triton_mm is not None else None
+        if hopper is not None:
             self.mode = GemmMode.HOPPER
-            self._hopper = triton_mm.hopper_kernels().mm_fp4_hopper
+            self._hopper = hopper
         elif triton_mm is not None and out_dtype == torch.bfloat16 and total_rows >= triton_mm.DEQUANT_MIN_M:
             self.mode = GemmMode.DEQUANT_CUBLAS
             self._dequantize = triton_mm.dequantize_fp4_triton

@@ -87,7 +87,9 @@ _ALPHA_ARG = 4  # mm_fp4(a, b, a_scale, b_scale, alpha, out_dtype)
 _LOWERABLE = {getattr(torch.ops.fp4fuse, name).default: name for name in kernel_table.LOWERABLE_OPS}
 # The launchers traced into graphs: their configuration choices decide the graph (Inductor hashes
 # the kernels' own source). Located without importing triton, which a CPU install lacks.
-_KERNEL_MODULES = ("fp4fuse.kernels.triton.alpha", "fp4fuse.kernels.triton.mm", "fp4fuse.kernels.triton.mm_decode",
+# mm_hopper's rule decides which mm_fp4 calls stay op calls.
+_KERNEL_MODULES = ("fp4fuse.kernels.triton.alpha", "fp4fuse.kernels.triton.decode", "fp4fuse.kernels.triton.mm",
+                   "fp4fuse.kernels.triton.mm_decode", "fp4fuse.kernels.triton.mm_hopper",
                    "fp4fuse.kernels.triton.quant", "fp4fuse.kernels.triton.norm", "fp4fuse.kernels.triton.norm_quant")
 
 
@@ -264,6 +266,7 @@ class KernelLoweringPass(GraphPass):
                 self.recorder.skipped(op, node, f"the device's fp4fuse backend is {backend.value}, not triton")
             return None
         args = _ordered_args(node)
+        op_args = [fake_value(a) if isinstance(a, fx.Node) else a for a in args]  # before alpha is folded
         alpha = args[_ALPHA_ARG] if node.target is _MM_FP4 else None
         factors = _alpha_factors(alpha, fake_value(node.args[0]).device) if alpha is not None else None
         if factors is not None:
@@ -272,8 +275,7 @@ class KernelLoweringPass(GraphPass):
                      alpha if factors is not None else None, _inductor_divides_rn())
         reason = _dynamic_size_reason([fake_value(n) for n in call.inputs])
         if reason is None:
-            reason = kernel_table.op_call_reason(op, backend, [fake_value(a) if isinstance(a, fx.Node) else a
-                                                               for a in _ordered_args(node)])
+            reason = kernel_table.op_call_reason(op, backend, op_args)
         if reason is not None:
             if record:
                 self.recorder.skipped(op, node, reason)

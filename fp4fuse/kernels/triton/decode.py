@@ -1,5 +1,7 @@
-"""Shared Triton device functions of fp4fuse's NVFP4 GEMMs: exact decoding of e2m1 codes and e4m3
-block scales into the GEMMs' fp16 operand encoding, and the device's multiprocessor count.
+"""Shared pieces of fp4fuse's NVFP4 GEMMs: Triton device functions decoding e2m1 codes and e4m3
+block scales exactly into the GEMMs' fp16 operand encoding, the grouped tile order, the decode of an
+activation into fp16 halves (``decode_fp4_halves``, read by the tiled and the Hopper Gluon GEMM) and
+the device's multiprocessor count.
 
 Operand encoding: ``bits = (c & 7) << 9 | (c & 8) << 12`` is the fp16 pattern of ``e2m1(c) * 2**-14``
 (the e2m1 subnormal 0.5 lands on an fp16 subnormal); times an e4m3 scale the product is an
@@ -12,7 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["DECODE_PTX", "DECODE_SCALE_UNDO", "decode_codes", "decode_scales", "grouped_tile", "num_sms"]
+from fp4fuse.kernels.triton.launch import traceable
+
+__all__ = ["DECODE_PTX", "DECODE_SCALE_UNDO", "decode_codes", "decode_fp4_halves", "decode_scales", "grouped_tile",
+           "num_sms"]
 
 #: 2**14 per operand from the fp16 decode, undone in the GEMM epilogues.
 DECODE_SCALE_UNDO = tl.constexpr(268435456.0)  # 2**28
@@ -77,6 +82,35 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
     first_m = (pid // per_group) * GROUP_M
     group_rows = tl.minimum(num_m - first_m, GROUP_M)
     return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
+
+
+@triton.jit
+def _decode_halves_kernel(q_ptr, s_ptr, lo_ptr, hi_ptr, n_blocks, BLOCKS: tl.constexpr,
+                          FAST_DECODE: tl.constexpr):
+    """NVFP4 ``[R, K/2]`` -> fp16 halves ``[R, K/2]`` (element 2j -> lo[j], 2j+1 -> hi[j]) in the
+    GEMM's operand encoding ``e2m1 * 2**-14 * s`` (exact), flat over 16-element blocks."""
+    blk = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+    in_range = blk < n_blocks
+    offs = blk[:, None] * 8 + tl.arange(0, 8)[None, :]
+    codes = tl.load(q_ptr + offs, mask=in_range[:, None], other=0)
+    scales = decode_scales(tl.load(s_ptr + blk, mask=in_range, other=0.0), FAST_DECODE)
+    lo, hi = decode_codes(codes, FAST_DECODE)
+    tl.store(lo_ptr + offs, lo * scales[:, None], mask=in_range[:, None])
+    tl.store(hi_ptr + offs, hi * scales[:, None], mask=in_range[:, None])
+
+
+def decode_fp4_halves(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 ``[R, K/2]`` -> fp16 ``(lo, hi)`` ``[R, K/2]``: elements 2j / 2j+1 as
+    ``e2m1 * 2**-14 * s`` (exact), the operand encoding of ``mm._mm_fp4_kernel`` and the Hopper Gluon GEMM."""
+    lo = torch.empty(q.shape, dtype=torch.float16, device=q.device)
+    hi = torch.empty_like(lo)
+    n_blocks = q.numel() // 8
+    if n_blocks == 0:
+        return lo, hi
+    blocks = 128
+    traceable(_decode_halves_kernel)[(triton.cdiv(n_blocks, blocks),)](
+        q, s, lo, hi, n_blocks, BLOCKS=blocks, FAST_DECODE=q.device.type == "cuda", num_warps=4)
+    return lo, hi
 
 
 _SM_COUNT: dict[int, int] = {}

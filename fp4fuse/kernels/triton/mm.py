@@ -15,7 +15,7 @@ Kernels and dispatch (``mm_fp4_triton``; measurements in benchmarks/results/):
 
 * up to ``DECODE_MAX_M`` rows: ``fp4fuse.kernels.triton.mm_decode`` (deterministic split-K inside
   the launch; the activation decoded in it up to 64 rows, pre-decoded once above);
-* ``_decode_halves_kernel`` decodes the activation once into fp16 even/odd halves ``[M, K/2]``
+* ``decode.decode_fp4_halves`` decodes the activation once into fp16 even/odd halves ``[M, K/2]``
   (a few microseconds at decode sizes), so that the GEMM decodes only the weight.
 * ``_mm_fp4_kernel``: tiled ``tl.dot`` kernel; each K step decodes a ``[BLOCK_N, 16*BLOCK_G]``
   weight tile in registers (inline PTX, 4 code bytes at a time) K-major, so that it goes to
@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,7 +50,9 @@ import triton
 import triton.language as tl
 
 from fp4fuse.kernels.triton.alpha import Alpha, alpha_meta, alpha_operands, alpha_tensor, load_alpha
-from fp4fuse.kernels.triton.decode import DECODE_SCALE_UNDO, decode_codes, decode_scales, grouped_tile, num_sms
+from fp4fuse.kernels.triton.decode import (
+    DECODE_SCALE_UNDO, decode_codes, decode_fp4_halves, decode_scales, grouped_tile, num_sms,
+)
 from fp4fuse.kernels.triton.launch import traceable, tracing
 from fp4fuse.kernels.triton.mm_decode import (
     DECODE_MAX_M, DecodeProduct, decode_config_for, mm_fp4_decode, mm_fp4_decode_products,
@@ -69,6 +72,7 @@ __all__ = [
     "decode_fp4_halves",
     "dequantize_fp4_pair_triton",
     "dequantize_fp4_triton",
+    "hopper_gemm",
     "hopper_kernels",
     "hopper_serves",
     "mm_config_for",
@@ -115,7 +119,7 @@ def _mm_fp4_kernel(
 ):
     """acc[m, n] = sum over this program's K range of A[m, k] * W[n, k].
 
-    A arrives decoded by ``_decode_halves_kernel`` (fp16 halves ``[M, K/2]``: even / odd
+    A arrives decoded by ``decode_fp4_halves`` (fp16 halves ``[M, K/2]``: even / odd
     elements); W (packed NVFP4 ``[N, K/2]`` + e4m3 scales ``[N, K/16]``) is decoded here, each
     step's ``[BLOCK_G*8, BLOCK_N]`` halves feeding two MMAs (even with even, odd with odd).
     Program (tile, split) covers groups ``[split * groups_per_split, +groups_per_split)``;
@@ -180,21 +184,6 @@ def _splitk_reduce_kernel(part_ptr, alpha_ptr, alpha_b_ptr, out_ptr, n_elements,
     alpha = load_alpha(alpha_ptr, alpha_b_ptr, ALPHA_FROM_SCALES, ALPHA_DIV_RN)
     res = (acc * DECODE_SCALE_UNDO) * alpha
     tl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _decode_halves_kernel(q_ptr, s_ptr, lo_ptr, hi_ptr, n_blocks, BLOCKS: tl.constexpr,
-                          FAST_DECODE: tl.constexpr):
-    """NVFP4 ``[R, K/2]`` -> fp16 halves ``[R, K/2]`` (element 2j -> lo[j], 2j+1 -> hi[j]) in the
-    GEMM's operand encoding ``e2m1 * 2**-14 * s`` (exact), flat over 16-element blocks."""
-    blk = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
-    in_range = blk < n_blocks
-    offs = blk[:, None] * 8 + tl.arange(0, 8)[None, :]
-    codes = tl.load(q_ptr + offs, mask=in_range[:, None], other=0)
-    scales = decode_scales(tl.load(s_ptr + blk, mask=in_range, other=0.0), FAST_DECODE)
-    lo, hi = decode_codes(codes, FAST_DECODE)
-    tl.store(lo_ptr + offs, lo * scales[:, None], mask=in_range[:, None])
-    tl.store(hi_ptr + offs, hi * scales[:, None], mask=in_range[:, None])
 
 
 @triton.jit
@@ -344,20 +333,6 @@ def mm_fp4_tiled(
     return out
 
 
-def decode_fp4_halves(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """NVFP4 ``[R, K/2]`` -> fp16 ``(lo, hi)`` ``[R, K/2]``: elements 2j / 2j+1 as
-    ``e2m1 * 2**-14 * s`` (exact), the operand encoding of ``_mm_fp4_kernel``."""
-    lo = torch.empty(q.shape, dtype=torch.float16, device=q.device)
-    hi = torch.empty_like(lo)
-    n_blocks = q.numel() // 8
-    if n_blocks == 0:
-        return lo, hi
-    blocks = 128
-    traceable(_decode_halves_kernel)[(triton.cdiv(n_blocks, blocks),)](
-        q, s, lo, hi, n_blocks, BLOCKS=blocks, FAST_DECODE=q.device.type == "cuda", num_warps=4)
-    return lo, hi
-
-
 def dequantize_fp4_triton(q: torch.Tensor, s: torch.Tensor, config: tuple[int, int] | None = None,
                           out: torch.Tensor | None = None) -> torch.Tensor:
     """``q * s`` as bf16 ``[R, K]`` (exact: every e2m1 x e4m3 product fits bf16), one pass.
@@ -450,6 +425,21 @@ def hopper_serves(m: int | torch.SymInt, n: int, k: int, out_dtype: torch.dtype,
     return hopper is not None and hopper.hopper_serves(m, n, k, out_dtype, device)
 
 
+def hopper_gemm(m: int, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype) -> Callable[..., Any] | None:
+    """``mm_hopper.mm_fp4_hopper`` where it computes an ``[m, K] x b^T`` product (:func:`hopper_serves`
+    and the weight aligned for it), else None. A tracer cannot record its launch: raises
+    RuntimeError under one where it would serve (a traced call in its range must stay an op call,
+    ``fp4fuse.passes.lowering``)."""
+    if not hopper_serves(m, b.shape[0], b.shape[1] * 2, out_dtype, b.device):
+        return None
+    if tracing():
+        raise RuntimeError(f"mm_fp4_triton: a traced {m}-row product with a {list(b.shape)} weight is the Hopper Gluon "
+                           "GEMM's, whose launch a tracer cannot record; the call must stay an op call "
+                           "(fp4fuse.passes.lowering)")
+    hopper = hopper_kernels()
+    return hopper.mm_fp4_hopper if hopper.hopper_operands_ok(b, b_scale) else None
+
+
 def op_call_reason(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, alpha: Any,
                    out_dtype: torch.dtype) -> str | None:
     """Why a traced ``mm_fp4`` call on these operands (fake tensors) must stay an op call, or None
@@ -469,13 +459,9 @@ def mm_fp4_triton(
     m, n, k = a.shape[0], b.shape[0], a.shape[1] * 2
     if m <= DECODE_MAX_M:
         return mm_fp4_decode(a, b, a_scale, b_scale, alpha, out_dtype)
-    if hopper_serves(m, n, k, out_dtype, a.device):
-        hopper = hopper_kernels()
-        if tracing():
-            raise RuntimeError(f"mm_fp4_triton: a traced {m}x{n}x{k} product is the Hopper Gluon GEMM's, whose launch "
-                               "a tracer cannot record; the call must stay an op call (fp4fuse.passes.lowering)")
-        if hopper.hopper_operands_ok(b, b_scale):
-            return hopper.mm_fp4_hopper(a, b, a_scale, b_scale, alpha, out_dtype)
+    hopper = hopper_gemm(m, b, b_scale, out_dtype)
+    if hopper is not None:
+        return hopper(a, b, a_scale, b_scale, alpha, out_dtype)
     if out_dtype == torch.bfloat16 and m >= DEQUANT_MIN_M:
         return mm_fp4_dequant_mm(a, b, a_scale, b_scale, alpha)
     return mm_fp4_tiled(a, b, a_scale, b_scale, alpha, out_dtype, mm_config_for(m, n, k, a.device))

@@ -64,9 +64,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from fp4fuse.config import env_bool
 from fp4fuse.kernels.triton.alpha import Alpha, alpha_meta, alpha_operands, load_alpha
-from fp4fuse.kernels.triton.decode import DECODE_PTX, DECODE_SCALE_UNDO, grouped_tile, num_sms
+from fp4fuse.kernels.triton.decode import DECODE_PTX, DECODE_SCALE_UNDO, decode_fp4_halves, grouped_tile, num_sms
 from fp4fuse.kernels.triton.launch import tracing, triton_version
-from fp4fuse.kernels.triton.mm import DECODE_MAX_M, decode_fp4_halves
+from fp4fuse.kernels.triton.mm_decode import DECODE_MAX_M
 
 __all__ = ["ENV_DISABLE_GLUON", "HOPPER_BF16_MAX_M", "fills_the_gpu", "gluon_disabled", "hopper_available",
            "hopper_operands_ok", "hopper_serves", "mm_fp4_hopper", "serves_shape"]
@@ -301,10 +301,10 @@ def mm_fp4_hopper(
         return out
     if k == 0:
         return out.zero_()
-    xlo, xhi = decode_fp4_halves(a, a_scale)
-    step_bytes = STEP_K // 2
     if block_m not in (128, 256):
         raise ValueError(f"mm_fp4_hopper: block_m must be 128 or 256; got {block_m}")
+    xlo, xhi = decode_fp4_halves(a, a_scale)
+    step_bytes = STEP_K // 2
     x_layout = gl.NVMMASharedLayout.get_default_for([block_m, step_bytes], gl.float16)
     w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, step_bytes], gl.uint8)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, BLOCK_N),)
