@@ -68,6 +68,12 @@ _KEEPS_OP_CALL: dict[tuple[str, Backend], tuple[str, str]] = {
 _FALLBACK = {Backend.FLASHINFER: Backend.TRITON}
 
 
+def _resolve(entry: tuple[str, str]) -> Callable[..., Any]:
+    """A table entry ``(module, function)`` -> the function (imported on first use)."""
+    module, name = entry
+    return getattr(importlib.import_module(module), name)
+
+
 @functools.cache
 def kernel_for(op: str, backend: Backend) -> Callable[..., Any]:
     """The function computing ``fp4fuse::<op>`` on ``backend`` (looked up once per pair: every
@@ -75,8 +81,7 @@ def kernel_for(op: str, backend: Backend) -> Callable[..., Any]:
     entry = _KERNELS.get((op, backend)) or _KERNELS.get((op, _FALLBACK.get(backend)))
     if entry is None:
         raise KeyError(f"fp4fuse: no {backend.value} kernel registered for op {op!r}")
-    module, name = entry
-    return getattr(importlib.import_module(module), name)
+    return _resolve(entry)
 
 
 @functools.cache
@@ -84,17 +89,11 @@ def sibling_kernel_for(op: str, backend: Backend) -> Callable[..., Any] | None:
     """The function computing several ``fp4fuse::<op>`` calls at once on ``backend``
     (``_SIBLING_KERNELS``), or None where there is none."""
     entry = _SIBLING_KERNELS.get((op, backend))
-    if entry is None:
-        return None
-    module, name = entry
-    return getattr(importlib.import_module(module), name)
+    return None if entry is None else _resolve(entry)
 
 
 def op_call_reason(op: str, backend: Backend, args: list[Any]) -> str | None:
     """Why a call of ``fp4fuse::<op>`` on ``backend`` with ``args`` (its arguments in order) must stay
     an op call -- its kernel launches what a tracer cannot record -- or None."""
     entry = _KEEPS_OP_CALL.get((op, backend))
-    if entry is None:
-        return None
-    module, name = entry
-    return getattr(importlib.import_module(module), name)(*args)
+    return None if entry is None else _resolve(entry)(*args)
