@@ -22,7 +22,8 @@ Kernel design (``_mm_decode_kernel``):
   tile is the MMA's A operand and takes its register layout (on Hopper a wgmma with A in registers:
   the weight is decoded straight into MMA fragments and never stored decoded), and the small
   activation tile is the B operand (decoded once per program and step, through shared memory).
-  ``tl.dot`` needs 16 rows or more, so M < 16 is padded: rows past M read row 0 and are not stored.
+  ``tl.dot`` needs 16 rows or more, so M < 16 is padded: rows past M read other rows
+  (``decode.readable_rows``) and are not stored.
 * One K step reads ``BLOCK_K / 2`` contiguous code bytes of every row (16-byte loads, pipelined by
   Triton into shared memory with ``num_stages`` buffers) and ``BLOCK_K / 16`` scale bytes. Each
   nibble plane (low nibbles = even elements, high = odd) feeds one MMA; inside the step the K order
@@ -73,7 +74,7 @@ import triton
 import triton.language as tl
 
 from fp4fuse.kernels.triton.alpha import Alpha, alpha_meta, alpha_operands, load_alpha
-from fp4fuse.kernels.triton.decode import DECODE_SCALE_UNDO, decode_codes, decode_scales, num_sms
+from fp4fuse.kernels.triton.decode import DECODE_SCALE_UNDO, decode_codes, decode_scales, num_sms, readable_rows
 from fp4fuse.kernels.triton.launch import traceable, tracing
 from fp4fuse.nvfp4.format import BLOCK_SIZE
 
@@ -208,7 +209,7 @@ def _predecode_kernel(q0_ptr, s0_ptr, lo0_ptr, hi0_ptr, q1_ptr, s1_ptr, lo1_ptr,
                 q_ptr, s_ptr, lo_ptr, hi_ptr = q2_ptr, s2_ptr, lo2_ptr, hi2_ptr
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     kb0 = tl.program_id(1) * (BLOCK_K // 2)
-    src = tl.where(rows < M, rows, 0).to(tl.int64)
+    src = readable_rows(rows, M).to(tl.int64)
     lo, hi = _decoded_tile(q_ptr, s_ptr, src * KB, src * KG, kb0, KB, KG, BLOCK_K, EVEN_K, FAST_DECODE)
     offs = rows[:, None].to(tl.int64) * KBP + kb0 + tl.arange(0, BLOCK_K // 2)[None, :]
     tl.store(lo_ptr + offs, lo, mask=(rows < M)[:, None])
@@ -299,9 +300,9 @@ def _decode_program(
 
     cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    # rows past the matrix read row 0 (in bounds, finite or not) and are never stored
-    w_rows = tl.where(cols_n < N, cols_n, 0).to(tl.int64)
-    a_rows = tl.where(rows_m < M, rows_m, 0).to(tl.int64)
+    # rows past the matrix read other rows (in bounds, finite or not) and are never stored
+    w_rows = readable_rows(cols_n, N).to(tl.int64)
+    a_rows = readable_rows(rows_m, M).to(tl.int64)
 
     kb_begin = split * iters_per_split * BKB
     kb_end = tl.minimum(kb_begin + iters_per_split * BKB, KB)
