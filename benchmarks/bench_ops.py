@@ -649,6 +649,50 @@ def hopper_sweep(ceil: Ceilings, raw: dict) -> None:
     raw["hopper_sweep"] = rows
 
 
+HOPPER_SPLIT_MS = (64, 128, 192, 256, 512, 1024)
+
+
+def _hopper_variants(hopper, m: int, n: int, k: int, sms: int) -> list[tuple[int, int]]:
+    """``(block_m, split_k)`` pairs ``--hopper-split-sweep`` times at one point: each token tile no
+    larger than needed, without split-K, with ``hopper_split``'s count and with twice it."""
+    variants = []
+    for block_m in hopper.BLOCK_M_CHOICES:
+        if block_m > 2 * m and block_m > hopper.BLOCK_M_CHOICES[0]:
+            continue
+        auto = hopper.hopper_split(m, n, k, sms, block_m)
+        variants += [(block_m, s) for s in sorted({1, auto, min(2 * auto, hopper.MAX_SPLIT)})]
+    return variants
+
+
+def hopper_split_sweep(ceil: Ceilings, raw: dict) -> None:
+    """``--hopper-split-sweep``: M = 64..1024, bf16 output, CUDA-graph replays over rotating weights:
+    the Hopper Gluon GEMM's token tiles and split-K counts against the shipped dispatch and cuBLAS
+    bf16; every variant's output is checked bitwise equal across its replays' first call and close
+    to the shipped path's."""
+    hopper = triton_mm.hopper_kernels()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for m, n, k, x, a, sa, alpha, weights, w_t in _rotating_points(HOPPER_SHAPES, raw.get("ms") or HOPPER_SPLIT_MS):
+        shipped = triton_mm.mm_fp4_triton(a, weights[0][0], sa, weights[0][1], alpha, torch.bfloat16).float()
+        us = {"shipped": bench_graph([functools.partial(triton_mm.mm_fp4_triton, a, wq, sa, wsq, alpha, torch.bfloat16)
+                                      for wq, wsq, _ in weights]) * 1e3,
+              "bf16": bench_graph([functools.partial(torch.mm, x, wt) for wt in w_t]) * 1e3}
+        worst = 0.0
+        for block_m, split in _hopper_variants(hopper, m, n, k, sms):
+            fn = functools.partial(hopper.mm_fp4_hopper, a, out_dtype=torch.bfloat16, alpha=alpha, a_scale=sa,
+                                   block_m=block_m, split_k=split)
+            got = fn(b=weights[0][0], b_scale=weights[0][1]).float()
+            worst = max(worst, ((got - shipped).norm() / shipped.norm()).item())
+            us[f"h{block_m}s{split}"] = bench_graph([functools.partial(fn, b=wq, b_scale=wsq)
+                                                     for wq, wsq, _ in weights]) * 1e3
+        best = min((kk for kk in us if kk.startswith("h")), key=us.get)
+        rows.append({"m": m, "n": n, "k": k, "us": us, "best": best, "max_rel_diff_vs_shipped": worst})
+        print(f"SPLIT m={m:<5d} n={n:<6d} k={k:<6d} " + " ".join(f"{kk}={v:.1f}" for kk, v in us.items())
+              + f" | best {best} {us['bf16'] / us[best]:.2f}x bf16, {us['shipped'] / us[best]:.2f}x shipped;"
+              f" rel diff {worst:.1e}", flush=True)
+    raw["hopper_split_sweep"] = rows
+
+
 def markdown(dev: str, ceil: Ceilings, op_rows: list[dict], mm_rows: list[dict]) -> str:
     lines = [
         f"# fp4fuse single-GPU ops, {datetime.date.today().isoformat()}",
@@ -696,6 +740,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the weight dequantization's launch sweep against a copy of the same bytes")
     parser.add_argument("--hopper-sweep", action="store_true",
                         help="only M=257..4096: the Hopper Gluon GEMM against the other paths and cuBLAS bf16")
+    parser.add_argument("--hopper-split-sweep", action="store_true",
+                        help="only M=64..1024: the Hopper Gluon GEMM's token tiles and split-K counts")
+    parser.add_argument("--ms", type=lambda v: tuple(int(x) for x in v.split(",")),
+                        help="row counts of --hopper-split-sweep (default: 64,128,192,256,512,1024)")
     parser.add_argument("--scale-words-sweep", action="store_true",
                         help="only the decode GEMM at M<=64 with word- vs byte-loaded activation scales")
     args = parser.parse_args(argv)
@@ -710,10 +758,11 @@ def main(argv: list[str] | None = None) -> int:
     sweeps = [fn for flag, fn in ((args.decode_sweep, decode_sweep), (args.mid_sweep, mid_sweep),
                                   (args.wide_step_sweep, wide_step_sweep),
                                   (args.scale_words_sweep, scale_words_sweep),
-                                  (args.dequant_sweep, dequant_sweep), (args.hopper_sweep, hopper_sweep)) if flag]
+                                  (args.dequant_sweep, dequant_sweep), (args.hopper_sweep, hopper_sweep),
+                                  (args.hopper_split_sweep, hopper_split_sweep)) if flag]
     if sweeps:
         raw = {"device": dev, "torch": torch.__version__, "triton": triton.__version__,
-               "ceilings": dataclasses.asdict(ceil)}
+               "ceilings": dataclasses.asdict(ceil), "ms": args.ms}
         for fn in sweeps:
             fn(ceil, raw)
         if args.json:

@@ -571,6 +571,7 @@ def test_always_check_fails_a_mismatched_captured_graph_on_every_rank():
     (torch.float16, 300, 3, N, K, "TILED"),
     (torch.bfloat16, 1024, 4, 4096, 256, "HOPPER"),     # sm_90 + Triton 3.6: the Gluon GEMM, into the views
     (torch.float16, 600, 3, 1000, 320, "HOPPER"),
+    (torch.bfloat16, 250, 5, 8200, 4096, "HOPPER"),     # up to 256 rows: the whole GEMM's split-K count
 ])
 def test_row_block_gemm_equals_one_mm_fp4_bitwise(out_dtype, total_rows, blocks, n, k, mode):
     """On one GPU, what makes the fused collective GEMMs bitwise equal to the unfused graph: row

@@ -29,7 +29,11 @@ ops = torch.ops.fp4fuse
     (1024, 14336, 4096, torch.bfloat16, True),   # 448 tiles in 4 waves: 0.85 filled
     (257, 300, 192, torch.float16, True),        # fp16 / fp32: any fill, no upper bound (the tiled
     (9000, 8192, 8192, torch.float32, True),     # kernel, their other path, is slower)
-    (256, 8192, 8192, torch.float32, False),     # the decode GEMM's range
+    (256, 8192, 8192, torch.float32, True),      # up to 256 rows: split-K on weights of 2**25 elements
+    (129, 8192, 4096, torch.bfloat16, True),
+    (128, 8192, 8192, torch.bfloat16, False),    # the decode GEMM's below 129 rows
+    (200, 4096, 7168, torch.bfloat16, False),    # and on smaller weights
+    (256, 8192, 4088, torch.float32, False),
     (1000, 8192, 8160, torch.bfloat16, False),   # K not a multiple of 64 (whole scale words per step)
     (1000, 0, 256, torch.float16, False),
     (1000, 64, 0, torch.float32, False),
@@ -47,6 +51,18 @@ def test_fill_rule_against_counted_tiles():
                 waves = (len(tiles) + sms - 1) // sms
                 fill = m * n / (waves * sms * 256 * 128)
                 assert mm_hopper.fills_the_gpu(m, n, sms) == (fill >= 0.8), (m, n, sms, fill)
+
+
+def test_split_rule():
+    """Split-K only up to 256 rows, where 256-token tiles number N / 128: enough K ranges to fill one
+    wave, each at least 8 K steps long, at most 16."""
+    assert mm_hopper.split_for(256, 8192, 8192, 132) == 2      # 64 tiles
+    assert mm_hopper.split_for(200, 28672, 8192, 132) == 1     # 224 tiles: more than a wave
+    assert mm_hopper.split_for(256, 14336, 4096, 132) == 1     # 112 tiles
+    assert mm_hopper.split_for(256, 8192, 28672, 132) == 2
+    assert mm_hopper.split_for(160, 2048, 65536, 132) == 8     # 16 tiles: 8 splits fill the wave
+    assert mm_hopper.split_for(256, 1024, 4096, 132) == 8      # 64 steps: 8 per split
+    assert mm_hopper.split_for(1024, 1024, 4096, 132) == 1     # above 256 rows: never
 
 
 def test_not_served_off_cuda():
@@ -75,6 +91,10 @@ def test_refuses_operands_it_cannot_read_with_the_rule():
     assert sb_odd.data_ptr() % 4  # the storage offset puts the scales off a word boundary
     with pytest.raises(ValueError, match="4-byte aligned b_scale"):
         mm_hopper.mm_fp4_hopper(a, b, sa, sb_odd, alpha, torch.bfloat16)
+    with pytest.raises(ValueError, match="block_m must be one of"):
+        mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, block_m=96)
+    with pytest.raises(ValueError, match="split_k must be at least 1"):
+        mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, split_k=0)
     with pytest.raises(ValueError, match="row stride 96"):
         mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, out=torch.empty(96, 300, dtype=torch.bfloat16).t())
 
@@ -130,6 +150,67 @@ def test_cuda_matches_float64(m, n, k, out_dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("m,n,k,block_m,split_k", [
+    (100, 300, 1024, 128, 3),     # 16 K steps: 6 / 6 / 4
+    (77, 8200, 1088, 64, 5),      # 17 steps: 4 per split, 5 splits
+    (200, 136, 640, 64, 16),      # more splits asked than steps (10): one step each
+    (130, 3000, 3584, 128, 7),    # a second token tile holding 2 rows
+    (513, 520, 448, 256, 2),      # 7 steps: 4 / 3
+])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_cuda_split_k_and_small_tiles_match_float64(m, n, k, block_m, split_k, out_dtype):
+    """Split-K (the last of a tile's splits to arrive sums the fp32 partials in split order) and the
+    64- / 128-token tiles: the float64 reference up to fp32 accumulation and one rounding, and the
+    same bits on a second call (whichever split arrives last, the sum's order is fixed)."""
+    _require_hopper()
+    a, sa, ga, b, sb, gb = _operands(m, n, k, seed=m * 7 + n + split_k)
+    alpha = 1.0 / (ga * gb)
+    out = mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, out_dtype, block_m=block_m, split_k=split_k)
+    assert torch.equal(mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, out_dtype, block_m=block_m, split_k=split_k), out)
+    assert out.shape == (m, n) and torch.isfinite(out).all()
+    assert _rel_error(out, a, b, sa, sb, alpha) <= _TOL[out_dtype]
+
+
+@pytest.mark.cuda
+def test_cuda_split_k_row_blocks_are_bitwise_the_whole_product():
+    """With one split count for every block (``RowBlockGemm`` takes the whole GEMM's), row blocks
+    give the whole split-K product's bits."""
+    _require_hopper()
+    m, n, k = 200, 1000, 2048
+    a, sa, ga, b, sb, gb = _operands(m, n, k, seed=17)
+    alpha = 1.0 / (ga * gb)
+    whole = mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, block_m=128, split_k=4)
+    out = torch.full_like(whole, float("nan"))
+    for r0, r1 in [(0, 37), (37, 150), (150, m)]:
+        mm_hopper.mm_fp4_hopper(a[r0:r1], b, sa[r0:r1], sb, alpha, torch.bfloat16, out=out[r0:r1], block_m=128,
+                                split_k=4)
+    assert torch.equal(out, whole)
+
+
+@pytest.mark.cuda
+def test_cuda_dispatch_up_to_256_rows_and_grouped_calls():
+    """From 129 to 256 rows ``mm_fp4`` sends a large weight's product to the Gluon GEMM with
+    ``split_for``'s count (bitwise that launch, and the float64 reference); the grouped calls of
+    ``mm_fp4_calls_triton`` (a layer's sibling GEMMs) give each call's own bits when one of them is
+    the Gluon GEMM's and the others share a decode launch."""
+    _require_hopper()
+    m, n, k = 200, 8200, 4096
+    a, sa, ga, b, sb, gb = _operands(m, n, k, seed=19)
+    alpha = 1.0 / (ga * gb)
+    assert triton_mm.hopper_serves(m, n, k, torch.bfloat16, a.device)
+    split = mm_hopper.split_for(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+    out = ops.mm_fp4(a, b, sa, sb, alpha, torch.bfloat16)
+    assert torch.equal(out, mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, split_k=split))
+    assert _rel_error(out, a, b, sa, sb, alpha) <= _TOL[torch.bfloat16]
+    small = [_operands(m, 700, k, seed=s)[3:] for s in (23, 29)]
+    calls = [(a, b, sa, sb, alpha, torch.bfloat16)] + [(a, bb, sa, sbb, 1.0 / (ga * gbb), torch.bfloat16)
+                                                        for bb, sbb, gbb in small]
+    assert not any(triton_mm.hopper_serves(m, 700, k, torch.bfloat16, a.device) for _ in small)
+    for got, call in zip(triton_mm.mm_fp4_calls_triton(calls), calls):
+        assert torch.equal(got, triton_mm.mm_fp4_triton(*call))
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("div_rn", [True, False])
 def test_cuda_alpha_from_global_scales(div_rn):
     """``GlobalScales``: the epilogue forms ``1 / (gs_a * gs_b)``; with IEEE division it is the
@@ -146,15 +227,17 @@ def test_cuda_alpha_from_global_scales(div_rn):
 @pytest.mark.cuda
 def test_cuda_row_blocks_are_bitwise_the_whole_product():
     """Blocks of rows written into views of one output (``RowBlockGemm``'s HOPPER mode in the
-    collective GEMMs) give the whole product's bits: each output's sums do not depend on M."""
+    collective GEMMs) with the whole product's split count give the whole product's bits: each
+    output's sums do not depend on M."""
     _require_hopper()
     m, n, k = 1301, 3000, 1024
     a, sa, ga, b, sb, gb = _operands(m, n, k, seed=5)
     alpha = 1.0 / (ga * gb)
     whole = mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16)
+    split = mm_hopper.split_for(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
     out = torch.full_like(whole, float("nan"))
-    for r0, r1 in [(0, 300), (300, 777), (777, 1300), (1300, m)]:
-        mm_hopper.mm_fp4_hopper(a[r0:r1], b, sa[r0:r1], sb, alpha, torch.bfloat16, out=out[r0:r1])
+    for r0, r1 in [(0, 300), (300, 777), (777, 1300), (1300, m)]:  # the last block alone would split K
+        mm_hopper.mm_fp4_hopper(a[r0:r1], b, sa[r0:r1], sb, alpha, torch.bfloat16, out=out[r0:r1], split_k=split)
     assert torch.equal(out, whole)
 
 

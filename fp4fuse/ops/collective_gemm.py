@@ -41,8 +41,8 @@ class RowBlockGemm:
     a full extra pass over ``[M, N]`` (7% of a large GEMM), so this picks, once per op call:
 
     * ``HOPPER``: the Hopper Gluon GEMM (``triton_mm.hopper_gemm`` for the whole GEMM's
-      ``total_rows``), written straight into the view; each output element's sums do not depend on
-      the other rows, so bitwise equal to the unfused graph;
+      ``total_rows``, so with its split-K count), written straight into the view; each output
+      element's sums do not depend on the other rows, so bitwise equal to the unfused graph;
     * ``DEQUANT_CUBLAS``: the Triton backend's own large-M bf16 path, reproduced through its public
       functions so it can write into the view: ``torch.mm(dequant(a), dequant(b).T, out=view)`` then
       the in-place alpha scale -- the same kernels and arithmetic as ``triton_mm.mm_fp4_dequant_mm``, so

@@ -14,7 +14,8 @@ is the float64 reference up to fp32 accumulation and one rounding to ``out_dtype
 Kernels and dispatch (``mm_fp4_triton``; measurements in benchmarks/results/):
 
 * up to ``DECODE_MAX_M`` rows: ``fp4fuse.kernels.triton.mm_decode`` (deterministic split-K inside
-  the launch; the activation decoded in it up to 64 rows, pre-decoded once above);
+  the launch; the activation decoded in it up to 64 rows, pre-decoded once above), except the
+  Hopper products below;
 * ``decode.decode_fp4_halves`` decodes the activation once into fp16 even/odd halves ``[M, K/2]``
   (a few microseconds at decode sizes), so that the GEMM decodes only the weight.
 * ``_mm_fp4_kernel``: tiled ``tl.dot`` kernel; each K step decodes a ``[BLOCK_N, 16*BLOCK_G]``
@@ -24,9 +25,11 @@ Kernels and dispatch (``mm_fp4_triton``; measurements in benchmarks/results/):
   order (deterministic) and scales by alpha. Tried and dropped: decoding both operands in the
   GEMM, and the "swapped" orientation with the weight as the register (A) operand: Triton then
   decodes in the MMA's register layout from 2-byte shared-memory reads (about 2x slower).
-* on Hopper (sm_90) with Triton 3.6, above ``DECODE_MAX_M`` rows (bf16 output: up to
-  ``mm_hopper.HOPPER_BF16_MAX_M`` rows and where the output fills the GPU's waves of tiles) where K
-  is a multiple of 64 and the weight is aligned:
+* on Hopper (sm_90) with Triton 3.6, where K is a multiple of 64 and the weight is aligned: from
+  ``mm_hopper.SPLIT_MIN_M + 1`` to ``DECODE_MAX_M`` rows on weights of at least
+  ``mm_hopper.SPLIT_MIN_WEIGHT`` elements (with split-K), and above ``DECODE_MAX_M`` rows (bf16
+  output: up to ``mm_hopper.HOPPER_BF16_MAX_M`` rows and where the output fills the GPU's waves of
+  tiles):
   ``fp4fuse.kernels.triton.mm_hopper``, a warp-specialized Gluon kernel that decodes the weight
   straight into wgmma register fragments (:func:`hopper_serves`);
 * ``_dequant_pair_kernel`` + cuBLAS: otherwise from ``DEQUANT_MIN_M`` on with bf16 output (where the GEMM
@@ -417,8 +420,7 @@ def hopper_kernels() -> Any:
 
 def hopper_serves(m: int | torch.SymInt, n: int, k: int, out_dtype: torch.dtype, device: torch.device) -> bool:
     """Whether ``mm_fp4_triton`` sends this product to the Hopper Gluon GEMM (``mm_hopper.hopper_serves``:
-    sm_90, Triton 3.6, M above ``DECODE_MAX_M`` (bf16: up to ``HOPPER_BF16_MAX_M`` and an output
-    that fills the GPU, ``mm_hopper.fills_the_gpu``), ``K % 64 == 0``),
+    sm_90, Triton 3.6, ``K % 64 == 0``, and the shape rule ``mm_hopper.serves_shape``),
     provided the weight is aligned (checked per call). A tracer cannot record that launch: a traced
     call in its range must stay an op call (``fp4fuse.passes.lowering``)."""
     hopper = hopper_kernels() if device.type == "cuda" else None
@@ -426,18 +428,22 @@ def hopper_serves(m: int | torch.SymInt, n: int, k: int, out_dtype: torch.dtype,
 
 
 def hopper_gemm(m: int, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype) -> Callable[..., Any] | None:
-    """``mm_hopper.mm_fp4_hopper`` where it computes an ``[m, K] x b^T`` product (:func:`hopper_serves`
-    and the weight aligned for it), else None. A tracer cannot record its launch: raises
-    RuntimeError under one where it would serve (a traced call in its range must stay an op call,
-    ``fp4fuse.passes.lowering``)."""
-    if not hopper_serves(m, b.shape[0], b.shape[1] * 2, out_dtype, b.device):
+    """``mm_hopper.mm_fp4_hopper`` with the split-K count of an ``[m, K] x b^T`` product where the
+    kernel computes it (:func:`hopper_serves` and the weight aligned for it), else None. Row blocks
+    of that product launched through it sum as the whole product does. A tracer cannot record its
+    launch: raises RuntimeError under one where it would serve (a traced call in its range must
+    stay an op call, ``fp4fuse.passes.lowering``)."""
+    n, k = b.shape[0], b.shape[1] * 2
+    if not hopper_serves(m, n, k, out_dtype, b.device):
         return None
     if tracing():
         raise RuntimeError(f"mm_fp4_triton: a traced {m}-row product with a {list(b.shape)} weight is the Hopper Gluon "
                            "GEMM's, whose launch a tracer cannot record; the call must stay an op call "
                            "(fp4fuse.passes.lowering)")
     hopper = hopper_kernels()
-    return hopper.mm_fp4_hopper if hopper.hopper_operands_ok(b, b_scale) else None
+    if not hopper.hopper_operands_ok(b, b_scale):
+        return None
+    return functools.partial(hopper.mm_fp4_hopper, split_k=hopper.split_for(m, n, k, num_sms(b.device)))
 
 
 def op_call_reason(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, alpha: Any,
@@ -457,11 +463,11 @@ def mm_fp4_triton(
 ) -> torch.Tensor:
     """``alpha * (q_a * s_a) @ (q_b * s_b)^T`` as ``[M, N]`` ``out_dtype`` (see module docstring)."""
     m, n, k = a.shape[0], b.shape[0], a.shape[1] * 2
-    if m <= DECODE_MAX_M:
-        return mm_fp4_decode(a, b, a_scale, b_scale, alpha, out_dtype)
     hopper = hopper_gemm(m, b, b_scale, out_dtype)
     if hopper is not None:
         return hopper(a, b, a_scale, b_scale, alpha, out_dtype)
+    if m <= DECODE_MAX_M:
+        return mm_fp4_decode(a, b, a_scale, b_scale, alpha, out_dtype)
     if out_dtype == torch.bfloat16 and m >= DEQUANT_MIN_M:
         return mm_fp4_dequant_mm(a, b, a_scale, b_scale, alpha)
     return mm_fp4_tiled(a, b, a_scale, b_scale, alpha, out_dtype, mm_config_for(m, n, k, a.device))
@@ -477,11 +483,16 @@ def mm_fp4_group_triton(
 
 
 def mm_fp4_calls_triton(calls: list[tuple]) -> list[torch.Tensor]:
-    """``[mm_fp4_triton(*call) for call in calls]`` (each call ``mm_fp4``'s arguments in order, one
-    output dtype), bit for bit: up to ``DECODE_MAX_M`` rows products with activations of one shape
-    share launches (``mm_decode.mm_fp4_decode_products``); above, one call each."""
-    out_dtypes = {call[5] for call in calls}
-    if len(out_dtypes) == 1 and all(call[0].shape[0] <= DECODE_MAX_M for call in calls):
-        products = [DecodeProduct(a, a_scale, b, b_scale, alpha) for a, b, a_scale, b_scale, alpha, _ in calls]
-        return mm_fp4_decode_products(products, out_dtypes.pop())
-    return [mm_fp4_triton(*call) for call in calls]
+    """``[mm_fp4_triton(*call) for call in calls]`` (each call ``mm_fp4``'s arguments in order), bit
+    for bit: the decode GEMM's products (up to ``DECODE_MAX_M`` rows, not the Hopper GEMM's) of one
+    output dtype share launches where their activations have one shape
+    (``mm_decode.mm_fp4_decode_products``); the others are one call each."""
+    outs: list[torch.Tensor | None] = [None] * len(calls)
+    decoded = [i for i, (a, b, _, b_scale, _, out_dtype) in enumerate(calls)
+               if a.shape[0] <= DECODE_MAX_M and hopper_gemm(a.shape[0], b, b_scale, out_dtype) is None]
+    if len({calls[i][5] for i in decoded}) == 1:
+        products = [DecodeProduct(a, a_scale, b, b_scale, alpha) for a, b, a_scale, b_scale, alpha, _ in
+                    (calls[i] for i in decoded)]
+        for i, out in zip(decoded, mm_fp4_decode_products(products, calls[decoded[0]][5])):
+            outs[i] = out
+    return [out if out is not None else mm_fp4_triton(*call) for out, call in zip(outs, calls)]

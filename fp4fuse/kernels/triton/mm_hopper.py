@@ -38,13 +38,22 @@ Design (``_mm_hopper_kernel``):
   the PTX: every fragment register is written once per loop iteration, after that wait). Step 0
   runs before the loop with ``use_acc=False`` so that no instruction but a wgmma writes the
   accumulator while wgmmas are in flight (ptxas serializes them otherwise, warning C7515).
-* Tile 128 weight rows x 256 tokens, one program per tile; programs sharing a weight tile are
-  adjacent in launch order (``GROUP_M`` token tiles at a time) so the tile is read from HBM once.
-  168 registers per thread for 12 warps (the loader's warpgroup gives its registers to the
-  consumers: ``setmaxnreg`` 24 / 240).
+* Tile 128 weight rows x 256 tokens (64 and 128 for sweeps), one program per tile and K range;
+  programs sharing a weight tile are adjacent in launch order (``GROUP_M`` token tiles at a time)
+  so the tile is read from HBM once. 168 registers per thread for 12 warps (the loader's
+  warpgroup gives its registers to the consumers: ``setmaxnreg`` 24 / 240).
+* Split-K (up to ``DECODE_MAX_M`` rows, where the 256-token tiles number only N / 128): program
+  ``(tile, split)`` covers K steps ``[split * iters, +iters)``. With more than one split each
+  program stores its fp32 partial tile in a per-call workspace, then (after a CTA barrier) one
+  thread adds 1 to the tile's counter with an acq_rel atomic at GPU scope; the program that sees
+  ``splits - 1`` earlier arrivals reads every split's partial (L1 bypassed), adds them in split
+  order (the same bits whichever arrives last), writes the output and zeroes the counter. The
+  split count is part of the numerics: row blocks match the whole product with its split count
+  (``split_for`` of the whole M).
 
 Measured against the other paths and cuBLAS bf16 in benchmarks/results/ (``bench_ops.py
---hopper-sweep``); :data:`HOPPER_BF16_MAX_M` comes from there. Gluon is Triton's experimental
+--hopper-sweep`` and ``--hopper-split-sweep``); :data:`HOPPER_BF16_MAX_M`, :data:`SPLIT_MIN_M` and
+:data:`SPLIT_MIN_WEIGHT` come from there. Gluon is Triton's experimental
 low-level language and its API changes between releases: this module is written for, and only
 used with, Triton 3.6 (``hopper_available``); other versions take the other paths.
 """
@@ -68,8 +77,9 @@ from fp4fuse.kernels.triton.decode import DECODE_PTX, DECODE_SCALE_UNDO, decode_
 from fp4fuse.kernels.triton.launch import tracing, triton_version
 from fp4fuse.kernels.triton.mm_decode import DECODE_MAX_M
 
-__all__ = ["ENV_DISABLE_GLUON", "HOPPER_BF16_MAX_M", "fills_the_gpu", "gluon_disabled", "hopper_available",
-           "hopper_operands_ok", "hopper_serves", "mm_fp4_hopper", "serves_shape"]
+__all__ = ["ENV_DISABLE_GLUON", "HOPPER_BF16_MAX_M", "SPLIT_MIN_M", "SPLIT_MIN_WEIGHT", "fills_the_gpu", "gluon_disabled",
+           "hopper_available", "hopper_operands_ok", "hopper_serves", "hopper_split", "mm_fp4_hopper", "serves_shape",
+           "split_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +91,11 @@ GLUON_TRITON = (3, 6)
 #: shape). fp16 / fp32 outputs use it for every M above DECODE_MAX_M (their other path, the tiled
 #: kernel, is 2-3x slower).
 HOPPER_BF16_MAX_M = 2048
+#: Up to DECODE_MAX_M rows the kernel takes products above SPLIT_MIN_M rows whose weight holds at
+#: least SPLIT_MIN_WEIGHT elements, with split-K (``split_for``); the decode GEMM keeps the rest,
+#: where it was faster (benchmarks/results/, ``bench_ops.py --hopper-split-sweep``).
+SPLIT_MIN_M = 128
+SPLIT_MIN_WEIGHT = 1 << 25
 #: ``fills_the_gpu``'s least fill of the launched tiles, in tenths.
 MIN_FILL_TENTHS = 8
 #: K elements per step (code bytes: half), and the alignment of K it needs (whole scale words).
@@ -89,6 +104,11 @@ BLOCK_M = 256
 BLOCK_N = 128
 STAGES = 4
 GROUP_M = 8
+#: Tokens per program ``mm_fp4_hopper`` takes (the wgmma N side).
+BLOCK_M_CHOICES = (64, 128, 256)
+#: Split-K bounds of :func:`hopper_split`.
+MAX_SPLIT = 16
+MIN_STEPS_PER_SPLIT = 8
 #: The two consumer warpgroups (the default partition).
 NUM_WARPS = 8
 #: Registers per thread over the 12 warps (8 consumers, the loader rounded up to a warpgroup), and
@@ -125,13 +145,25 @@ def hopper_serves(m: int | torch.SymInt, n: int, k: int, out_dtype: torch.dtype,
 
 def serves_shape(m: int | torch.SymInt, n: int, k: int, out_dtype: torch.dtype, sms: int) -> bool:
     """The shape rule of :func:`hopper_serves` on a GPU of ``sms`` multiprocessors: K a nonzero
-    multiple of ``STEP_K``, N > 0, M above ``DECODE_MAX_M``; for a bf16 output also M at most
-    ``HOPPER_BF16_MAX_M`` and a product that fills the launched tiles (:func:`fills_the_gpu`),
-    where dequantize + cuBLAS is otherwise faster. A symbolic ``m`` is compared like a number:
-    each comparison is guarded by the tracer."""
-    if k == 0 or k % STEP_K or n == 0 or m <= DECODE_MAX_M:
+    multiple of ``STEP_K``, N > 0, and either M in ``(SPLIT_MIN_M, DECODE_MAX_M]`` with a weight of
+    at least ``SPLIT_MIN_WEIGHT`` elements (split-K launches, any output dtype), or M above
+    ``DECODE_MAX_M``; there, for a bf16 output, also M at most ``HOPPER_BF16_MAX_M`` and a product
+    that fills the launched tiles (:func:`fills_the_gpu`), where dequantize + cuBLAS is otherwise
+    faster. A symbolic ``m`` is compared like a number: each comparison is guarded by the tracer
+    (the bounds are those of ``mm_decode.DECODE_ROW_RANGES``, so a traced range is served whole or
+    not at all)."""
+    if k == 0 or k % STEP_K or n == 0:
         return False
+    if m <= DECODE_MAX_M:
+        return m > SPLIT_MIN_M and n * k >= SPLIT_MIN_WEIGHT
     return out_dtype != torch.bfloat16 or (m <= HOPPER_BF16_MAX_M and fills_the_gpu(m, n, sms))
+
+
+def split_for(m: int, n: int, k: int, sms: int) -> int:
+    """The split-K count :func:`mm_fp4_hopper` uses for an ``[m, K] x [n, K]^T`` product by default:
+    :func:`hopper_split` up to ``DECODE_MAX_M`` rows (whose 256-token tiles number only N / 128),
+    none above. ``RowBlockGemm`` passes the whole GEMM's to each row block."""
+    return hopper_split(m, n, k, sms, BLOCK_M) if m <= DECODE_MAX_M else 1
 
 
 def fills_the_gpu(m: int | torch.SymInt, n: int, sms: int) -> bool:
@@ -152,17 +184,19 @@ def hopper_operands_ok(b: torch.Tensor, b_scale: torch.Tensor) -> bool:
 
 
 @gluon.jit
-def _load_partition(xlo_desc, xhi_desc, w_desc, xlo_bufs, xhi_bufs, w_bufs, ready, empty, off_m, off_n, k_steps):
-    """Loader warp: TMA loads of each K step's activation halves and weight codes into the ring."""
+def _load_partition(xlo_desc, xhi_desc, w_desc, xlo_bufs, xhi_bufs, w_bufs, ready, empty, off_m, off_n, k_begin,
+                    k_count):
+    """Loader warp: TMA loads of the activation halves and weight codes of K steps
+    ``[k_begin, k_begin + k_count)`` into the ring."""
     num_stages: gl.constexpr = w_bufs.type.shape[0]
     step_bytes: gl.constexpr = w_desc.block_type.shape[1]
     nbytes: gl.constexpr = 2 * xlo_desc.block_type.nbytes + w_desc.block_type.nbytes
-    for i in range(k_steps):
+    for i in range(k_count):
         stage = i % num_stages
         mbarrier.wait(empty.index(stage), ((i // num_stages) & 1) ^ 1)
         bar = ready.index(stage)
         mbarrier.expect(bar, nbytes)
-        col = i * step_bytes
+        col = (k_begin + i) * step_bytes
         tma.async_copy_global_to_shared(xlo_desc, [off_m, col], bar, xlo_bufs.index(stage))
         tma.async_copy_global_to_shared(xhi_desc, [off_m, col], bar, xhi_bufs.index(stage))
         tma.async_copy_global_to_shared(w_desc, [off_n, col], bar, w_bufs.index(stage))
@@ -182,9 +216,9 @@ def _decoded_weight(w_buf, words, shift, a_layout: gl.constexpr):
 @gluon.jit
 def _queued_step(acc, i, lo_prev, hi_prev, xlo_bufs, xhi_bufs, w_bufs, ready, empty, word_ptrs, shift,
                  a_layout: gl.constexpr):
-    """K step ``i``: decode its weight fragments (while step i - 1's wgmmas run), issue its wgmmas,
-    then wait for step i - 1's (whose fragments ``lo_prev, hi_prev`` stay live until then) and free
-    that step's stage. Returns the accumulator and step i's fragments."""
+    """K step ``i`` (of the program's range): decode its weight fragments (while step i - 1's
+    wgmmas run), issue its wgmmas, then wait for step i - 1's (whose fragments ``lo_prev, hi_prev``
+    stay live until then) and free that step's stage. Returns the accumulator and step i's fragments."""
     num_stages: gl.constexpr = w_bufs.type.shape[0]
     stage = i % num_stages
     words = gl.load(word_ptrs + i)
@@ -198,18 +232,19 @@ def _queued_step(acc, i, lo_prev, hi_prev, xlo_bufs, xhi_bufs, w_bufs, ready, em
 
 
 @gluon.jit
-def _mma_partition(xlo_bufs, xhi_bufs, w_bufs, ready, empty, ws_ptr, words_per_row, off_n, N, k_steps,
+def _mma_partition(xlo_bufs, xhi_bufs, w_bufs, ready, empty, ws_ptr, words_per_row, off_n, N, k_begin, k_count,
                    BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
     """Consumer warpgroups: decode each step's weight rows into wgmma fragments and accumulate
-    ``acc[BLOCK_N, BLOCK_M]`` (a step decoded and its wgmmas queued while the previous step's run)."""
-    num_stages: gl.constexpr = w_bufs.type.shape[0]
+    ``acc[BLOCK_N, BLOCK_M]`` over K steps ``[k_begin, k_begin + k_count)`` (a step decoded and its
+    wgmmas queued while the previous step's run)."""
     step_bytes: gl.constexpr = w_bufs.type.shape[2]
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
     rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
     rows = gl.where(rows < N, rows, 0)  # rows past N (zero codes from TMA) read row 0's scales; not stored
-    word_ptrs = ws_ptr + rows.to(gl.int64) * words_per_row
+    # one int32 word holds a row's 4 block scales of one 64-element step
+    word_ptrs = ws_ptr + rows.to(gl.int64) * words_per_row + k_begin
     # byte of the row's scale word for each code byte of the step (8 code bytes per 16-element block)
     shift = (gl.arange(0, step_bytes, layout=gl.SliceLayout(0, a_layout)) // 8) * 8
     # Step i's wgmmas are issued while step i - 1's still run. A wgmma reads its register operand
@@ -223,13 +258,13 @@ def _mma_partition(xlo_bufs, xhi_bufs, w_bufs, ready, empty, ws_ptr, words_per_r
     acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, mma_layout)
     acc = warpgroup_mma(lo_a, xlo_bufs.index(0).permute((1, 0)), acc, use_acc=False, is_async=True)
     acc = warpgroup_mma(hi_a, xhi_bufs.index(0).permute((1, 0)), acc, is_async=True)
-    for i in range(1, k_steps - 1, 2):
+    for i in range(1, k_count - 1, 2):
         acc, lo_b, hi_b = _queued_step(acc, i, lo_a, hi_a, xlo_bufs, xhi_bufs, w_bufs, ready, empty, word_ptrs, shift,
                                        a_layout)
         acc, lo_a, hi_a = _queued_step(acc, i + 1, lo_b, hi_b, xlo_bufs, xhi_bufs, w_bufs, ready, empty, word_ptrs,
                                        shift, a_layout)
-    if k_steps % 2 == 0:
-        acc, lo_b, hi_b = _queued_step(acc, k_steps - 1, lo_a, hi_a, xlo_bufs, xhi_bufs, w_bufs, ready, empty,
+    if k_count % 2 == 0:
+        acc, lo_b, hi_b = _queued_step(acc, k_count - 1, lo_a, hi_a, xlo_bufs, xhi_bufs, w_bufs, ready, empty,
                                        word_ptrs, shift, a_layout)
         result, lo_b, hi_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc, lo_b, hi_b))
     else:
@@ -238,33 +273,11 @@ def _mma_partition(xlo_bufs, xhi_bufs, w_bufs, ready, empty, ws_ptr, words_per_r
 
 
 @gluon.jit
-def _mm_hopper_kernel(xlo_desc, xhi_desc, w_desc, ws_ptr, alpha_ptr, alpha_b_ptr, out_ptr, M, N, k_steps,
-                      words_per_row, ALPHA_FROM_SCALES: gl.constexpr, ALPHA_DIV_RN: gl.constexpr,
-                      STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
-    BLOCK_M: gl.constexpr = xlo_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
-    step_bytes: gl.constexpr = w_desc.block_type.shape[1]
-    tile_m, tile_n = grouped_tile(gl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    off_m = tile_m * BLOCK_M
-    off_n = tile_n * BLOCK_N
-
-    xlo_bufs = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_M, step_bytes], xlo_desc.layout)
-    xhi_bufs = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_M, step_bytes], xhi_desc.layout)
-    w_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, step_bytes], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-
-    results = gl.warp_specialize([
-        (_mma_partition, (xlo_bufs, xhi_bufs, w_bufs, ready, empty, ws_ptr, words_per_row, off_n, N, k_steps,
-                          BLOCK_N, BLOCK_M, num_warps)),
-        (_load_partition, (xlo_desc, xhi_desc, w_desc, xlo_bufs, xhi_bufs, w_bufs, ready, empty, off_m, off_n,
-                           k_steps)),
-    ], [1], [LOADER_REGISTERS])
-    acc = results[0]
-
+def _store_output(acc, alpha_ptr, alpha_b_ptr, out_ptr, off_m, off_n, M, N, ALPHA_FROM_SCALES: gl.constexpr,
+                  ALPHA_DIV_RN: gl.constexpr, num_warps: gl.constexpr):
+    """``out[off_m + m, off_n + n] = acc[n, m] * 2**28 * alpha`` inside ``[M, N]``, in out's dtype."""
+    BLOCK_N: gl.constexpr = acc.shape[0]
+    BLOCK_M: gl.constexpr = acc.shape[1]
     alpha = load_alpha(alpha_ptr, alpha_b_ptr, ALPHA_FROM_SCALES, ALPHA_DIV_RN)
     res = ((acc * DECODE_SCALE_UNDO) * alpha).to(out_ptr.dtype.element_ty)
     # out[m, n] = res[n, m]: 8 consecutive n per thread, so each thread stores 16 contiguous bytes
@@ -276,12 +289,88 @@ def _mm_hopper_kernel(xlo_desc, xhi_desc, w_desc, ws_ptr, alpha_ptr, alpha_b_ptr
     gl.store(out_ptr + offs, res, mask=(m_idx < M)[None, :] & (n_idx < N)[:, None])
 
 
+@gluon.jit
+def _mm_hopper_kernel(xlo_desc, xhi_desc, w_desc, ws_ptr, alpha_ptr, alpha_b_ptr, out_ptr, part_ptr, count_ptr,
+                      M, N, k_steps, words_per_row, iters_per_split,
+                      ALPHA_FROM_SCALES: gl.constexpr, ALPHA_DIV_RN: gl.constexpr, PARTIAL: gl.constexpr,
+                      STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
+    """Program ``(tile, split)``: the tile's K steps ``[split * iters_per_split, +iters_per_split)``;
+    the output (not PARTIAL) or the partial and the last-arriver reduction (PARTIAL: split-K, module
+    docstring)."""
+    BLOCK_M: gl.constexpr = xlo_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    step_bytes: gl.constexpr = w_desc.block_type.shape[1]
+    tile = gl.program_id(0)
+    split = gl.program_id(1)
+    tile_m, tile_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    off_m = tile_m * BLOCK_M
+    off_n = tile_n * BLOCK_N
+    k_begin = split * iters_per_split
+    k_count = gl.minimum(iters_per_split, k_steps - k_begin)
+
+    xlo_bufs = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_M, step_bytes], xlo_desc.layout)
+    xhi_bufs = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_M, step_bytes], xhi_desc.layout)
+    w_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, step_bytes], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+
+    results = gl.warp_specialize([
+        (_mma_partition, (xlo_bufs, xhi_bufs, w_bufs, ready, empty, ws_ptr, words_per_row, off_n, N, k_begin, k_count,
+                          BLOCK_N, BLOCK_M, num_warps)),
+        (_load_partition, (xlo_desc, xhi_desc, w_desc, xlo_bufs, xhi_bufs, w_bufs, ready, empty, off_m, off_n,
+                           k_begin, k_count)),
+    ], [1], [LOADER_REGISTERS])
+    acc = results[0]
+    if not PARTIAL:
+        _store_output(acc, alpha_ptr, alpha_b_ptr, out_ptr, off_m, off_n, M, N, ALPHA_FROM_SCALES, ALPHA_DIV_RN,
+                      num_warps)
+    else:
+        # fp32 partial of this split -> workspace; the last of the tile's splits to arrive sums all
+        # of them in split order (the same bits whichever arrives last) and writes the output
+        n_split = gl.num_programs(1)
+        TILE: gl.constexpr = BLOCK_N * BLOCK_M
+        in_tile = (gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc.type.layout))[:, None] * BLOCK_M
+                   + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc.type.layout))[None, :])
+        tile_base = part_ptr + tile.to(gl.int64) * n_split * TILE
+        gl.store(tile_base + split * TILE + in_tile, acc)
+        gl.thread_barrier()  # every thread's partial is written before the arrival is released
+        arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_split - 1:
+            total = gl.load(tile_base + in_tile, cache_modifier=".cg")
+            for sp in range(1, n_split):
+                total += gl.load(tile_base + sp * TILE + in_tile, cache_modifier=".cg")
+            _store_output(total, alpha_ptr, alpha_b_ptr, out_ptr, off_m, off_n, M, N, ALPHA_FROM_SCALES,
+                          ALPHA_DIV_RN, num_warps)
+            gl.store(count_ptr + tile, 0)
+
+
+def hopper_split(m: int, n: int, k: int, sms: int, block_m: int) -> int:
+    """Split-K count of an ``[m, K] x [n, K]^T`` product with ``block_m``-token tiles: none where the
+    tiles fill ``sms`` multiprocessors, else enough K ranges to bring the programs to one wave, at
+    most ``MAX_SPLIT`` and with at least ``MIN_STEPS_PER_SPLIT`` K steps each."""
+    tiles = -(-m // block_m) * -(-n // BLOCK_N)
+    steps = k // STEP_K
+    return max(1, min(sms // tiles, steps // MIN_STEPS_PER_SPLIT, MAX_SPLIT))
+
+
+def _split_plan(k_steps: int, split_k: int) -> tuple[int, int]:
+    """``(splits, K steps per split)``: every split gets at least one step."""
+    iters = -(-k_steps // max(1, min(split_k, k_steps)))
+    return -(-k_steps // iters), iters
+
+
 def mm_fp4_hopper(
     a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, alpha: Alpha,
-    out_dtype: torch.dtype, out: torch.Tensor | None = None, block_m: int = BLOCK_M,
+    out_dtype: torch.dtype, out: torch.Tensor | None = None, block_m: int = BLOCK_M, split_k: int | None = None,
 ) -> torch.Tensor:
     """``alpha * (q_a * s_a) @ (q_b * s_b)^T`` (module docstring); ``out``: where to write it;
-    ``block_m``: tokens per program, 256 or 128 (sweeps)."""
+    ``block_m``: tokens per program, one of ``BLOCK_M_CHOICES``; ``split_k``: K ranges per tile
+    (default :func:`split_for` of this call's M), summed in the launch in a fixed order. The sums,
+    so the bits, depend on it: a row block computed alone matches the whole product only with the
+    whole product's ``split_k``."""
     if tracing():
         raise RuntimeError("mm_fp4_hopper: the Gluon kernel takes TMA descriptors, which a tracer cannot record; "
                            "a traced mm_fp4 in its range must stay an op call (fp4fuse.passes.lowering)")
@@ -297,22 +386,33 @@ def mm_fp4_hopper(
     elif out.shape != (m, n) or out.dtype != out_dtype or out.stride() != (n, 1):
         raise ValueError(f"mm_fp4_hopper: out must be a [{m}, {n}] {out_dtype} tensor with row stride {n}; got "
                          f"{out.dtype} {list(out.shape)} strides {out.stride()}")
+    if block_m not in BLOCK_M_CHOICES:
+        raise ValueError(f"mm_fp4_hopper: block_m must be one of {BLOCK_M_CHOICES}; got {block_m}")
+    if split_k is None:
+        split_k = split_for(m, n, k, num_sms(a.device))
+    if split_k < 1:
+        raise ValueError(f"mm_fp4_hopper: split_k must be at least 1; got {split_k}")
     if m == 0 or n == 0:
         return out
     if k == 0:
         return out.zero_()
-    if block_m not in (128, 256):
-        raise ValueError(f"mm_fp4_hopper: block_m must be 128 or 256; got {block_m}")
+    k_steps = k // STEP_K
+    splits, iters = _split_plan(k_steps, split_k)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, BLOCK_N)
+    partials, counters = out, out
+    if splits > 1:  # fresh per call: nothing may outlive a CUDA-graph tree's pool (mm_decode's workspace rule)
+        partials = torch.empty(tiles * splits * BLOCK_N * block_m, dtype=torch.float32, device=a.device)
+        counters = torch.zeros(tiles, dtype=torch.int32, device=a.device)
     xlo, xhi = decode_fp4_halves(a, a_scale)
     step_bytes = STEP_K // 2
     x_layout = gl.NVMMASharedLayout.get_default_for([block_m, step_bytes], gl.float16)
     w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, step_bytes], gl.uint8)
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, BLOCK_N),)
-    _mm_hopper_kernel[grid](
+    _mm_hopper_kernel[(tiles, splits)](
         TensorDescriptor.from_tensor(xlo, [block_m, step_bytes], x_layout),
         TensorDescriptor.from_tensor(xhi, [block_m, step_bytes], x_layout),
         TensorDescriptor.from_tensor(b, [BLOCK_N, step_bytes], w_layout),
-        b_scale.view(torch.int32), *alpha_operands(alpha), out, m, n, k // STEP_K, k // STEP_K,
-        **alpha_meta(alpha), STAGES=STAGES, GROUP_M=GROUP_M, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
+        b_scale.view(torch.int32), *alpha_operands(alpha), out, partials, counters, m, n, k_steps, k_steps, iters,
+        **alpha_meta(alpha), PARTIAL=splits > 1, STAGES=STAGES, GROUP_M=GROUP_M, num_warps=NUM_WARPS,
+        maxnreg=MAX_REGISTERS,
     )
     return out
