@@ -693,6 +693,47 @@ def hopper_split_sweep(ceil: Ceilings, raw: dict) -> None:
     raw["hopper_split_sweep"] = rows
 
 
+HOPPER_SMALL_MS = (16, 32, 64)
+#: Register caps --hopper-small-sweep tries: one, two and three programs per multiprocessor.
+HOPPER_SMALL_REGISTERS = (168, 80, 56)
+
+
+def hopper_small_sweep(ceil: Ceilings, raw: dict) -> None:
+    """``--hopper-small-sweep``: M = 16..64, bf16 output, CUDA-graph replays over rotating weights:
+    the Hopper Gluon GEMM with the smallest token tile holding M, register caps fitting 1-3
+    programs per multiprocessor and split-K filling that many waves, against the shipped dispatch
+    (the decode GEMM) and cuBLAS bf16; outputs checked close to the shipped path's."""
+    hopper = triton_mm.hopper_kernels()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for m, n, k, x, a, sa, alpha, weights, w_t in _rotating_points(HOPPER_SHAPES, raw.get("ms") or HOPPER_SMALL_MS):
+        shipped = triton_mm.mm_fp4_triton(a, weights[0][0], sa, weights[0][1], alpha, torch.bfloat16).float()
+        us = {"shipped": bench_graph([functools.partial(triton_mm.mm_fp4_triton, a, wq, sa, wsq, alpha, torch.bfloat16)
+                                      for wq, wsq, _ in weights]) * 1e3,
+              "bf16": bench_graph([functools.partial(torch.mm, x, wt) for wt in w_t]) * 1e3}
+        block_m = min(b for b in hopper.BLOCK_M_CHOICES if b >= m)
+        worst = 0.0
+        for per_sm, regs in enumerate(HOPPER_SMALL_REGISTERS, start=1):
+            split = hopper.hopper_split(m, n, k, sms * per_sm, block_m)
+            fn = functools.partial(hopper.mm_fp4_hopper, a, out_dtype=torch.bfloat16, alpha=alpha, a_scale=sa,
+                                   block_m=block_m, split_k=split, max_registers=regs)
+            try:
+                got = fn(b=weights[0][0], b_scale=weights[0][1]).float()
+            except triton.runtime.errors.TritonError as exc:  # a cap too low for the tile: ptxas refuses it
+                print(f"  skip tile {block_m}, {regs} registers: {type(exc).__name__}", flush=True)
+                continue
+            worst = max(worst, ((got - shipped).norm() / shipped.norm()).item())
+            us[f"r{regs}s{split}"] = bench_graph([functools.partial(fn, b=wq, b_scale=wsq)
+                                                  for wq, wsq, _ in weights]) * 1e3
+        best = min((kk for kk in us if kk.startswith("r")), key=us.get)
+        rows.append({"m": m, "n": n, "k": k, "block_m": block_m, "us": us, "best": best,
+                     "max_rel_diff_vs_shipped": worst})
+        print(f"SMALL m={m:<3d} n={n:<6d} k={k:<6d} tile {block_m} " + " ".join(f"{kk}={v:.1f}" for kk, v in us.items())
+              + f" | best {best} {us['bf16'] / us[best]:.2f}x bf16, {us['shipped'] / us[best]:.2f}x shipped;"
+              f" rel diff {worst:.1e}", flush=True)
+    raw["hopper_small_sweep"] = rows
+
+
 def markdown(dev: str, ceil: Ceilings, op_rows: list[dict], mm_rows: list[dict]) -> str:
     lines = [
         f"# fp4fuse single-GPU ops, {datetime.date.today().isoformat()}",
@@ -742,8 +783,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="only M=257..4096: the Hopper Gluon GEMM against the other paths and cuBLAS bf16")
     parser.add_argument("--hopper-split-sweep", action="store_true",
                         help="only M=64..1024: the Hopper Gluon GEMM's token tiles and split-K counts")
+    parser.add_argument("--hopper-small-sweep", action="store_true",
+                        help="only M=16..64: the Hopper Gluon GEMM's small token tiles with 1-3 programs per SM")
     parser.add_argument("--ms", type=lambda v: tuple(int(x) for x in v.split(",")),
-                        help="row counts of --hopper-split-sweep (default: 64,128,192,256,512,1024)")
+                        help="row counts of --hopper-split-sweep / --hopper-small-sweep")
     parser.add_argument("--scale-words-sweep", action="store_true",
                         help="only the decode GEMM at M<=64 with word- vs byte-loaded activation scales")
     args = parser.parse_args(argv)
@@ -759,7 +802,8 @@ def main(argv: list[str] | None = None) -> int:
                                   (args.wide_step_sweep, wide_step_sweep),
                                   (args.scale_words_sweep, scale_words_sweep),
                                   (args.dequant_sweep, dequant_sweep), (args.hopper_sweep, hopper_sweep),
-                                  (args.hopper_split_sweep, hopper_split_sweep)) if flag]
+                                  (args.hopper_split_sweep, hopper_split_sweep),
+                                  (args.hopper_small_sweep, hopper_small_sweep)) if flag]
     if sweeps:
         raw = {"device": dev, "torch": torch.__version__, "triton": triton.__version__,
                "ceilings": dataclasses.asdict(ceil), "ms": args.ms}

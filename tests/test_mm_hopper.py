@@ -156,6 +156,8 @@ def test_cuda_matches_float64(m, n, k, out_dtype):
     (200, 136, 640, 64, 16),      # more splits asked than steps (10): one step each
     (130, 3000, 3584, 128, 7),    # a second token tile holding 2 rows
     (513, 520, 448, 256, 2),      # 7 steps: 4 / 3
+    (13, 300, 1024, 16, 4),       # 16- and 32-token tiles
+    (30, 1000, 2048, 32, 1),
 ])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_cuda_split_k_and_small_tiles_match_float64(m, n, k, block_m, split_k, out_dtype):
@@ -167,6 +169,9 @@ def test_cuda_split_k_and_small_tiles_match_float64(m, n, k, block_m, split_k, o
     alpha = 1.0 / (ga * gb)
     out = mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, out_dtype, block_m=block_m, split_k=split_k)
     assert torch.equal(mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, out_dtype, block_m=block_m, split_k=split_k), out)
+    if block_m <= 32:  # a register cap fitting three programs per multiprocessor: the same sums
+        assert torch.equal(mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, out_dtype, block_m=block_m, split_k=split_k,
+                                                   max_registers=56), out)
     assert out.shape == (m, n) and torch.isfinite(out).all()
     assert _rel_error(out, a, b, sa, sb, alpha) <= _TOL[out_dtype]
 

@@ -105,7 +105,7 @@ BLOCK_N = 128
 STAGES = 4
 GROUP_M = 8
 #: Tokens per program ``mm_fp4_hopper`` takes (the wgmma N side).
-BLOCK_M_CHOICES = (64, 128, 256)
+BLOCK_M_CHOICES = (16, 32, 64, 128, 256)
 #: Split-K bounds of :func:`hopper_split`.
 MAX_SPLIT = 16
 MIN_STEPS_PER_SPLIT = 8
@@ -365,12 +365,14 @@ def _split_plan(k_steps: int, split_k: int) -> tuple[int, int]:
 def mm_fp4_hopper(
     a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, alpha: Alpha,
     out_dtype: torch.dtype, out: torch.Tensor | None = None, block_m: int = BLOCK_M, split_k: int | None = None,
+    max_registers: int = MAX_REGISTERS,
 ) -> torch.Tensor:
     """``alpha * (q_a * s_a) @ (q_b * s_b)^T`` (module docstring); ``out``: where to write it;
     ``block_m``: tokens per program, one of ``BLOCK_M_CHOICES``; ``split_k``: K ranges per tile
     (default :func:`split_for` of this call's M), summed in the launch in a fixed order. The sums,
     so the bits, depend on it: a row block computed alone matches the whole product only with the
-    whole product's ``split_k``."""
+    whole product's ``split_k``. ``max_registers``: ptxas's cap per thread over the 12 warps
+    (sweeps: below 171 two programs fit a multiprocessor's registers, below 114 three)."""
     if tracing():
         raise RuntimeError("mm_fp4_hopper: the Gluon kernel takes TMA descriptors, which a tracer cannot record; "
                            "a traced mm_fp4 in its range must stay an op call (fp4fuse.passes.lowering)")
@@ -413,6 +415,6 @@ def mm_fp4_hopper(
         TensorDescriptor.from_tensor(b, [BLOCK_N, step_bytes], w_layout),
         b_scale.view(torch.int32), *alpha_operands(alpha), out, partials, counters, m, n, k_steps, k_steps, iters,
         **alpha_meta(alpha), PARTIAL=splits > 1, STAGES=STAGES, GROUP_M=GROUP_M, num_warps=NUM_WARPS,
-        maxnreg=MAX_REGISTERS,
+        maxnreg=max_registers,
     )
     return out
