@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import hashlib
 import json
 import os
 import statistics
@@ -319,7 +320,8 @@ def _rank_main(args: BenchArgs) -> dict[str, Any]:
     say = log if rank == 0 else (lambda msg: None)
     say(f"building {args.layers}-layer Llama (hidden {args.hidden}, ffn {args.ffn}) at TP={args.tp}")
     models = _build_models(args, device, group)
-    results: dict[str, Any] = {"times": {}, "counts": {}, "max_rel_diff": {}, "errors": {}, "profiles": {},
+    results: dict[str, Any] = {"times": {}, "counts": {}, "max_rel_diff": {}, "output_sha1": {}, "errors": {},
+                               "profiles": {},
                                "emulate_precision_casts": torch._inductor.config.emulate_precision_casts}
     for mode in args.modes:
         variants = _compiled_variants(args, models, mode)
@@ -346,10 +348,15 @@ def _rank_main(args: BenchArgs) -> dict[str, Any]:
                     _drop_failed(results, variants, f"{mode}/{tokens}/{name}", exc, rank)
                     continue
             for name, out in outs.items():
+                # the output's bits, to compare across runs (processes, cache states) as well
+                results["output_sha1"][f"{mode}/{tokens}/{name}"] = hashlib.sha1(
+                    out.cpu().numpy().tobytes()).hexdigest()[:16]
                 ref = outs.get("bf16" if name.startswith("bf16") else "nvfp4")
                 if ref is not None:
                     rel = ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
                     results["max_rel_diff"][f"{mode}/{tokens}/{name}"] = rel
+            say(f"{mode} T={tokens} output sha1: " + ", ".join(
+                f"{name} {results['output_sha1'][f'{mode}/{tokens}/{name}']}" for name in outs))
             samples: dict[str, list[float]] = {name: [] for name in variants}
             say(f"{mode} T={tokens}: timing {', '.join(calls)}")
             for _ in range(args.rounds):
