@@ -650,46 +650,68 @@ def hopper_sweep(ceil: Ceilings, raw: dict) -> None:
 
 
 HOPPER_SPLIT_MS = (64, 128, 192, 256, 512, 1024)
+#: Token tiles --hopper-split-sweep times (the smaller ones are --hopper-small-sweep's).
+HOPPER_SPLIT_TILES = (64, 128, 256)
 
 
 def _hopper_variants(hopper, m: int, n: int, k: int, sms: int) -> list[tuple[int, int]]:
-    """``(block_m, split_k)`` pairs ``--hopper-split-sweep`` times at one point: each token tile no
-    larger than needed, without split-K, with ``hopper_split``'s count and with twice it."""
+    """``(block_m, split_k)`` pairs ``--hopper-split-sweep`` times at one point: each token tile of
+    ``HOPPER_SPLIT_TILES`` up to twice M (the smallest always), without split-K, with
+    ``hopper_split``'s count and with twice it."""
     variants = []
-    for block_m in hopper.BLOCK_M_CHOICES:
-        if block_m > 2 * m and block_m > hopper.BLOCK_M_CHOICES[0]:
+    for block_m in HOPPER_SPLIT_TILES:
+        if block_m > 2 * m and block_m > HOPPER_SPLIT_TILES[0]:
             continue
         auto = hopper.hopper_split(m, n, k, sms, block_m)
         variants += [(block_m, s) for s in sorted({1, auto, min(2 * auto, hopper.MAX_SPLIT)})]
     return variants
 
 
+def _hopper_point(a, sa, alpha, x, weights, w_t, variants: dict[str, dict]) -> tuple[dict[str, float], float]:
+    """Microseconds of the shipped dispatch, cuBLAS bf16 and each ``mm_fp4_hopper`` variant (name ->
+    its keyword arguments) at one point, as CUDA-graph replays over the rotating weights, and the
+    variants' largest relative difference from the shipped path's output. A variant ptxas refuses
+    (a register cap too low for its tile) is skipped with a line."""
+    hopper = triton_mm.hopper_kernels()
+    shipped = triton_mm.mm_fp4_triton(a, weights[0][0], sa, weights[0][1], alpha, torch.bfloat16).float()
+    us = {"shipped": bench_graph([functools.partial(triton_mm.mm_fp4_triton, a, wq, sa, wsq, alpha, torch.bfloat16)
+                                  for wq, wsq, _ in weights]) * 1e3,
+          "bf16": bench_graph([functools.partial(torch.mm, x, wt) for wt in w_t]) * 1e3}
+    worst = 0.0
+    for name, kwargs in variants.items():
+        fn = functools.partial(hopper.mm_fp4_hopper, a, out_dtype=torch.bfloat16, alpha=alpha, a_scale=sa, **kwargs)
+        try:
+            got = fn(b=weights[0][0], b_scale=weights[0][1]).float()
+        except triton.runtime.errors.TritonError as exc:
+            print(f"  skip {name}: {type(exc).__name__}", flush=True)
+            continue
+        worst = max(worst, ((got - shipped).norm() / shipped.norm()).item())
+        us[name] = bench_graph([functools.partial(fn, b=wq, b_scale=wsq) for wq, wsq, _ in weights]) * 1e3
+    return us, worst
+
+
+def _report_point(label: str, m: int, n: int, k: int, us: dict[str, float], worst: float, extra: dict) -> dict:
+    """The row of one sweep point (its fastest Gluon variant against the shipped path and cuBLAS),
+    printed as it comes."""
+    best = min((kk for kk in us if kk not in ("shipped", "bf16")), key=us.get)
+    print(f"{label} m={m:<5d} n={n:<6d} k={k:<6d} " + " ".join(f"{kk}={v:.1f}" for kk, v in us.items())
+          + f" | best {best} {us['bf16'] / us[best]:.2f}x bf16, {us['shipped'] / us[best]:.2f}x shipped;"
+          f" rel diff {worst:.1e}", flush=True)
+    return {"m": m, "n": n, "k": k, **extra, "us": us, "best": best, "max_rel_diff_vs_shipped": worst}
+
+
 def hopper_split_sweep(ceil: Ceilings, raw: dict) -> None:
     """``--hopper-split-sweep``: M = 64..1024, bf16 output, CUDA-graph replays over rotating weights:
     the Hopper Gluon GEMM's token tiles and split-K counts against the shipped dispatch and cuBLAS
-    bf16; every variant's output is checked bitwise equal across its replays' first call and close
-    to the shipped path's."""
+    bf16, with each variant's largest relative difference from the shipped path's output."""
     hopper = triton_mm.hopper_kernels()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for m, n, k, x, a, sa, alpha, weights, w_t in _rotating_points(HOPPER_SHAPES, raw.get("ms") or HOPPER_SPLIT_MS):
-        shipped = triton_mm.mm_fp4_triton(a, weights[0][0], sa, weights[0][1], alpha, torch.bfloat16).float()
-        us = {"shipped": bench_graph([functools.partial(triton_mm.mm_fp4_triton, a, wq, sa, wsq, alpha, torch.bfloat16)
-                                      for wq, wsq, _ in weights]) * 1e3,
-              "bf16": bench_graph([functools.partial(torch.mm, x, wt) for wt in w_t]) * 1e3}
-        worst = 0.0
-        for block_m, split in _hopper_variants(hopper, m, n, k, sms):
-            fn = functools.partial(hopper.mm_fp4_hopper, a, out_dtype=torch.bfloat16, alpha=alpha, a_scale=sa,
-                                   block_m=block_m, split_k=split)
-            got = fn(b=weights[0][0], b_scale=weights[0][1]).float()
-            worst = max(worst, ((got - shipped).norm() / shipped.norm()).item())
-            us[f"h{block_m}s{split}"] = bench_graph([functools.partial(fn, b=wq, b_scale=wsq)
-                                                     for wq, wsq, _ in weights]) * 1e3
-        best = min((kk for kk in us if kk.startswith("h")), key=us.get)
-        rows.append({"m": m, "n": n, "k": k, "us": us, "best": best, "max_rel_diff_vs_shipped": worst})
-        print(f"SPLIT m={m:<5d} n={n:<6d} k={k:<6d} " + " ".join(f"{kk}={v:.1f}" for kk, v in us.items())
-              + f" | best {best} {us['bf16'] / us[best]:.2f}x bf16, {us['shipped'] / us[best]:.2f}x shipped;"
-              f" rel diff {worst:.1e}", flush=True)
+        variants = {f"h{block_m}s{split}": {"block_m": block_m, "split_k": split}
+                    for block_m, split in _hopper_variants(hopper, m, n, k, sms)}
+        us, worst = _hopper_point(a, sa, alpha, x, weights, w_t, variants)
+        rows.append(_report_point("SPLIT", m, n, k, us, worst, {}))
     raw["hopper_split_sweep"] = rows
 
 
@@ -702,35 +724,18 @@ def hopper_small_sweep(ceil: Ceilings, raw: dict) -> None:
     """``--hopper-small-sweep``: M = 16..64, bf16 output, CUDA-graph replays over rotating weights:
     the Hopper Gluon GEMM with the smallest token tile holding M, register caps fitting 1-3
     programs per multiprocessor and split-K filling that many waves, against the shipped dispatch
-    (the decode GEMM) and cuBLAS bf16; outputs checked close to the shipped path's."""
+    (the decode GEMM) and cuBLAS bf16; outputs compared with the shipped path's."""
     hopper = triton_mm.hopper_kernels()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for m, n, k, x, a, sa, alpha, weights, w_t in _rotating_points(HOPPER_SHAPES, raw.get("ms") or HOPPER_SMALL_MS):
-        shipped = triton_mm.mm_fp4_triton(a, weights[0][0], sa, weights[0][1], alpha, torch.bfloat16).float()
-        us = {"shipped": bench_graph([functools.partial(triton_mm.mm_fp4_triton, a, wq, sa, wsq, alpha, torch.bfloat16)
-                                      for wq, wsq, _ in weights]) * 1e3,
-              "bf16": bench_graph([functools.partial(torch.mm, x, wt) for wt in w_t]) * 1e3}
         block_m = min(b for b in hopper.BLOCK_M_CHOICES if b >= m)
-        worst = 0.0
+        variants = {}
         for per_sm, regs in enumerate(HOPPER_SMALL_REGISTERS, start=1):
             split = hopper.hopper_split(m, n, k, sms * per_sm, block_m)
-            fn = functools.partial(hopper.mm_fp4_hopper, a, out_dtype=torch.bfloat16, alpha=alpha, a_scale=sa,
-                                   block_m=block_m, split_k=split, max_registers=regs)
-            try:
-                got = fn(b=weights[0][0], b_scale=weights[0][1]).float()
-            except triton.runtime.errors.TritonError as exc:  # a cap too low for the tile: ptxas refuses it
-                print(f"  skip tile {block_m}, {regs} registers: {type(exc).__name__}", flush=True)
-                continue
-            worst = max(worst, ((got - shipped).norm() / shipped.norm()).item())
-            us[f"r{regs}s{split}"] = bench_graph([functools.partial(fn, b=wq, b_scale=wsq)
-                                                  for wq, wsq, _ in weights]) * 1e3
-        best = min((kk for kk in us if kk.startswith("r")), key=us.get)
-        rows.append({"m": m, "n": n, "k": k, "block_m": block_m, "us": us, "best": best,
-                     "max_rel_diff_vs_shipped": worst})
-        print(f"SMALL m={m:<3d} n={n:<6d} k={k:<6d} tile {block_m} " + " ".join(f"{kk}={v:.1f}" for kk, v in us.items())
-              + f" | best {best} {us['bf16'] / us[best]:.2f}x bf16, {us['shipped'] / us[best]:.2f}x shipped;"
-              f" rel diff {worst:.1e}", flush=True)
+            variants[f"r{regs}s{split}"] = {"block_m": block_m, "split_k": split, "max_registers": regs}
+        us, worst = _hopper_point(a, sa, alpha, x, weights, w_t, variants)
+        rows.append(_report_point("SMALL", m, n, k, us, worst, {"block_m": block_m}))
     raw["hopper_small_sweep"] = rows
 
 

@@ -76,7 +76,7 @@ def readable_rows(rows, M):
     """``rows`` of a tile with those past ``M`` replaced by ``row % M``: rows a kernel may read
     without a mask and never stores. Spread over distinct rows (which other programs read anyway)
     rather than all reading row 0: a hundred rows of one tile loading the same line each K step
-    made the decode GEMM up to 2.5x slower at M = 130 (benchmarks/results/)."""
+    made the decode GEMM up to 2.6x slower at M = 130 (benchmarks/results/)."""
     return tl.where(rows < M, rows, rows % M)
 
 

@@ -38,7 +38,7 @@ Design (``_mm_hopper_kernel``):
   the PTX: every fragment register is written once per loop iteration, after that wait). Step 0
   runs before the loop with ``use_acc=False`` so that no instruction but a wgmma writes the
   accumulator while wgmmas are in flight (ptxas serializes them otherwise, warning C7515).
-* Tile 128 weight rows x 256 tokens (64 and 128 for sweeps), one program per tile and K range;
+* Tile 128 weight rows x 256 tokens (16 to 128 for sweeps), one program per tile and K range;
   programs sharing a weight tile are adjacent in launch order (``GROUP_M`` token tiles at a time)
   so the tile is read from HBM once. 168 registers per thread for 12 warps (the loader's
   warpgroup gives its registers to the consumers: ``setmaxnreg`` 24 / 240).
