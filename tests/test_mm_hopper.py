@@ -53,6 +53,21 @@ def test_fill_rule_against_counted_tiles():
                 assert mm_hopper.fills_the_gpu(m, n, sms) == (fill >= 0.8), (m, n, sms, fill)
 
 
+def test_a_traced_row_count_is_served_for_its_whole_range():
+    """A symbolic M (a graph compiled with a dynamic batch) is decided by its hint, and the guards
+    recorded hold for exactly the range the decision covers: 129 to 256 rows, the decode GEMM's
+    last row range (``mm_decode.DECODE_ROW_RANGES``), so a compiled graph never runs a row count
+    the other kernel would have taken."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    symbol = env.create_symbol(200, source=ConstantSource("m"))
+    assert mm_hopper.serves_shape(env.create_symintnode(symbol, hint=200), 8192, 8192, torch.bfloat16, sms=132)
+    holds = [all(bool(g.expr.subs(symbol, rows)) for g in env.guards) for rows in (100, 128, 129, 256, 257)]
+    assert holds == [False, False, True, True, False]
+
+
 def test_split_rule():
     """Split-K only up to 256 rows, where 256-token tiles number N / 128: enough K ranges to fill one
     wave, each at least 8 K steps long, at most 16."""
