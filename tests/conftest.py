@@ -37,3 +37,13 @@ def fake_group():
     yield dist.group.WORLD.group_name
     if owned:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def rank_inductor_cache(tmp_path_factory) -> str:
+    """One Inductor cache directory (``TORCHINDUCTOR_CACHE_DIR``) for the compiling ranks that the e2e
+    tests and the demo test spawn, as ranks on one host share one: Inductor's precompiled header
+    (several seconds of g++ in a fresh directory) is built once per session, not once per module.
+    FX graphs are not shared between tests: each test compiles its own model (the FX graph cache key
+    covers the graph, FusionPass.uuid() the configuration) and asserts what its passes did."""
+    return str(tmp_path_factory.mktemp("inductor_cache"))

@@ -36,7 +36,8 @@ def build(kind: str, dtype: torch.dtype = torch.float32, seed: int = 0, layers: 
     projection ``c_fc``),
     ``Qwen3ForCausalLM`` (``"qwen3"``: per-head q/k norms, replicated by its TP plan) or
     ``Gemma3ForCausalLM`` (``"gemma3"``: those norms, a scaled input embedding, sandwich norms of
-    the ``(1 + weight)`` form, one sliding-window layer), eval mode, with ``layers`` decoder layers."""
+    the ``(1 + weight)`` form, sliding-window layers and a full-attention last layer, as a Gemma 3
+    group ends), eval mode, with ``layers`` decoder layers."""
     from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, LlamaConfig,
                               LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
                               Starcoder2Config, Starcoder2ForCausalLM)
@@ -48,8 +49,9 @@ def build(kind: str, dtype: torch.dtype = torch.float32, seed: int = 0, layers: 
     elif kind == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**sizes, head_dim=16))
     elif kind == "gemma3":
+        layer_types = ["sliding_attention"] * (layers - 1) + ["full_attention"]
         model = Gemma3ForCausalLM(Gemma3TextConfig(**sizes, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
-                                                   layer_types=["sliding_attention", "full_attention"]))
+                                                   layer_types=layer_types))
     elif kind == "granite":
         model = GraniteForCausalLM(GraniteConfig(**sizes, embedding_multiplier=12.0, residual_multiplier=0.22,
                                                  attention_multiplier=0.0625, logits_scaling=8.0))

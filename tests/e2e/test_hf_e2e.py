@@ -34,7 +34,8 @@ guard recompiles into a graph that fuses nothing, with the reasons.
 With a replicated embedding and ``always``: first = 0 and layer 0's q, k, v stay unfused
 (quant_before_gather = all_gather_mm_fp4 = 5L - 3).
 
-At L = 2: first 1, middle 3, last 1, quant_before_gather 10, all_gather_mm_fp4 10, mm_fp4_reduce_scatter 4.
+At L = 2 (Qwen2): first 1, middle 3, last 1, quant_before_gather 10, all_gather_mm_fp4 10,
+mm_fp4_reduce_scatter 4; at L = 1 (the other runs): 1, 1, 1, 5, 5, 2.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from dist_utils import run_on_ranks
+from dist_utils import COMPILE_THREADS, run_on_ranks
 
 pytest.importorskip("transformers", reason="the test extra installs transformers (pip install -e '.[test]')")
 
@@ -96,26 +97,29 @@ class Run(NamedTuple):
     dtype: str = "float32"            # bfloat16: compiled with emulate_precision_casts (README, "Numerics")
     unfused: bool = True              # also compile without fp4fuse and compare the logits bit for bit
     same_as: str | None = None        # or compare with this earlier run's logits
-    layers: int = hf_tiny.LAYERS      # decoder layers (1 still has a first, a middle and a last norm)
+    layers: int = 1                   # decoder layers (1 still has a first, a middle and a last norm)
 
 
-# What each run adds (a compile of these tiny models takes about 30 s of a CI core, 13 in all, so
-# each run covers what no cheaper test does): Qwen2, static activation scales and q/k/v biases;
-# Granite, whose residual stream is scaled (the scaled sequence-parallel patterns); Starcoder2,
-# LayerNorm and row-parallel biases added after the all-reduce (the biased patterns), these two
-# with one layer (first, middle and last norm all occur);
+# What each run adds (a compile of these tiny models takes about 15-30 s of a CI core, 13 in all, so
+# each run covers what no cheaper test does, with one decoder layer where that shows what it is there
+# for: one layer still has a first, a middle and a last norm): Qwen2, static activation scales and
+# q/k/v biases, with two layers (the one run where a middle norm, the residual after layer 0's down
+# projection, feeds q/k/v, and where the rank check names a second layer's state); Granite, whose
+# residual stream is scaled (the scaled sequence-parallel patterns); Starcoder2, LayerNorm and
+# row-parallel biases added after the all-reduce (the biased patterns);
 # Gemma 3 in bf16, its serving dtype (its fp32 norm form, torch_manual, is covered by
 # tests/test_sp_patterns.py); Llama with a replicated embedding, static shapes and dynamic scales,
 # in both check modes (the default mode fuses nothing, asserted, so its graph is the unfused compile
 # the "always" run is compared with); Llama with a dynamic batch, whose first graph has the static
 # model's rewrites. Qwen3's per-head q/k norms read a column-parallel output, never an all-reduce, so
 # no rewrite can match them (tests/test_parallelize.py runs Qwen3 at TP=2).
-RUNS = (Run("qwen2-static", "qwen2", static=True), Run("gemma3-bf16", "gemma3", dtype="bfloat16"),
-        Run("granite", "granite", layers=1), Run("starcoder2", "starcoder2", layers=1),
+RUNS = (Run("qwen2-static", "qwen2", static=True, layers=2), Run("gemma3-bf16", "gemma3", dtype="bfloat16"),
+        Run("granite", "granite"), Run("starcoder2", "starcoder2"),
         Run("llama-replicated", "llama", batches=(1,), vocab_parallel=False, unfused=False),
         Run("llama-replicated-always", "llama", batches=(1,), rank_check="always", vocab_parallel=False,
             unfused=False, same_as="llama-replicated"),
         Run("llama-dynamic", "llama", batches=DYNAMIC_BATCHES, dynamic=True))
+LAYERS = {run.name: run.layers for run in RUNS}
 
 
 def _rank_main(runs: tuple) -> dict:
@@ -127,15 +131,20 @@ def _rank_main(runs: tuple) -> dict:
     from fp4fuse.tp import parallelize
 
     results, logits = {}, {}
+    # one pass per configuration for every model, as a serving engine keeps one for all its graphs (a
+    # pass registers its patterns once per norm family and dtype); the results are each graph's own
+    plain_pass, fused_passes = FusionPass(), {}
     for run in runs:
         torch._dynamo.reset()  # every run compiles the same HF forward: keep under the recompile limit
         hf = tiny.build(run.kind, dtype=getattr(torch, run.dtype), layers=run.layers)
         scales = tiny.calibrate(hf, tiny.token_ids(3, seq=SEQ)) if run.static else None
         model = parallelize(hf, activation_scales=scales, embedding=run.vocab_parallel)
-        fusion = FusionPass(FusionConfig(enable_async_tp=True, rank_check=run.rank_check))
+        if run.rank_check not in fused_passes:
+            fused_passes[run.rank_check] = FusionPass(FusionConfig(enable_async_tp=True, rank_check=run.rank_check))
+        fusion = fused_passes[run.rank_check]
         shapes = None if run.dynamic else False  # dynamic: the batch is marked dynamic below
         fused = torch.compile(model, dynamic=shapes, options={"post_grad_custom_post_pass": fusion})
-        plain = (torch.compile(model, dynamic=shapes, options={"post_grad_custom_post_pass": FusionPass()})
+        plain = (torch.compile(model, dynamic=shapes, options={"post_grad_custom_post_pass": plain_pass})
                  if run.unfused else None)
         for batch in run.batches:
             ids = tiny.token_ids(batch, seq=1 if run.dynamic else SEQ)
@@ -159,10 +168,11 @@ def _rank_main(runs: tuple) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict:
-    cache_dir = str(tmp_path_factory.mktemp("inductor_cache"))
+def results(rank_inductor_cache) -> dict:
+    """Every run, in one spawn of two ranks."""
     per_rank = run_on_ranks(_rank_main, WORLD, RUNS, timeout=TIMEOUT_S, backend="gloo",
-                            env={"TORCHINDUCTOR_CACHE_DIR": cache_dir, "TORCHINDUCTOR_COMPILE_THREADS": "1"})
+                            env={"TORCHINDUCTOR_CACHE_DIR": rank_inductor_cache,
+                                 "TORCHINDUCTOR_COMPILE_THREADS": COMPILE_THREADS})
     first, second = per_rank
     assert {k: (v["counts"], v["equal"]) for k, v in first.items()} == {
         k: (v["counts"], v["equal"]) for k, v in second.items()}
@@ -174,7 +184,7 @@ def test_fusion_counts_and_bitwise_logits(results, run, batch):
     got = results[run, batch]
     static = run.endswith("-static")
     assert got["graphs"] == 1 and got["shape"] == (batch, SEQ, hf_tiny.VOCAB)
-    assert got["counts"] == expected_counts(hf_tiny.LAYERS, static), got["counts"]
+    assert got["counts"] == expected_counts(LAYERS[run], static), got["counts"]
     assert got["skips"] == [], got["skips"]
     # HF's RMSNorm (Qwen's is Llama's form) is a torch-form norm: its quants are not fused with it, and say why
     assert got["norm_quant"] == ({}, ["norm_quant.torch_norm"]), got["norm_quant"]
@@ -192,7 +202,7 @@ def test_gemma3_fuses_its_sandwich_norms_and_reduce_scatters_bitwise(results):
     all-reduce, so no gather feeds a quant there. Its scaled input embedding stays replicated
     (parallelize: more than a lookup), which the ``first`` rewrites do not need."""
     got = results["gemma3-bf16", 3]
-    layers = hf_tiny.LAYERS
+    layers = LAYERS["gemma3-bf16"]
     assert got["graphs"] == 1 and got["shape"] == (3, SEQ, hf_tiny.VOCAB)
     assert got["counts"] == {"sequence_parallel.first.torch_offset_fp32": 2 * layers,
                              "async_tp.mm_fp4_reduce_scatter": 2 * layers}, got["counts"]
@@ -209,7 +219,8 @@ def test_granite_scaled_residual_stream_fuses_bitwise(results):
     sequence-parallel patterns take every norm (Llama's counts under the ``_scaled`` names), each
     number multiplies the shard, and the logits equal the compile without fp4fuse bit for bit."""
     got = results["granite", 3]
-    want = {key.replace(".torch_fp32", ".torch_fp32_scaled"): n for key, n in expected_counts(1, static=False).items()}
+    want = {key.replace(".torch_fp32", ".torch_fp32_scaled"): n
+            for key, n in expected_counts(LAYERS["granite"], static=False).items()}
     assert got["graphs"] == 1 and got["shape"] == (3, SEQ, hf_tiny.VOCAB)
     assert got["counts"] == want, got["counts"]
     assert got["skips"] == [], got["skips"]
@@ -224,7 +235,7 @@ def test_starcoder2_layer_norms_and_row_parallel_biases_fuse_bitwise(results):
     ``c_fc`` quantize before the gather (4 per layer), and the logits equal the compile without
     fp4fuse bit for bit."""
     got = results["starcoder2", 3]
-    layers = 1
+    layers = LAYERS["starcoder2"]
     assert got["graphs"] == 1 and got["shape"] == (3, SEQ, hf_tiny.VOCAB)
     assert got["counts"] == {
         "sequence_parallel.first.torch_layer_norm": 1, "sequence_parallel.middle.torch_layer_norm_biased": 2 * layers - 1,
@@ -240,7 +251,7 @@ def test_the_check_names_what_the_rewrites_rely_on(results):
     before the gather (nothing per call: the residual is the embedding's all-reduce)."""
     (state, per_call), = results["qwen2-static", 3]["checked"]
     sources = {state_path(label.split(" (", 1)[1].rstrip(")")) for label in state}
-    layers = hf_tiny.LAYERS
+    layers = LAYERS["qwen2-static"]
     norms = {f".model.layers[{i}].{n}.weight" for i in range(layers)
              for n in ("input_layernorm", "post_attention_layernorm")}
     scales = {f".model.layers[{i}].mlp.{p}_proj.input_global_scale" for i in range(layers) for p in ("gate", "up")}
@@ -253,12 +264,14 @@ def test_replicated_embedding_fuses_only_with_the_per_call_check(results):
     """A replicated embedding's residual comes from the per-call token ids: left alone (with the
     reason) in the default mode, fused under rank_check='always', which compares the ids every call."""
     got = results["llama-replicated", 1]
-    assert got["counts"] == {} and got["checked"] == []
+    assert got["graphs"] == 1 and got["counts"] == {} and got["checked"] == []
     assert got["skips"] and all(
         "a per-call graph input, whose values are compared across ranks only with rank_check='always'" in reason
         and _TOKEN_IDS.search(reason) for _, reason in got["skips"])
     got = results["llama-replicated-always", 1]
-    assert got["counts"] == expected_counts(hf_tiny.LAYERS, static=False, vocab_parallel=False), got["counts"]
+    assert got["graphs"] == 1
+    want = expected_counts(LAYERS["llama-replicated-always"], static=False, vocab_parallel=False)
+    assert got["counts"] == want, got["counts"]
     assert got["equal"]  # bitwise the default mode's graph, which fused nothing
     (_, per_call), = got["checked"]
     (label,) = per_call
@@ -274,7 +287,7 @@ def test_a_dynamic_batch_fuses_under_a_guard_and_recompiles_where_it_fails(resul
     for got, batch in zip((first, reused, odd), DYNAMIC_BATCHES):
         assert got["shape"] == (batch, 1, hf_tiny.VOCAB) and got["equal"], (batch, got)
     assert first["graphs"] == 1 and first["skips"] == []
-    assert first["counts"] == expected_counts(hf_tiny.LAYERS, static=False), first["counts"]
+    assert first["counts"] == expected_counts(LAYERS["llama-dynamic"], static=False), first["counts"]
     # HF's LlamaRMSNorm is a torch-form norm: its quants are not fused with it, and say why
     assert first["norm_quant"] == ({}, ["norm_quant.torch_norm"]), first["norm_quant"]
     assert reused["graphs"] == 0
