@@ -102,9 +102,11 @@ def test_ok_needs_the_expected_fusions_not_a_removed_view_and_equal_outputs(caps
     assert not demo.report(tp3, cfg, [_rank_result(ONE_LAYER, vs_eager=far)] * 3)
 
 
-def test_demo_runs_makes_exactly_the_expected_fusions_and_matches_eager(capfd, monkeypatch, tmp_path):
-    """One spawn of 2 gloo ranks, 1 layer, 16 tokens; a private Inductor cache so the passes run."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+def test_demo_runs_makes_exactly_the_expected_fusions_and_matches_eager(capfd, monkeypatch, rank_inductor_cache):
+    """One spawn of 2 gloo ranks, 1 layer, 16 tokens; the session's Inductor cache for spawned ranks
+    (tests/conftest.py, fresh each session, where no other test compiles the demo's graphs), so the
+    passes run."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", rank_inductor_cache)
     assert demo.main(["--layers", "1", "--hidden", "64", "--tokens-per-rank", "8", "--iters", "1"]) == 0
     out, err = capfd.readouterr()
     made = {m[1]: int(m[2]) for m in re.finditer(r"^  ([a-z_.0-9]+\.[a-z_.0-9]+) +(\d+) +(\d+)$", out, re.M)}

@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_utils import run_on_ranks
+from dist_utils import COMPILE_THREADS, run_on_ranks
 
 WORLD = 2
 SHAPES = ((8, 64), (128, 64), (128, 256))
@@ -94,7 +94,7 @@ def _rank_main(cases: list[tuple[str, str, int, int]]) -> dict:
 @pytest.fixture(scope="module")
 def results() -> dict:
     per_rank = run_on_ranks(_rank_main, WORLD, CASES, timeout=600.0, backend="gloo",
-                            env={"TORCHINDUCTOR_COMPILE_THREADS": "1", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"})
+                            env={"TORCHINDUCTOR_COMPILE_THREADS": COMPILE_THREADS, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"})
     return per_rank[0]
 
 

@@ -28,7 +28,7 @@ import re
 import pytest
 import torch
 
-from dist_utils import run_on_ranks
+from dist_utils import COMPILE_THREADS, run_on_ranks
 
 WORLD = 2
 LAYERS = 2
@@ -187,10 +187,10 @@ def _rank_main(cache_dir: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> list[dict]:
-    cache_dir = str(tmp_path_factory.mktemp("inductor_cache"))
-    return run_on_ranks(_rank_main, WORLD, cache_dir, timeout=TIMEOUT_S, backend="gloo",
-                        env={"TORCHINDUCTOR_CACHE_DIR": cache_dir, "TORCHINDUCTOR_COMPILE_THREADS": "1"})
+def results(rank_inductor_cache) -> list[dict]:
+    return run_on_ranks(_rank_main, WORLD, rank_inductor_cache, timeout=TIMEOUT_S, backend="gloo",
+                        env={"TORCHINDUCTOR_CACHE_DIR": rank_inductor_cache,
+                             "TORCHINDUCTOR_COMPILE_THREADS": COMPILE_THREADS})
 
 
 def test_static_scales_fuse_and_match_the_unfused_graph_bitwise(results):

@@ -35,7 +35,7 @@ import os
 import pytest
 import torch
 
-from dist_utils import run_on_ranks
+from dist_utils import COMPILE_THREADS, run_on_ranks
 
 DEVICE = os.environ.get("FP4FUSE_E2E_DEVICE", "cpu")
 BACKEND = "nccl" if DEVICE == "cuda" else "gloo"
@@ -152,26 +152,42 @@ def _rank_main(run: Run) -> list[dict]:
     return results
 
 
+def _rank_main_each(runs: tuple[Run, ...]) -> list[list[dict]]:
+    """:func:`_rank_main` of each run in turn, in one process (each compiles its own graph)."""
+    results = []
+    for run in runs:
+        torch._dynamo.reset()
+        results.append(_rank_main(run))
+    return results
+
+
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> str:
-    """One Inductor cache directory for the module's ranks, as ranks on one host share one.
-    Compiled kernels are reused across tests; FX graphs are not (every test compiles a different
-    graph or configuration, and FusionPass.uuid() tells configurations apart), so each test's
-    passes run and report their counts."""
-    return str(tmp_path_factory.mktemp("inductor_cache"))
+def cache_dir(rank_inductor_cache) -> str:
+    """The session's Inductor cache directory for spawned ranks (tests/conftest.py), as ranks on one
+    host share one. Compiled kernels are reused across tests; FX graphs are not (every test compiles
+    a different graph or configuration, and FusionPass.uuid() tells configurations apart), so each
+    test's passes run and report their counts."""
+    return rank_inductor_cache
+
+
+def run_ranks_together(runs: tuple[Run, ...], cache_dir: str) -> list[list[dict]]:
+    """Rank 0's results of each run, all in one spawn, after checking that every rank fused the same
+    (and, on CPU, matched its reference the same way)."""
+    cudagraphs = any(run.cudagraphs for run in runs)
+    per_rank = run_on_ranks(_rank_main_each, WORLD, runs, timeout=TIMEOUT_S, backend=BACKEND, hard_exit=cudagraphs,
+                            env={"TORCHINDUCTOR_CACHE_DIR": cache_dir, "TORCHINDUCTOR_COMPILE_THREADS": COMPILE_THREADS,
+                                 **({"FP4FUSE_OVERLAP_MIN_ROWS": "0"} if cudagraphs else {})})
+    keys = ("counts", "equal")
+    for other in per_rank[1:]:
+        assert [[[r[k] for k in keys] for r in run] for run in other] == [
+            [[r[k] for k in keys] for r in run] for run in per_rank[0]]
+    return per_rank[0]
 
 
 def run_ranks(run: Run, cache_dir: str) -> list[dict]:
-    """Rank 0's results, after checking that every rank fused the same (and, on CPU, matched its
-    reference the same way).
-    One compile thread per rank: two ranks already share the CI machine's cores."""
-    per_rank = run_on_ranks(_rank_main, WORLD, run, timeout=TIMEOUT_S, backend=BACKEND, hard_exit=run.cudagraphs,
-                            env={"TORCHINDUCTOR_CACHE_DIR": cache_dir, "TORCHINDUCTOR_COMPILE_THREADS": "1",
-                                 **({"FP4FUSE_OVERLAP_MIN_ROWS": "0"} if run.cudagraphs else {})})
-    keys = ("counts", "equal")
-    for other in per_rank[1:]:
-        assert [[r[k] for k in keys] for r in other] == [[r[k] for k in keys] for r in per_rank[0]]
-    return per_rank[0]
+    """One run in a spawn of its own (see :func:`run_ranks_together`)."""
+    (results,) = run_ranks_together((run,), cache_dir)
+    return results
 
 
 def assert_matches_reference(result: dict) -> None:
@@ -182,14 +198,25 @@ def assert_matches_reference(result: dict) -> None:
 # --------------------------------------------------------------------------- tests
 
 
+#: by async_tp: SP alone with a static activation scale, SP + AsyncTP with a dynamic one
+STATIC_RUNS = {async_tp: Run(async_tp=async_tp, act_global_scale=None if async_tp else 8.0, tokens=STATIC_TOKENS)
+               for async_tp in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def static_results(cache_dir) -> dict[bool, list[dict]]:
+    """Both static runs in one spawn: one process start and Inductor warm-up for their two compiles."""
+    return dict(zip(STATIC_RUNS, run_ranks_together(tuple(STATIC_RUNS.values()), cache_dir)))
+
+
 @pytest.mark.parametrize("async_tp", [False, True], ids=["sp", "sp_async_tp"])
-def test_static_token_counts(async_tp, cache_dir):
+def test_static_token_counts(async_tp, static_results, cache_dir):
     """A static token count compiles its own graph; every norm and GEMM input fuses; outputs equal
     the eager unfused model. SP alone runs with a static activation scale, so each shard's
     norm -> quant then becomes the fused norm + quantize op; SP + AsyncTP with a dynamic one. Then fresh ranks are served the same graphs from the FX graph cache
     (shared directory, as ranks on one host share it) and still compute the right outputs."""
-    run = Run(async_tp=async_tp, act_global_scale=None if async_tp else 8.0, tokens=STATIC_TOKENS)
-    for result in run_ranks(run, cache_dir):
+    run = STATIC_RUNS[async_tp]
+    for result in static_results[async_tp]:
         assert result["compiled_graphs"] == 1
         assert result["counts"] == expected_counts(LAYERS, async_tp, dynamic_scale=async_tp), result
         assert result["skips"] == []
