@@ -1,8 +1,10 @@
 """fp4fuse's Triton kernels: under Triton's CPU interpreter, and on CUDA through torch.ops.fp4fuse.
 
-The interpreter checks run tests/triton_interpreter_cases.py in a subprocess (TRITON_INTERPRET
-must be set before triton is imported). The CUDA checks draw fresh random inputs on odd shapes
-and compare with the pure-torch references: quantization bit for bit, GEMMs against float64.
+The interpreter checks run tests/triton_interpreter_cases.py in a subprocess per kernel family
+(TRITON_INTERPRET must be set before triton is imported); an interpreter process keeps one core
+busy, so the families run side by side, one per core. The CUDA checks draw fresh random inputs on
+odd shapes and compare with the pure-torch references: quantization bit for bit, GEMMs against
+float64.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
@@ -26,11 +29,44 @@ ops = torch.ops.fp4fuse
 CASES_SCRIPT = os.path.join(os.path.dirname(__file__), "triton_interpreter_cases.py")
 
 
-@pytest.mark.parametrize("family", ["quant", "mm", "mm_decode", "norm", "norm_quant"])
-def test_kernels_under_triton_interpreter(family):
+#: the kernel families of tests/triton_interpreter_cases.py, longest first (mm_decode takes about a third
+#: of their time), the order in which they start
+INTERPRETER_FAMILIES = ("mm_decode", "quant", "norm_quant", "mm", "norm")
+
+
+def _run_interpreter_cases(family: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, CASES_SCRIPT, family], env=env, capture_output=True,
+    return subprocess.run([sys.executable, CASES_SCRIPT, family], env=env, capture_output=True,
                           text=True, timeout=300, check=False)
+
+
+@pytest.fixture(scope="module")
+def interpreter_runs(request):
+    """``start(family)`` -> the Future of that family's subprocess. In one pytest process, the first
+    test starts every selected family, as many at a time as there are cores; under pytest-xdist (which
+    spreads the tests over workers) a family starts with its own test only."""
+    selected = {item.callspec.params["family"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_kernels_under_triton_interpreter"}
+    ahead = [] if os.environ.get("PYTEST_XDIST_WORKER") else [f for f in INTERPRETER_FAMILIES if f in selected]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    runs: dict[str, Future] = {}
+
+    def start(family: str) -> Future:
+        if family not in runs:
+            runs[family] = pool.submit(_run_interpreter_cases, family)
+        return runs[family]
+
+    with ThreadPoolExecutor(max_workers=max(1, min(cores, len(INTERPRETER_FAMILIES)))) as pool:
+        for family in ahead:
+            start(family)
+        yield start
+        for run in runs.values():
+            run.cancel()  # one not yet started when the module ends (its test failed to run) is not run
+
+
+@pytest.mark.parametrize("family", INTERPRETER_FAMILIES)
+def test_kernels_under_triton_interpreter(family, interpreter_runs):
+    proc = interpreter_runs(family).result()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
