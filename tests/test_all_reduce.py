@@ -117,8 +117,12 @@ def _cpu_op_cases() -> int:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_op_is_the_sum_over_the_ranks_on_cpu(world):
-    assert run_on_ranks(_cpu_op_cases, world) == [len(CPU_CASES) + 1] * world
+def test_op_is_the_sum_over_the_ranks_on_cpu(world, request):
+    if world == 2:  # the spawn shared with the compiled-graph test
+        checked = [r["op_cases"] for r in request.getfixturevalue("two_ranks")]
+    else:
+        checked = run_on_ranks(_cpu_op_cases, world)
+    assert checked == [len(CPU_CASES) + 1] * world
 
 
 def _cpu_compiled() -> dict:
@@ -134,8 +138,18 @@ def _cpu_compiled() -> dict:
     return {"same_as_eager": torch.equal(out, row_parallel(x)), "counts": dict(fusion.match_counts)}
 
 
-def test_compiled_graph_with_the_pass_matches_eager_on_two_ranks():
-    for r in run_on_ranks(_cpu_compiled, 2, timeout=240):
+def _two_rank_checks() -> dict:
+    return {"op_cases": _cpu_op_cases(), "compiled": _cpu_compiled()}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    """The two-rank op cases and the compiled graph in one spawn (one process start for both)."""
+    return run_on_ranks(_two_rank_checks, 2, timeout=240)
+
+
+def test_compiled_graph_with_the_pass_matches_eager_on_two_ranks(two_ranks):
+    for r in (checks["compiled"] for checks in two_ranks):
         assert r["same_as_eager"] and r["counts"] == {KEY: 1}, r
 
 
