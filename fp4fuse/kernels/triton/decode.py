@@ -17,7 +17,7 @@ import triton.language as tl
 from fp4fuse.kernels.triton.launch import traceable
 
 __all__ = ["DECODE_PTX", "DECODE_SCALE_UNDO", "decode_codes", "decode_fp4_halves", "decode_scales", "grouped_tile",
-           "num_sms", "readable_rows"]
+           "num_sms", "readable_rows", "split_ranges"]
 
 #: 2**14 per operand from the fp16 decode, undone in the GEMM epilogues.
 DECODE_SCALE_UNDO = tl.constexpr(268435456.0)  # 2**28
@@ -69,6 +69,13 @@ def decode_scales(scales, FAST_DECODE: tl.constexpr):
     if FAST_DECODE:
         return scales.to(tl.float16)
     return _e4m3_to_fp16(scales.to(tl.uint8, bitcast=True))
+
+
+def split_ranges(steps: int, split_k: int) -> tuple[int, int]:
+    """``(splits, steps per split)`` of a split-K launch over ``steps`` K steps asked for ``split_k``
+    ranges: at most one range per step, every range at least one step (the last may be shorter)."""
+    iters = -(-steps // max(1, min(split_k, steps)))
+    return -(-steps // iters), iters
 
 
 @triton.jit

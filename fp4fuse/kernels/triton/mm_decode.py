@@ -74,7 +74,7 @@ import triton
 import triton.language as tl
 
 from fp4fuse.kernels.triton.alpha import Alpha, alpha_meta, alpha_operands, load_alpha
-from fp4fuse.kernels.triton.decode import DECODE_SCALE_UNDO, decode_codes, decode_scales, num_sms, readable_rows
+from fp4fuse.kernels.triton.decode import DECODE_SCALE_UNDO, decode_codes, decode_scales, num_sms, readable_rows, split_ranges
 from fp4fuse.kernels.triton.launch import traceable, tracing
 from fp4fuse.nvfp4.format import BLOCK_SIZE
 
@@ -402,10 +402,7 @@ def _plan(cfg: DecodeConfig, m: int | torch.SymInt, n: int, k: int) -> _Plan:
 def _make_plan(cfg: DecodeConfig, m: int | torch.SymInt, n: int, k: int) -> _Plan:
     kb = k // 2
     bkb = cfg.block_k // 2
-    steps = triton.cdiv(kb, bkb)
-    split = max(1, min(cfg.split_k, steps))
-    iters = triton.cdiv(steps, split)
-    split = triton.cdiv(steps, iters)
+    split, iters = split_ranges(triton.cdiv(kb, bkb), cfg.split_k)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     return _Plan(tiles=tiles, split=split, iters_per_split=iters, even_k=kb % bkb == 0)
 

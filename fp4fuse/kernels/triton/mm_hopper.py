@@ -73,9 +73,11 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from fp4fuse.config import env_bool
 from fp4fuse.kernels.triton.alpha import Alpha, alpha_meta, alpha_operands, load_alpha
-from fp4fuse.kernels.triton.decode import DECODE_PTX, DECODE_SCALE_UNDO, decode_fp4_halves, grouped_tile, num_sms
+from fp4fuse.kernels.triton.decode import (
+    DECODE_PTX, DECODE_SCALE_UNDO, decode_fp4_halves, grouped_tile, num_sms, split_ranges,
+)
 from fp4fuse.kernels.triton.launch import tracing, triton_version
-from fp4fuse.kernels.triton.mm_decode import DECODE_MAX_M
+from fp4fuse.kernels.triton.mm_decode import DECODE_MAX_M, empty_decode_workspace
 
 __all__ = ["ENV_DISABLE_GLUON", "HOPPER_BF16_MAX_M", "SPLIT_MIN_M", "SPLIT_MIN_WEIGHT", "fills_the_gpu", "gluon_disabled",
            "hopper_available", "hopper_operands_ok", "hopper_serves", "hopper_split", "mm_fp4_hopper", "serves_shape",
@@ -356,12 +358,6 @@ def hopper_split(m: int, n: int, k: int, sms: int, block_m: int) -> int:
     return max(1, min(sms // tiles, steps // MIN_STEPS_PER_SPLIT, MAX_SPLIT))
 
 
-def _split_plan(k_steps: int, split_k: int) -> tuple[int, int]:
-    """``(splits, K steps per split)``: every split gets at least one step."""
-    iters = -(-k_steps // max(1, min(split_k, k_steps)))
-    return -(-k_steps // iters), iters
-
-
 def mm_fp4_hopper(
     a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, alpha: Alpha,
     out_dtype: torch.dtype, out: torch.Tensor | None = None, block_m: int = BLOCK_M, split_k: int | None = None,
@@ -399,12 +395,11 @@ def mm_fp4_hopper(
     if k == 0:
         return out.zero_()
     k_steps = k // STEP_K
-    splits, iters = _split_plan(k_steps, split_k)
+    splits, iters = split_ranges(k_steps, split_k)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, BLOCK_N)
     partials, counters = out, out
     if splits > 1:  # fresh per call: nothing may outlive a CUDA-graph tree's pool (mm_decode's workspace rule)
-        partials = torch.empty(tiles * splits * BLOCK_N * block_m, dtype=torch.float32, device=a.device)
-        counters = torch.zeros(tiles, dtype=torch.int32, device=a.device)
+        partials, counters = empty_decode_workspace(tiles * splits * BLOCK_N * block_m, tiles, a.device)
     xlo, xhi = decode_fp4_halves(a, a_scale)
     step_bytes = STEP_K // 2
     x_layout = gl.NVMMASharedLayout.get_default_for([block_m, step_bytes], gl.float16)
