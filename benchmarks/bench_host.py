@@ -14,8 +14,12 @@ in microseconds per call:
 
 Layers (M x N x K of ``--m/--n/--k``, bf16 output): ``torch.ops.fp4fuse.mm_fp4`` (the custom op:
 dispatch, validation, backend lookup, launcher), ``mm_fp4_triton`` (the launcher: configuration,
-output and split-K workspace allocations, launch), ``mm_fp4_decode`` with a caller's workspace
-(no allocation but the output), and the ``_mm_decode_kernel`` launch alone; the same for
+output and split-K workspace allocations, launch), then for the decode GEMM's sizes
+``mm_fp4_decode`` with a caller's workspace (no allocation but the output) and the
+``_mm_decode_kernel`` launch alone, or for the Hopper Gluon GEMM's (``mm.hopper_gemm``)
+``mm_fp4_hopper``, its activation decode, its three TMA descriptors and the ``_mm_hopper_kernel``
+launch alone (descriptors built per launch); ``--cprofile N`` adds cProfile's N functions with the
+most own time over the op's calls; the same for
 ``scaled_fp4_quant`` on ``[M, K]`` bf16; ``torch.mm`` bf16 and an empty ``torch.library.custom_op``
 (dispatch cost of a Python custom op) as baselines.
 """
@@ -82,6 +86,29 @@ def layers(m: int, n: int, k: int) -> dict[str, callable]:
     a, sa = torch.ops.fp4fuse.scaled_fp4_quant(x, gs_x)
     b, sb = torch.ops.fp4fuse.scaled_fp4_quant(w, gs_w)
     alpha = torch.reciprocal(gs_x * gs_w)
+    w16 = w.t().contiguous().t()
+    calls = {
+        "torch.mm bf16 (baseline)": lambda: torch.mm(x, w16.t()),
+        "empty custom_op (dispatch only)": lambda: torch.ops.fp4fuse_bench.empty_like(x),
+        "torch.empty [M, N]": lambda: torch.empty(m, n, device=dev, dtype=torch.bfloat16),
+        "check_mm_inputs": lambda: validation.check_mm_inputs(a, b, sa, sb, alpha, torch.bfloat16),
+        "torch.ops.fp4fuse.mm_fp4": lambda: torch.ops.fp4fuse.mm_fp4(a, b, sa, sb, alpha, torch.bfloat16),
+        "mm_fp4_triton (launcher)": lambda: triton_mm.mm_fp4_triton(a, b, sa, sb, alpha, torch.bfloat16),
+    }
+    if triton_mm.hopper_gemm(m, b, sb, torch.bfloat16) is not None:
+        calls.update(_hopper_layers(a, b, sa, sb, alpha))
+    elif m <= mm_decode.DECODE_MAX_M:
+        calls.update(_decode_layers(a, b, sa, sb, alpha))
+    calls.update({
+        "torch.ops.fp4fuse.scaled_fp4_quant": lambda: torch.ops.fp4fuse.scaled_fp4_quant(x, gs_x),
+        "scaled_fp4_quant_triton (launcher)": lambda: triton_quant.scaled_fp4_quant_triton(x, gs_x),
+    })
+    return calls
+
+
+def _decode_layers(a, b, sa, sb, alpha) -> dict[str, callable]:
+    """The decode GEMM's layers: launcher with a caller's workspace, bare launch both ways."""
+    m, n, k, dev = a.shape[0], b.shape[0], a.shape[1] * 2, a.device
     cfg = mm_decode.decode_config_for(m, n, k, num_sms(dev))
     parts, counters = mm_decode.decode_workspace_numel(m, n, k, cfg)
     ws = mm_decode.empty_decode_workspace(parts, counters, dev)
@@ -98,21 +125,64 @@ def layers(m: int, n: int, k: int) -> dict[str, callable]:
             PARTIAL=plan.split > 1, EVEN_K=plan.even_k, FAST_DECODE=True, PREDECODED=False,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **mm_decode._register_cap(cfg, dev))
 
-    w16 = w.t().contiguous().t()
     return {
-        "torch.mm bf16 (baseline)": lambda: torch.mm(x, w16.t()),
-        "empty custom_op (dispatch only)": lambda: torch.ops.fp4fuse_bench.empty_like(x),
-        "torch.empty [M, N]": lambda: torch.empty(m, n, device=dev, dtype=torch.bfloat16),
-        "check_mm_inputs": lambda: validation.check_mm_inputs(a, b, sa, sb, alpha, torch.bfloat16),
-        "torch.ops.fp4fuse.mm_fp4": lambda: torch.ops.fp4fuse.mm_fp4(a, b, sa, sb, alpha, torch.bfloat16),
-        "mm_fp4_triton (launcher)": lambda: triton_mm.mm_fp4_triton(a, b, sa, sb, alpha, torch.bfloat16),
         "mm_fp4_decode, caller's workspace": lambda: mm_decode.mm_fp4_decode(
             a, b, sa, sb, alpha, torch.bfloat16, workspace=ws),
         "_mm_decode_kernel launch, Triton's dispatch": lambda: raw_launch(kernel),
         "_mm_decode_kernel launch, FastKernel": lambda: raw_launch(fast),
-        "torch.ops.fp4fuse.scaled_fp4_quant": lambda: torch.ops.fp4fuse.scaled_fp4_quant(x, gs_x),
-        "scaled_fp4_quant_triton (launcher)": lambda: triton_quant.scaled_fp4_quant_triton(x, gs_x),
     }
+
+
+def _hopper_layers(a, b, sa, sb, alpha) -> dict[str, callable]:
+    """The Hopper Gluon GEMM's layers (no split-K: M above the decode range): the launcher, the
+    activation decode, the TMA descriptors and the bare launch both ways."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from fp4fuse.kernels.triton import decode, mm_hopper
+
+    m, n, k, dev = a.shape[0], b.shape[0], a.shape[1] * 2, a.device
+    out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+    xlo, xhi = decode.decode_fp4_halves(a, sa)
+    block_m, step = mm_hopper.BLOCK_M, mm_hopper.STEP_BYTES
+    x_layout, w_layout = mm_hopper._smem_layouts(block_m)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, mm_hopper.BLOCK_N)
+    kernel = mm_hopper._mm_hopper_kernel
+    fast = FastKernel(kernel)
+
+    def descriptors():
+        return (TensorDescriptor.from_tensor(xlo, [block_m, step], x_layout),
+                TensorDescriptor.from_tensor(xhi, [block_m, step], x_layout),
+                TensorDescriptor.from_tensor(b, [mm_hopper.BLOCK_N, step], w_layout))
+
+    def raw_launch(launcher):
+        launcher[(tiles, 1)](
+            *descriptors(), sb.view(torch.int32), alpha, alpha, out, out, out, m, n, k // 64, k // 64, k // 64,
+            ALPHA_FROM_SCALES=False, ALPHA_DIV_RN=False, PARTIAL=False, STAGES=mm_hopper.STAGES,
+            GROUP_M=mm_hopper.GROUP_M, num_warps=mm_hopper.NUM_WARPS, maxnreg=mm_hopper.MAX_REGISTERS)
+
+    return {
+        "mm_fp4_hopper": lambda: mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, split_k=1),
+        "decode_fp4_halves (activation)": lambda: decode.decode_fp4_halves(a, sa),
+        "3 TMA descriptors": descriptors,
+        "_mm_hopper_kernel launch, Triton's dispatch": lambda: raw_launch(kernel),
+        "_mm_hopper_kernel launch, FastKernel": lambda: raw_launch(fast),
+    }
+
+
+def _print_profile(fn, top: int) -> None:
+    """cProfile of CALLS calls of ``fn`` (device held busy): the ``top`` functions by own time."""
+    import cProfile
+    import pstats
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(CALLS):
+        fn()
+    profile.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(top)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=8192)
     p.add_argument("--k", type=int, default=8192)
     p.add_argument("--json", help="raw results as JSON")
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="also print the N functions with the most own time over CALLS op calls of mm_fp4")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_host.py needs a CUDA device", file=sys.stderr)
@@ -130,12 +202,15 @@ def main(argv: list[str] | None = None) -> int:
             f"triton {triton.__version__}, M={args.m} N={args.n} K={args.k}, us per call")
     print(head, flush=True)
     print("| call | host us | wall us |\n| --- | --- | --- |", flush=True)
-    for name, fn in layers(args.m, args.n, args.k).items():
+    calls = layers(args.m, args.n, args.k)
+    for name, fn in calls.items():
         for _ in range(3):
             fn()  # compile / warm caches
         row = {"call": name, "host_us": host_us(fn), "wall_us": wall_us(fn)}
         rows.append(row)
         print(f"| {name} | {row['host_us']:.1f} | {row['wall_us']:.1f} |", flush=True)
+    if args.cprofile:
+        _print_profile(calls["torch.ops.fp4fuse.mm_fp4"], args.cprofile)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"header": head, "rows": rows}, f, indent=1)

@@ -192,6 +192,35 @@ def test_cuda_split_k_and_small_tiles_match_float64(m, n, k, block_m, split_k, o
 
 
 @pytest.mark.cuda
+def test_cuda_fast_launch_serves_the_kernel_tritons_dispatch_picks(monkeypatch):
+    """The Gluon launch goes through ``FastKernel`` (fp4fuse.kernels.triton.launch), keyed on its TMA
+    descriptors' dtype, block shape and layout: token tiles of 16, 64 and 256 rows and split-K
+    launches, interleaved, each served from its own cache entry, give the bits of launches
+    through Triton's own dispatch."""
+    _require_hopper()
+    from fp4fuse.kernels.triton import launch
+
+    fast = launch._fast(mm_hopper._mm_hopper_kernel)
+    cases = [(300, 1000, 1024, 256, 1), (40, 1000, 1024, 16, 2), (300, 1000, 1024, 64, 3), (40, 1000, 1024, 256, 1)]
+    operands = {case: _operands(*case[:3], seed=sum(case)) for case in cases}
+
+    def run(case):
+        a, sa, ga, b, sb, gb = operands[case]
+        return mm_hopper.mm_fp4_hopper(a, b, sa, sb, 1.0 / (ga * gb), torch.bfloat16, block_m=case[3],
+                                       split_k=case[4])
+
+    fast.cache.clear()
+    served = [run(case) for case in cases + cases]  # the second round hits the cache
+    functions = {entry[1] for entry in fast.cache.values()}
+    # one entry per case (integers are keyed by value); the two 256-row tiles without split-K share a
+    # kernel (Triton specializes 300 and 40 alike: neither is 1 nor a multiple of 16)
+    assert len(fast.cache) == 4 and len(functions) == 3
+    monkeypatch.setattr(mm_hopper, "traceable", lambda kernel: kernel)  # Triton's own dispatch
+    for case, out, again in zip(cases, served, served[len(cases):]):
+        assert torch.equal(out, again) and torch.equal(run(case), out), case
+
+
+@pytest.mark.cuda
 def test_cuda_split_k_row_blocks_are_bitwise_the_whole_product():
     """With one split count for every block (``RowBlockGemm`` takes the whole GEMM's), row blocks
     give the whole split-K product's bits."""

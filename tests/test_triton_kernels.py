@@ -75,7 +75,8 @@ def test_fast_launch_key_is_at_least_as_fine_as_tritons_specialization():
     keys, and Triton compiles one kernel per specialization, so equal keys must mean equal
     specializations. Checked against Triton's own specialization function on ints (1, divisible by
     16 or not, int32 and int64, negative), bools, floats, None and CPU tensors of several dtypes,
-    16-byte aligned and not; an argument it cannot key (a tuple) is refused, so it takes Triton's path."""
+    16-byte aligned and not, and TMA descriptors (``_tma_descriptors``); an argument it cannot key (a
+    tuple) is refused, so it takes Triton's path."""
     import itertools
 
     libtriton = pytest.importorskip("triton._C.libtriton")
@@ -94,11 +95,40 @@ def test_fast_launch_key_is_at_least_as_fine_as_tritons_specialization():
     def spec(arg):
         return libtriton.native_specialize_impl(CUDABackend, arg, False, True, True)
 
+    args += _tma_descriptors()
     for x, y in itertools.combinations(args, 2):
         if _arg_key(x) == _arg_key(y):
             assert spec(x) == spec(y), (x, y)
     with pytest.raises(KeyError):
         _arg_key((1, 2))
+
+
+def _tma_descriptors() -> list:
+    """Host-side TMA descriptors (Triton's and, where this Triton has Gluon, Gluon's) over CPU
+    tensors, differing in dtype, block shape, layout, padding, tf32 rounding, and in address,
+    shape and strides (which Triton does not specialize on)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    u8 = torch.zeros(512, 256, dtype=torch.uint8)
+    f16 = torch.zeros(512, 256, dtype=torch.float16)
+    f32 = torch.zeros(64, 64, dtype=torch.float32)
+    descs = [TensorDescriptor.from_tensor(f16, [128, 32]), TensorDescriptor.from_tensor(f16[:128], [128, 32]),
+             TensorDescriptor.from_tensor(u8, [128, 32]), TensorDescriptor.from_tensor(f16[:, 64:], [64, 32])]
+    if "round_f32_to_tf32" in TensorDescriptor.__dataclass_fields__:
+        descs += [TensorDescriptor(f32, f32.shape, f32.stride(), [32, 32], round_f32_to_tf32=rounded)
+                  for rounded in (False, True)]
+    try:
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    except ImportError:
+        return descs
+    layout = gl.NVMMASharedLayout.get_default_for
+    for t, ty in ((u8, gl.uint8), (f16, gl.float16)):
+        for block in ([128, 32], [64, 32], [128, 64]):
+            descs += [GluonDescriptor.from_tensor(t, block, layout(block, ty)),
+                      GluonDescriptor.from_tensor(t[64:320, 32:], block, layout(block, ty))]
+    descs.append(GluonDescriptor.from_tensor(f16, [128, 32], layout([128, 32], gl.float16), padding="nan"))
+    return descs
 
 
 # ---------------------------------------------------------------------------------------- CUDA

@@ -14,16 +14,19 @@ A direct ``kernel[grid](...)`` still spends tens of microseconds of host time in
 is host-bound on it (benchmarks/bench_host.py; results in benchmarks/results/). ``FastKernel``
 keeps, per kernel, the compiled kernel that Triton's own dispatch returned for a launch, under a
 key that holds everything Triton specializes a launch on -- each tensor's dtype and whether its
-address is a multiple of 16 bytes, each other argument's exact value (so an integer's
-divisibility, its int32/int64 type and equality to 1 all follow), every keyword (constexprs and
-launch options) and the current device -- and launches a cache hit through the compiled kernel's
+address is a multiple of 16 bytes, each host-side TMA descriptor's class, dtype, block shape and
+shared-memory layout, each other argument's exact value (so an integer's divisibility, its
+int32/int64 type and equality to 1 all follow), every keyword (constexprs and launch options) and
+the current device -- and launches a cache hit through the compiled kernel's
 own launcher. A miss, a Triton version it was not written for, a launch hook (profilers such as
 proton) or an argument it cannot key takes Triton's path. The launcher and its argument order are
 those of ``JITFunction.run`` in Triton 3.2 to 3.9.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib
 from typing import Any
 
 import torch
@@ -48,13 +51,42 @@ def triton_version() -> tuple[int, int]:
 _FAST_OK = _KNOWN_TRITON[0] <= triton_version() <= _KNOWN_TRITON[1]
 
 
+@functools.cache
+def _descriptor_types() -> tuple[type, ...]:
+    """Triton's host-side TMA descriptor classes in this release (Triton's and Gluon's), imported
+    on first use (Gluon's import is not free and most kernels take none)."""
+    found = []
+    for module, name in (("triton.tools.tensor_descriptor", "TensorDescriptor"),
+                         ("triton.experimental.gluon.nvidia.hopper", "TensorDescriptor")):
+        try:
+            found.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(found)
+
+
 def _arg_key(value: Any) -> Any:
-    """What Triton specializes a launch on, for one positional argument (KeyError: not keyable)."""
+    """What Triton specializes a launch on, for one positional argument (KeyError: not keyable).
+    A host-side TMA descriptor is specialized on its class, its tensor's dtype, its block shape and
+    (Gluon) its shared-memory layout; its address, shape and strides are launch arguments (the
+    launcher encodes the descriptor per launch). Every other field of it (padding, layout, ...)
+    is keyed, so a field a later Triton adds makes the key finer, never coarser."""
     if isinstance(value, torch.Tensor):
         return value.dtype, value.data_ptr() % 16 == 0
     if isinstance(value, (bool, int, float)) or value is None:
         return type(value), value
+    if isinstance(value, _descriptor_types()):
+        return type(value), value.base.dtype, *(_hashable(getattr(value, f.name))
+                                                for f in dataclasses.fields(value) if f.name not in _DESCRIPTOR_ARGS)
     raise KeyError(type(value).__name__)
+
+
+#: A descriptor's fields that its launcher passes per launch (not specialized on).
+_DESCRIPTOR_ARGS = frozenset(("base", "shape", "strides"))
+
+
+def _hashable(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _hook_set(hook: Any) -> bool:

@@ -76,7 +76,7 @@ from fp4fuse.kernels.triton.alpha import Alpha, alpha_meta, alpha_operands, load
 from fp4fuse.kernels.triton.decode import (
     DECODE_PTX, DECODE_SCALE_UNDO, decode_fp4_halves, grouped_tile, num_sms, split_ranges,
 )
-from fp4fuse.kernels.triton.launch import tracing, triton_version
+from fp4fuse.kernels.triton.launch import traceable, tracing, triton_version
 from fp4fuse.kernels.triton.mm_decode import DECODE_MAX_M, empty_decode_workspace
 
 __all__ = ["ENV_DISABLE_GLUON", "HOPPER_BF16_MAX_M", "SPLIT_MIN_M", "SPLIT_MIN_WEIGHT", "fills_the_gpu", "gluon_disabled",
@@ -102,6 +102,7 @@ SPLIT_MIN_WEIGHT = 1 << 25
 MIN_FILL_TENTHS = 8
 #: K elements per step (code bytes: half), and the alignment of K it needs (whole scale words).
 STEP_K = 64
+STEP_BYTES = STEP_K // 2
 BLOCK_M = 256
 BLOCK_N = 128
 STAGES = 4
@@ -358,6 +359,14 @@ def hopper_split(m: int, n: int, k: int, sms: int, block_m: int) -> int:
     return max(1, min(sms // tiles, steps // MIN_STEPS_PER_SPLIT, MAX_SPLIT))
 
 
+@functools.cache
+def _smem_layouts(block_m: int) -> tuple[gl.NVMMASharedLayout, gl.NVMMASharedLayout]:
+    """The TMA tiles' shared-memory layouts: activation halves ``[block_m, STEP_BYTES]`` fp16 and
+    weight codes ``[BLOCK_N, STEP_BYTES]`` uint8 (computed once: they are part of the launch's key)."""
+    return (gl.NVMMASharedLayout.get_default_for([block_m, STEP_BYTES], gl.float16),
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, STEP_BYTES], gl.uint8))
+
+
 def mm_fp4_hopper(
     a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, alpha: Alpha,
     out_dtype: torch.dtype, out: torch.Tensor | None = None, block_m: int = BLOCK_M, split_k: int | None = None,
@@ -401,13 +410,11 @@ def mm_fp4_hopper(
     if splits > 1:  # fresh per call: nothing may outlive a CUDA-graph tree's pool (mm_decode's workspace rule)
         partials, counters = empty_decode_workspace(tiles * splits * BLOCK_N * block_m, tiles, a.device)
     xlo, xhi = decode_fp4_halves(a, a_scale)
-    step_bytes = STEP_K // 2
-    x_layout = gl.NVMMASharedLayout.get_default_for([block_m, step_bytes], gl.float16)
-    w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, step_bytes], gl.uint8)
-    _mm_hopper_kernel[(tiles, splits)](
-        TensorDescriptor.from_tensor(xlo, [block_m, step_bytes], x_layout),
-        TensorDescriptor.from_tensor(xhi, [block_m, step_bytes], x_layout),
-        TensorDescriptor.from_tensor(b, [BLOCK_N, step_bytes], w_layout),
+    x_layout, w_layout = _smem_layouts(block_m)
+    traceable(_mm_hopper_kernel)[(tiles, splits)](
+        TensorDescriptor.from_tensor(xlo, [block_m, STEP_BYTES], x_layout),
+        TensorDescriptor.from_tensor(xhi, [block_m, STEP_BYTES], x_layout),
+        TensorDescriptor.from_tensor(b, [BLOCK_N, STEP_BYTES], w_layout),
         b_scale.view(torch.int32), *alpha_operands(alpha), out, partials, counters, m, n, k_steps, k_steps, iters,
         **alpha_meta(alpha), PARTIAL=splits > 1, STAGES=STAGES, GROUP_M=GROUP_M, num_warps=NUM_WARPS,
         maxnreg=max_registers,
