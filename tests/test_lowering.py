@@ -250,24 +250,32 @@ def test_other_dynamic_sizes_keep_the_op_call(triton_cuda_target):
     assert len(shape_env.guards) == guards_before
 
 
-def test_a_gemm_the_hopper_kernel_serves_keeps_the_op_call(triton_cuda_target, monkeypatch):
-    """Where ``mm_fp4_triton`` would launch the Hopper Gluon GEMM (whose TMA-descriptor launch a
-    tracer cannot record), the lowering keeps the op call -- its kernel then makes the same choice
-    per call, so the compiled graph keeps the eager op's bits -- and says why; the graph's other
-    calls are lowered. (On this CPU machine the fake tensors are not on an sm_90 GPU, so the
-    kernel module's own answer is forced; tests/test_mm_hopper.py runs the GPU side.)"""
+def test_a_gemm_the_hopper_kernel_serves_becomes_its_decode_launch_and_launch_op(triton_cuda_target, monkeypatch):
+    """Where ``mm_fp4_triton`` would launch the Hopper Gluon GEMM (whose TMA descriptors Inductor
+    cannot build), the lowering traces the activation's decode as a Triton launch and the Gluon
+    launch as one call of the internal op ``fp4fuse::_mm_fp4_hopper`` (which checks the weight's
+    alignment per call, as the eager op does); no ``mm_fp4`` call is left. (On this CPU machine the
+    fake tensors are not on an sm_90 GPU, so the kernel module's own answer is forced;
+    tests/test_mm_hopper.py runs the GPU side, bitwise against the eager op.)"""
+    pytest.importorskip("fp4fuse.kernels.triton.mm_hopper")  # needs Triton's Gluon
     from fp4fuse.kernels.triton import mm as triton_mm
 
     seen = []
     monkeypatch.setattr(triton_mm, "hopper_serves", lambda m, n, k, out_dtype, device: seen.append((m, n, k)) or True)
     _, _, gm = _dynamic_rows_graph(300)
     lowering = KernelLoweringPass(FusionConfig())
-    assert lowering(gm.graph) == 2
-    assert lowering.match_counts == {"lowering.rms_norm": 1, "lowering.scaled_fp4_quant": 1}
-    (reason,) = [s.reason for s in lowering.skips]
-    assert "Hopper Gluon GEMM" in reason and "the op call stays" in reason
-    assert [n.target for n in gm.graph.nodes].count(fp4.mm_fp4.default) == 1
-    assert [(n, k) for _, n, k in seen] == [(48, 64)]
+    assert lowering(gm.graph) == 3, [s.reason for s in lowering.skips]
+    assert lowering.match_counts == {"lowering.mm_fp4": 1, "lowering.rms_norm": 1, "lowering.scaled_fp4_quant": 1}
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert fp4.mm_fp4.default not in targets
+    (launch,) = [n for n in gm.graph.nodes if n.target is torch.ops.fp4fuse._mm_fp4_hopper.default]
+    a, a_scale, xlo, xhi, b = launch.args[:5]
+    decode = xlo.args[0]  # getitem of the decode launch's outputs
+    assert decode.target is torch.ops.higher_order.triton_kernel_wrapper_functional
+    assert decode.kwargs["kwargs"]["q_ptr"] is a and decode.kwargs["kwargs"]["s_ptr"] is a_scale
+    assert xhi.args[0] is decode
+    assert launch.args[-1] == torch.bfloat16 and not launch.args[-3]  # alpha a graph input here: not folded
+    assert {(n, k) for _, n, k in seen} == {(48, 64)}
 
 
 def _static_graph(fn, *shapes_dtypes):

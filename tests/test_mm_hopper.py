@@ -1,7 +1,7 @@
 """The Hopper Gluon GEMM (fp4fuse/kernels/triton/mm_hopper.py): its shape rule (CPU), and on an sm_90
 GPU with Triton 3.6 the kernel against the float64 reference at odd shapes, through ``mm_fp4``'s
 dispatch, row blocks bitwise the whole product (what the collective GEMMs rely on), NaN scales,
-the fallback for a misaligned weight, and a compiled graph keeping the op call."""
+the fallback for a misaligned weight, and compiled graphs lowering the kernel's calls."""
 from __future__ import annotations
 
 import pytest
@@ -323,21 +323,53 @@ def test_cuda_misaligned_weight_scales_take_the_other_path():
     assert _rel_error(out, a, b, sa, sb, alpha) <= _TOL[torch.bfloat16]
 
 
-def _gemm_graph(a, b, sa, sb, alpha):
-    return ops.mm_fp4(a, b, sa, sb, alpha, torch.bfloat16).relu()
+def _gemm_graph(a, b, sa, sb, ga, gb):
+    return ops.mm_fp4(a, b, sa, sb, torch.reciprocal(ga * gb), torch.bfloat16).relu()
 
 
 @pytest.mark.cuda
-def test_cuda_compiled_graph_keeps_the_op_call_and_its_bits():
-    """A compiled ``mm_fp4`` in the Gluon kernel's range stays an op call (Inductor cannot launch a
-    TMA-descriptor kernel itself; the lowering records why) and gives the eager op's bits."""
+@pytest.mark.parametrize("m,n,k,later", [(1000, 4096, 256, None), (200, 8192, 4096, 250)])
+def test_cuda_compiled_graph_lowers_the_gluon_gemm_with_its_bits(m, n, k, later):
+    """A compiled ``mm_fp4`` in the Gluon kernel's range is lowered: the activation's decode becomes
+    a Triton launch, the Gluon launch one call of ``fp4fuse::_mm_fp4_hopper`` with alpha folded from
+    the two global scales, and the output is the eager op's, bit for bit -- a prefill product, and a
+    dynamic batch in the split-K range (200 rows, then 250 in the same graph)."""
     _require_hopper()
     torch._dynamo.reset()
-    a, sa, ga, b, sb, gb = _operands(1000, 4096, 256, seed=13)
-    assert triton_mm.hopper_serves(1000, 4096, 256, torch.bfloat16, a.device)
-    args = (a, b, sa, sb, 1.0 / (ga * gb))
-    eager = _gemm_graph(*args)
+    a, sa, ga, b, sb, gb = _operands(m, n, k, seed=13)
+    assert triton_mm.hopper_serves(m, n, k, torch.bfloat16, a.device)
     fusion = fp4fuse.FusionPass(FusionConfig())
-    got = torch.compile(_gemm_graph, fullgraph=True, options={"post_grad_custom_post_pass": fusion})(*args)
-    assert "lowering.mm_fp4" not in fusion.match_counts
-    assert torch.equal(got, eager)
+    compiled = torch.compile(_gemm_graph, fullgraph=True, options={"post_grad_custom_post_pass": fusion})
+    if later is not None:  # a dynamic batch: the row count symbolic, nothing else
+        torch._dynamo.mark_dynamic(a, 0)
+        torch._dynamo.mark_dynamic(sa, 0)
+    assert torch.equal(compiled(a, b, sa, sb, ga, gb), _gemm_graph(a, b, sa, sb, ga, gb))
+    assert fusion.match_counts.get("lowering.mm_fp4") == 1
+    assert fusion.match_counts.get("lowering.alpha_from_global_scales") == 1
+    if later is not None:
+        a2, sa2 = _operands(later, n, k, seed=14)[:2]
+        assert torch.equal(compiled(a2, b, sa2, sb, ga, gb), _gemm_graph(a2, b, sa2, sb, ga, gb))
+        assert fusion.calls == 1  # one graph serves the range
+
+
+@pytest.mark.cuda
+def test_cuda_lowered_launch_takes_the_other_path_for_a_misaligned_weight():
+    """``fp4fuse::_mm_fp4_hopper`` (the lowered graph's Gluon launch) finds a weight's alignment only
+    per call: with scales the kernel cannot read as words it computes what the eager ``mm_fp4``
+    computes for them (its other path), bit for bit, and with aligned ones what the Gluon kernel does."""
+    _require_hopper()
+    from fp4fuse.kernels.triton.decode import decode_fp4_halves
+
+    m, n, k = 600, 96, 256
+    a, sa, ga, b, sb, gb = _operands(m, n, k, seed=11)
+    storage = torch.empty(sb.numel() + 1, dtype=torch.uint8, device="cuda")
+    sb_odd = storage[1:].view(n, k // 16)
+    sb_odd.copy_(sb.view(torch.uint8))
+    sb_odd = sb_odd.view(torch.float8_e4m3fn)
+    xlo, xhi = decode_fp4_halves(a, sa)
+    alpha = 1.0 / (ga * gb)
+    got = ops._mm_fp4_hopper(a, sa, xlo, xhi, b, sb_odd, alpha, alpha, False, False, torch.bfloat16)
+    assert torch.equal(got, ops.mm_fp4(a, b, sa, sb_odd, alpha, torch.bfloat16))
+    # aligned, alpha folded from the two global scales (IEEE division in the epilogue)
+    got = ops._mm_fp4_hopper(a, sa, xlo, xhi, b, sb, ga, gb, True, True, torch.bfloat16)
+    assert torch.equal(got, mm_hopper.mm_fp4_hopper(a, b, sa, sb, GlobalScales(ga, gb, div_rn=True), torch.bfloat16))

@@ -12,8 +12,12 @@ Contracts (docs/design.md):
 
 CPU (and any device without a faster backend) runs the pure-torch reference in fp4fuse.nvfp4.format;
 CUDA runs what ``fp4fuse.ops.kernel_table`` names for the device's backend.
+
+``fp4fuse::_mm_fp4_hopper`` is internal: the Gluon GEMM's launch in a lowered graph (its docstring).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -73,3 +77,33 @@ def _(a, b, a_scale, b_scale, alpha, out_dtype):
     # M, N or K is 0: no work, whatever the backend
     backend = Backend.REFERENCE if a.numel() == 0 or b.numel() == 0 else backend_for(a)
     return kernel_for("mm_fp4", backend)(a, b, a_scale, b_scale, alpha, out_dtype)
+
+
+@torch.library.custom_op("fp4fuse::_mm_fp4_hopper", mutates_args=())
+def _mm_fp4_hopper(
+    a: torch.Tensor, a_scale: torch.Tensor, xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor,
+    b_scale: torch.Tensor, alpha: torch.Tensor, alpha_b: torch.Tensor, alpha_from_scales: bool, div_rn: bool,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Internal (not part of the op contract): the Hopper Gluon GEMM's launch in a graph lowered by
+    fp4fuse (``fp4fuse.passes.lowering``), where ``mm_fp4``'s activation decode ``xlo, xhi`` is a
+    traced Triton launch and this op launches the Gluon kernel, whose TMA descriptors Inductor
+    cannot build (``fp4fuse.kernels.triton.mm_hopper.mm_fp4_hopper_decoded``). CUDA only."""
+    raise NotImplementedError("fp4fuse::_mm_fp4_hopper runs on CUDA only (the Hopper Gluon GEMM's launch)")
+
+
+@_mm_fp4_hopper.register_fake
+def _(a, a_scale, xlo, xhi, b, b_scale, alpha, alpha_b, alpha_from_scales, div_rn, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+@cuda_kernel(_mm_fp4_hopper)
+def _(a, a_scale, xlo, xhi, b, b_scale, alpha, alpha_b, alpha_from_scales, div_rn, out_dtype):
+    return _hopper_decoded()(a, a_scale, xlo, xhi, b, b_scale, alpha, alpha_b, alpha_from_scales, div_rn, out_dtype)
+
+
+@functools.cache
+def _hopper_decoded():
+    from fp4fuse.kernels.triton.mm_hopper import mm_fp4_hopper_decoded  # imports Triton: first call only
+
+    return mm_fp4_hopper_decoded

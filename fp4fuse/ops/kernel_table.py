@@ -21,7 +21,7 @@ from typing import Any
 
 from fp4fuse.ops.backend import Backend
 
-__all__ = ["LOWERABLE_OPS", "kernel_for", "op_call_reason", "sibling_kernel_for"]
+__all__ = ["LOWERABLE_OPS", "kernel_for", "sibling_kernel_for"]
 
 # (op name, backend) -> (module, function); each function takes the op's arguments in order.
 _KERNELS: dict[tuple[str, Backend], tuple[str, str]] = {
@@ -57,13 +57,6 @@ _SIBLING_KERNELS: dict[tuple[str, Backend], tuple[str, str]] = {
     ("scaled_fp4_quant", Backend.TRITON): ("fp4fuse.kernels.triton.quant", "scaled_fp4_quant_calls_triton"),
 }
 
-# (op name, backend) -> (module, function) saying why a call must stay an op call rather than be
-# traced into launches: ``fn(*args) -> str | None`` on the op's arguments (fake tensors; a symbolic
-# row count is compared, and so guarded, like a number). ``mm_fp4``: the Hopper Gluon GEMM's range.
-_KEEPS_OP_CALL: dict[tuple[str, Backend], tuple[str, str]] = {
-    ("mm_fp4", Backend.TRITON): ("fp4fuse.kernels.triton.mm", "op_call_reason"),
-}
-
 # A backend with no kernel of its own for an op uses this one's (flashinfer has no norms).
 _FALLBACK = {Backend.FLASHINFER: Backend.TRITON}
 
@@ -90,10 +83,3 @@ def sibling_kernel_for(op: str, backend: Backend) -> Callable[..., Any] | None:
     (``_SIBLING_KERNELS``), or None where there is none."""
     entry = _SIBLING_KERNELS.get((op, backend))
     return None if entry is None else _resolve(entry)
-
-
-def op_call_reason(op: str, backend: Backend, args: list[Any]) -> str | None:
-    """Why a call of ``fp4fuse::<op>`` on ``backend`` with ``args`` (its arguments in order) must stay
-    an op call -- its kernel launches what a tracer cannot record -- or None."""
-    entry = _KEEPS_OP_CALL.get((op, backend))
-    return None if entry is None else _resolve(entry)(*args)

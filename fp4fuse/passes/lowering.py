@@ -13,6 +13,11 @@ nodes, which Inductor's generated code launches directly (``torch.library.wrap_t
 
              shard = fp4fuse.shard_rows(x, group)        ->  shard = x[r*M/W : (r+1)*M/W]
 
+An ``mm_fp4`` the Hopper Gluon GEMM computes (``fp4fuse.kernels.triton.mm_hopper``) becomes the
+activation's decode launch and one call of the internal op ``fp4fuse::_mm_fp4_hopper``, which
+builds the Gluon kernel's TMA descriptors (Inductor cannot) and launches it: the public op's
+dispatch, validation and kernel choice leave the per-call path, and alpha is folded as below.
+
 An ``mm_fp4`` whose alpha is computed in the graph as ``reciprocal(x * y)`` from two one-element
 fp32 tensors -- how an NVFP4 linear forms it from its activation and weight global scales --
 gets ``x`` and ``y`` instead, and its epilogue computes the same product and reciprocal with the
@@ -87,7 +92,7 @@ _ALPHA_ARG = 4  # mm_fp4(a, b, a_scale, b_scale, alpha, out_dtype)
 _LOWERABLE = {getattr(torch.ops.fp4fuse, name).default: name for name in kernel_table.LOWERABLE_OPS}
 # The launchers traced into graphs: their configuration choices decide the graph (Inductor hashes
 # the kernels' own source). Located without importing triton, which a CPU install lacks.
-# mm_hopper's rule decides which mm_fp4 calls stay op calls.
+# mm_hopper's rule decides which mm_fp4 calls launch the Gluon GEMM through fp4fuse::_mm_fp4_hopper.
 _KERNEL_MODULES = ("fp4fuse.kernels.triton.alpha", "fp4fuse.kernels.triton.decode", "fp4fuse.kernels.triton.mm",
                    "fp4fuse.kernels.triton.mm_decode", "fp4fuse.kernels.triton.mm_hopper",
                    "fp4fuse.kernels.triton.quant", "fp4fuse.kernels.triton.norm", "fp4fuse.kernels.triton.norm_quant")
@@ -266,7 +271,6 @@ class KernelLoweringPass(GraphPass):
                 self.recorder.skipped(op, node, f"the device's fp4fuse backend is {backend.value}, not triton")
             return None
         args = _ordered_args(node)
-        op_args = [fake_value(a) if isinstance(a, fx.Node) else a for a in args]  # before alpha is folded
         alpha = args[_ALPHA_ARG] if node.target is _MM_FP4 else None
         factors = _alpha_factors(alpha, fake_value(node.args[0]).device) if alpha is not None else None
         if factors is not None:
@@ -274,8 +278,6 @@ class KernelLoweringPass(GraphPass):
         call = _Call(op, backend, args, [i for i, a in enumerate(args) if isinstance(a, fx.Node)], factors,
                      alpha if factors is not None else None, _inductor_divides_rn())
         reason = _dynamic_size_reason([fake_value(n) for n in call.inputs])
-        if reason is None:
-            reason = kernel_table.op_call_reason(op, backend, op_args)
         if reason is not None:
             if record:
                 self.recorder.skipped(op, node, reason)

@@ -84,7 +84,6 @@ __all__ = [
     "mm_fp4_group_triton",
     "mm_fp4_tiled",
     "mm_fp4_triton",
-    "op_call_reason",
     "scale_by_alpha_",
 ]
 
@@ -421,8 +420,7 @@ def hopper_kernels() -> Any:
 def hopper_serves(m: int | torch.SymInt, n: int, k: int, out_dtype: torch.dtype, device: torch.device) -> bool:
     """Whether ``mm_fp4_triton`` sends this product to the Hopper Gluon GEMM (``mm_hopper.hopper_serves``:
     sm_90, Triton 3.6, ``K % 64 == 0``, and the shape rule ``mm_hopper.serves_shape``),
-    provided the weight is aligned (checked per call). A tracer cannot record that launch: a traced
-    call in its range must stay an op call (``fp4fuse.passes.lowering``)."""
+    provided the weight is aligned (checked per call)."""
     hopper = hopper_kernels() if device.type == "cuda" else None
     return hopper is not None and hopper.hopper_serves(m, n, k, out_dtype, device)
 
@@ -430,31 +428,18 @@ def hopper_serves(m: int | torch.SymInt, n: int, k: int, out_dtype: torch.dtype,
 def hopper_gemm(m: int, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype) -> Callable[..., Any] | None:
     """``mm_hopper.mm_fp4_hopper`` with the split-K count of an ``[m, K] x b^T`` product where the
     kernel computes it (:func:`hopper_serves` and the weight aligned for it), else None. Row blocks
-    of that product launched through it sum as the whole product does. A tracer cannot record its
-    launch: raises RuntimeError under one where it would serve (a traced call in its range must
-    stay an op call, ``fp4fuse.passes.lowering``)."""
+    of that product launched through it sum as the whole product does. Under a tracer the
+    weight's alignment is unknown (fake tensors): ``mm_fp4_hopper`` itself, whose traced form
+    checks it per call and takes the other path as this function does (``mm_hopper.mm_fp4_hopper_decoded``)."""
     n, k = b.shape[0], b.shape[1] * 2
     if not hopper_serves(m, n, k, out_dtype, b.device):
         return None
-    if tracing():
-        raise RuntimeError(f"mm_fp4_triton: a traced {m}-row product with a {list(b.shape)} weight is the Hopper Gluon "
-                           "GEMM's, whose launch a tracer cannot record; the call must stay an op call "
-                           "(fp4fuse.passes.lowering)")
     hopper = hopper_kernels()
+    if tracing():
+        return hopper.mm_fp4_hopper
     if not hopper.hopper_operands_ok(b, b_scale):
         return None
     return functools.partial(hopper.mm_fp4_hopper, split_k=hopper.split_for(m, n, k, num_sms(b.device)))
-
-
-def op_call_reason(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, alpha: Any,
-                   out_dtype: torch.dtype) -> str | None:
-    """Why a traced ``mm_fp4`` call on these operands (fake tensors) must stay an op call, or None
-    (``fp4fuse.ops.kernel_table.op_call_reason``)."""
-    m, n, k = a.shape[0], b.shape[0], a.shape[1] * 2
-    if hopper_serves(m, n, k, out_dtype, a.device):
-        return ("the product is the Hopper Gluon GEMM's (fp4fuse/kernels/triton/mm_hopper.py), whose TMA-descriptor "
-                "launch Inductor cannot make itself; the op call stays and its kernel launches it")
-    return None
 
 
 def mm_fp4_triton(

@@ -72,7 +72,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from fp4fuse.config import env_bool
-from fp4fuse.kernels.triton.alpha import Alpha, alpha_meta, alpha_operands, load_alpha
+from fp4fuse.kernels.triton.alpha import Alpha, GlobalScales, alpha_meta, alpha_operands, load_alpha
 from fp4fuse.kernels.triton.decode import (
     DECODE_PTX, DECODE_SCALE_UNDO, decode_fp4_halves, grouped_tile, num_sms, split_ranges,
 )
@@ -80,8 +80,8 @@ from fp4fuse.kernels.triton.launch import traceable, tracing, triton_version
 from fp4fuse.kernels.triton.mm_decode import DECODE_MAX_M, empty_decode_workspace
 
 __all__ = ["ENV_DISABLE_GLUON", "HOPPER_BF16_MAX_M", "SPLIT_MIN_M", "SPLIT_MIN_WEIGHT", "fills_the_gpu", "gluon_disabled",
-           "hopper_available", "hopper_operands_ok", "hopper_serves", "hopper_split", "mm_fp4_hopper", "serves_shape",
-           "split_for"]
+           "hopper_available", "hopper_operands_ok", "hopper_serves", "hopper_split", "mm_fp4_hopper",
+           "mm_fp4_hopper_decoded", "serves_shape", "split_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -377,28 +377,73 @@ def mm_fp4_hopper(
     (default :func:`split_for` of this call's M), summed in the launch in a fixed order. The sums,
     so the bits, depend on it: a row block computed alone matches the whole product only with the
     whole product's ``split_k``. ``max_registers``: ptxas's cap per thread over the 12 warps
-    (sweeps: below 171 two programs fit a multiprocessor's registers, below 114 three)."""
+    (sweeps: below 171 two programs fit a multiprocessor's registers, below 114 three).
+
+    Under a tracer (fp4fuse's kernel lowering) the activation's decode is traced as its Triton
+    launch and the Gluon launch, whose TMA descriptors Inductor cannot build, as one call of the
+    internal op ``fp4fuse::_mm_fp4_hopper`` (:func:`mm_fp4_hopper_decoded`): the default launch
+    only, so the compiled graph computes what the eager call computes, bit for bit."""
+    _check_operands(a, b, a_scale, b_scale, out_dtype, out, block_m, split_k)
+    xlo, xhi = decode_fp4_halves(a, a_scale)
     if tracing():
-        raise RuntimeError("mm_fp4_hopper: the Gluon kernel takes TMA descriptors, which a tracer cannot record; "
-                           "a traced mm_fp4 in its range must stay an op call (fp4fuse.passes.lowering)")
+        if (out, block_m, split_k, max_registers) != (None, BLOCK_M, None, MAX_REGISTERS):
+            raise RuntimeError("mm_fp4_hopper: a traced call takes the default launch (no out, block_m, split_k or "
+                               "max_registers): the op fp4fuse::_mm_fp4_hopper makes it")
+        alpha_a, alpha_b = alpha_operands(alpha)
+        meta = alpha_meta(alpha)
+        return torch.ops.fp4fuse._mm_fp4_hopper(a, a_scale, xlo, xhi, b, b_scale, alpha_a, alpha_b,
+                                                meta["ALPHA_FROM_SCALES"], meta["ALPHA_DIV_RN"], out_dtype)
+    return _launch(xlo, xhi, b, b_scale, alpha, out_dtype, out, block_m, split_k, max_registers)
+
+
+def _check_operands(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+                    out_dtype: torch.dtype, out: torch.Tensor | None, block_m: int, split_k: int | None) -> None:
+    """``mm_fp4_hopper``'s argument rules, each a ValueError naming the argument (before any launch).
+    The weight's alignment is not checked under a tracer (fake tensors have no address)."""
     for name, t in (("a", a), ("b", b), ("a_scale", a_scale), ("b_scale", b_scale)):
         if not t.is_contiguous():  # the kernel reads every operand as dense rows
             raise ValueError(f"mm_fp4_hopper: {name} must be contiguous (row-major); got strides {t.stride()}")
     m, n, k = a.shape[0], b.shape[0], a.shape[1] * 2
-    if k % STEP_K or not hopper_operands_ok(b, b_scale):
+    if k % STEP_K or (not tracing() and not hopper_operands_ok(b, b_scale)):
         raise ValueError(f"mm_fp4_hopper: needs K % {STEP_K} == 0, a 16-byte aligned b and a 4-byte aligned "
                          f"b_scale; got K={k}, b at {b.data_ptr() % 16} mod 16, b_scale at {b_scale.data_ptr() % 4} mod 4")
-    if out is None:
-        out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    elif out.shape != (m, n) or out.dtype != out_dtype or out.stride() != (n, 1):
+    if out is not None and (out.shape != (m, n) or out.dtype != out_dtype or out.stride() != (n, 1)):
         raise ValueError(f"mm_fp4_hopper: out must be a [{m}, {n}] {out_dtype} tensor with row stride {n}; got "
                          f"{out.dtype} {list(out.shape)} strides {out.stride()}")
     if block_m not in BLOCK_M_CHOICES:
         raise ValueError(f"mm_fp4_hopper: block_m must be one of {BLOCK_M_CHOICES}; got {block_m}")
-    if split_k is None:
-        split_k = split_for(m, n, k, num_sms(a.device))
-    if split_k < 1:
+    if split_k is not None and split_k < 1:
         raise ValueError(f"mm_fp4_hopper: split_k must be at least 1; got {split_k}")
+
+
+def mm_fp4_hopper_decoded(
+    a: torch.Tensor, a_scale: torch.Tensor, xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor,
+    b_scale: torch.Tensor, alpha: torch.Tensor, alpha_b: torch.Tensor, alpha_from_scales: bool, div_rn: bool,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The CUDA kernel of ``fp4fuse::_mm_fp4_hopper``: :func:`mm_fp4_hopper`'s default launch, the
+    activation already decoded (``xlo, xhi = decode_fp4_halves(a, a_scale)``); alpha is
+    ``alpha_operands`` / ``alpha_meta``'s form of it. A weight this kernel cannot read (misaligned:
+    :func:`hopper_operands_ok`, known only per call) takes ``mm_fp4_triton``'s other path, as the
+    eager op does with it."""
+    scales = GlobalScales(alpha, alpha_b, div_rn) if alpha_from_scales else alpha
+    if not hopper_operands_ok(b, b_scale):
+        from fp4fuse.kernels.triton.mm import mm_fp4_triton  # mm imports this module
+
+        return mm_fp4_triton(a, b, a_scale, b_scale, scales, out_dtype)
+    return _launch(xlo, xhi, b, b_scale, scales, out_dtype, None, BLOCK_M, None, MAX_REGISTERS)
+
+
+def _launch(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, alpha: Alpha,
+            out_dtype: torch.dtype, out: torch.Tensor | None, block_m: int, split_k: int | None,
+            max_registers: int) -> torch.Tensor:
+    """The Gluon launch on the decoded activation halves (the arguments checked by
+    ``_check_operands``, the weight aligned)."""
+    m, n, k = xlo.shape[0], b.shape[0], xlo.shape[1] * 2
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype, device=b.device)
+    if split_k is None:
+        split_k = split_for(m, n, k, num_sms(b.device))
     if m == 0 or n == 0:
         return out
     if k == 0:
@@ -408,8 +453,7 @@ def mm_fp4_hopper(
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, BLOCK_N)
     partials, counters = out, out
     if splits > 1:  # fresh per call: nothing may outlive a CUDA-graph tree's pool (mm_decode's workspace rule)
-        partials, counters = empty_decode_workspace(tiles * splits * BLOCK_N * block_m, tiles, a.device)
-    xlo, xhi = decode_fp4_halves(a, a_scale)
+        partials, counters = empty_decode_workspace(tiles * splits * BLOCK_N * block_m, tiles, b.device)
     x_layout, w_layout = _smem_layouts(block_m)
     traceable(_mm_hopper_kernel)[(tiles, splits)](
         TensorDescriptor.from_tensor(xlo, [block_m, STEP_BYTES], x_layout),
