@@ -5,7 +5,7 @@ graph's logits bit for bit: TP=2 on gloo (CPU), tiny random configs, ``fp4fuse.t
 
     PYTHONPATH=. python benchmarks/survey_hf_families.py [family ...] [--dtype bfloat16]
 
-Families: mistral granite gemma2 phi starcoder2 cohere smollm3 olmo2 glm (default: all). bf16 runs
+Families: mistral granite gemma2 phi starcoder2 cohere smollm3 olmo2 glm phi3 (default: all). bf16 runs
 compile under ``emulate_precision_casts`` (README, "Numerics"). Prints one markdown row per family:
 the fusion counts, the distinct skip reasons, and the largest relative difference of the compiled
 unfused model from eager (a sanity check of the harness).
@@ -25,7 +25,7 @@ from fp4fuse.launch import run_on_ranks  # noqa: E402
 SIZES = dict(vocab_size=100, hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=6,
              num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1, pad_token_id=None,
              bos_token_id=None, eos_token_id=None)
-FAMILIES = ("mistral", "granite", "gemma2", "phi", "starcoder2", "cohere", "smollm3", "olmo2", "glm")
+FAMILIES = ("mistral", "granite", "gemma2", "phi", "starcoder2", "cohere", "smollm3", "olmo2", "glm", "phi3")
 
 
 def build(family: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -47,6 +47,7 @@ def build(family: str, dtype: torch.dtype) -> torch.nn.Module:
         "smollm3": lambda: hf.SmolLM3ForCausalLM(hf.SmolLM3Config(**sizes, no_rope_layers=[1, 0])),
         "olmo2": lambda: hf.Olmo2ForCausalLM(hf.Olmo2Config(**sizes)),
         "glm": lambda: hf.GlmForCausalLM(hf.GlmConfig(**sizes, head_dim=16)),
+        "phi3": lambda: hf.Phi3ForCausalLM(hf.Phi3Config(**sizes)),
     }
     return configs[family]().to(dtype).eval()
 

@@ -24,8 +24,16 @@ import nvfp4_oracle as oracle
 
 LAYERS = 2
 VOCAB = 100
+#: special token ids inside the tiny vocabulary (some configs default to ids past it)
+_SPECIAL_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+#: the (column-parallel, row-parallel) linears of the kinds whose names differ from Llama's, from
+#: their HF plans: GLM merges gate/up (gathered, then chunked), Phi-3 also q/k/v (gathered)
+PROJECTIONS = {
+    "glm": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_up_proj"), ROWWISE),
+    "phi3": (("self_attn.qkv_proj", "mlp.gate_up_proj"), ROWWISE),
+}
 
 
 def build(kind: str, dtype: torch.dtype = torch.float32, seed: int = 0, layers: int = LAYERS) -> nn.Module:
@@ -33,14 +41,18 @@ def build(kind: str, dtype: torch.dtype = torch.float32, seed: int = 0, layers: 
     embedding), ``Qwen2ForCausalLM`` (``"qwen2"``), ``GraniteForCausalLM`` (``"granite"``: the
     embedding and every row-parallel output multiplied by a number before the norm / residual add),
     ``Starcoder2ForCausalLM`` (``"starcoder2"``: LayerNorm, biases on every linear, one MLP input
-    projection ``c_fc``),
+    projection ``c_fc``), ``Olmo2ForCausalLM`` (``"olmo2"``: q/k norms over the whole projection,
+    so its plan gathers q/k/v and splits o_proj's input), ``GlmForCausalLM`` (``"glm"``: merged
+    gate/up, gathered, then chunked), ``Phi3ForCausalLM`` (``"phi3"``: merged q/k/v and gate/up,
+    both gathered),
     ``Qwen3ForCausalLM`` (``"qwen3"``: per-head q/k norms, replicated by its TP plan) or
     ``Gemma3ForCausalLM`` (``"gemma3"``: those norms, a scaled input embedding, sandwich norms of
     the ``(1 + weight)`` form, sliding-window layers and a full-attention last layer, as a Gemma 3
     group ends), eval mode, with ``layers`` decoder layers."""
-    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, LlamaConfig,
-                              LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
-                              Starcoder2Config, Starcoder2ForCausalLM)
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GlmConfig, GlmForCausalLM, GraniteConfig,
+                              GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, Olmo2Config, Olmo2ForCausalLM,
+                              Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM, Starcoder2Config, Starcoder2ForCausalLM)
     sizes = dict(vocab_size=VOCAB, hidden_size=96, intermediate_size=160, num_hidden_layers=layers,
                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1)
     torch.manual_seed(seed)
@@ -57,6 +69,12 @@ def build(kind: str, dtype: torch.dtype = torch.float32, seed: int = 0, layers: 
                                                  attention_multiplier=0.0625, logits_scaling=8.0))
     elif kind == "starcoder2":
         model = Starcoder2ForCausalLM(Starcoder2Config(**sizes, use_bias=True, sliding_window=None))
+    elif kind == "olmo2":
+        model = Olmo2ForCausalLM(Olmo2Config(**sizes, **_SPECIAL_TOKENS))
+    elif kind == "glm":
+        model = GlmForCausalLM(GlmConfig(**sizes, head_dim=16, **_SPECIAL_TOKENS))
+    elif kind == "phi3":
+        model = Phi3ForCausalLM(Phi3Config(**sizes, **_SPECIAL_TOKENS))
     elif kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**sizes))
         with torch.no_grad():
@@ -73,13 +91,16 @@ def ties_lm_head(model: nn.Module) -> bool:
     return model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 
-def planned(prefix: str = "model.") -> dict[str, int]:
-    """``{full module name: chunks}`` of the planned linears, written from the HF plan by hand:
-    1 for column-parallel, 0 for row-parallel (the caller substitutes the TP size)."""
+def planned(prefix: str = "model.", kind: str = "llama") -> dict[str, int]:
+    """``{full module name: chunks}`` of the planned linears of a ``kind`` model, written from the
+    HF plan by hand: 1 for column-parallel (gathered or not: its input is whole), 0 for
+    row-parallel (split input or not: each rank quantizes its features; the caller substitutes the
+    TP size)."""
+    colwise, rowwise = PROJECTIONS.get(kind, (COLWISE, ROWWISE))
     names = {}
     for i in range(LAYERS):
-        names.update({f"{prefix}layers.{i}.{n}": 1 for n in COLWISE})
-        names.update({f"{prefix}layers.{i}.{n}": 0 for n in ROWWISE})
+        names.update({f"{prefix}layers.{i}.{n}": 1 for n in colwise})
+        names.update({f"{prefix}layers.{i}.{n}": 0 for n in rowwise})
     return names
 
 
@@ -87,12 +108,12 @@ def token_ids(batch: int, seq: int = 7, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
-def calibrate(model: nn.Module, ids: torch.Tensor) -> dict[str, float]:
+def calibrate(model: nn.Module, ids: torch.Tensor, kind: str = "llama") -> dict[str, float]:
     """Static activation scales ``448 * 6 / amax`` of every planned linear's input on ``ids``."""
     amax: dict[str, float] = {}
     hooks = [model.get_submodule(name).register_forward_pre_hook(
         lambda _m, args, name=name: amax.__setitem__(name, max(amax.get(name, 0.0), float(args[0].abs().max()))))
-        for name in planned()]
+        for name in planned(kind=kind)]
     with torch.no_grad():
         model(ids)
     for h in hooks:
@@ -128,11 +149,11 @@ class FakeQuantLinear(nn.Module):
 
 
 def nvfp4_reference(model: nn.Module, weights: dict[str, torch.Tensor], input_scales: dict[str, float] | None,
-                    tp: int) -> nn.Module:
+                    tp: int, kind: str = "llama") -> nn.Module:
     """A float64 copy of ``model`` whose planned linears are :class:`FakeQuantLinear` with the
     given decoded ``weights``; static ``input_scales`` or (None) dynamic scales per TP slice."""
     ref = copy.deepcopy(model).double()
-    for name, chunks in planned().items():
+    for name, chunks in planned(kind=kind).items():
         linear = ref.get_submodule(name)
         static = None if input_scales is None else input_scales[name]
         parent, _, child = name.rpartition(".")

@@ -101,8 +101,7 @@ def test_refuses_operands_it_cannot_read_with_the_rule():
     with pytest.raises(ValueError, match="b must be contiguous"):
         wide = torch.zeros(96, 192, dtype=torch.uint8)
         mm_hopper.mm_fp4_hopper(a, wide[:, :96], sa, sb, alpha, torch.bfloat16)
-    storage = torch.zeros(sb.numel() + 1, dtype=torch.uint8)
-    sb_odd = storage[1:].view(sb.shape).view(torch.float8_e4m3fn)
+    sb_odd = _off_word(sb)
     assert sb_odd.data_ptr() % 4  # the storage offset puts the scales off a word boundary
     with pytest.raises(ValueError, match="4-byte aligned b_scale"):
         mm_hopper.mm_fp4_hopper(a, b, sa, sb_odd, alpha, torch.bfloat16)
@@ -135,6 +134,14 @@ def _operands(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
     a, sa = ops.scaled_fp4_quant(xa, ga)
     b, sb = ops.scaled_fp4_quant(xb, gb)
     return a, sa, ga, b, sb, gb
+
+
+def _off_word(scales: torch.Tensor) -> torch.Tensor:
+    """A copy of e4m3 ``scales`` one byte past a 4-byte boundary (the kernel reads scales as words)."""
+    storage = torch.empty(scales.numel() + 1, dtype=torch.uint8, device=scales.device)
+    copy = storage[1:].view(scales.shape)
+    copy.copy_(scales.view(torch.uint8))
+    return copy.view(torch.float8_e4m3fn)
 
 
 def _rel_error(out: torch.Tensor, a, b, sa, sb, alpha: torch.Tensor) -> float:
@@ -312,10 +319,7 @@ def test_cuda_misaligned_weight_scales_take_the_other_path():
     _require_hopper()
     m, n, k = 600, 96, 256
     a, sa, ga, b, sb, gb = _operands(m, n, k, seed=11)
-    storage = torch.empty(sb.numel() + 1, dtype=torch.uint8, device="cuda")
-    sb_odd = storage[1:].view(n, k // 16)
-    sb_odd.copy_(sb.view(torch.uint8))
-    sb_odd = sb_odd.view(torch.float8_e4m3fn)
+    sb_odd = _off_word(sb)
     alpha = 1.0 / (ga * gb)
     with pytest.raises(ValueError, match="b_scale"):
         mm_hopper.mm_fp4_hopper(a, b, sa, sb_odd, alpha, torch.bfloat16)
@@ -362,10 +366,7 @@ def test_cuda_lowered_launch_takes_the_other_path_for_a_misaligned_weight():
 
     m, n, k = 600, 96, 256
     a, sa, ga, b, sb, gb = _operands(m, n, k, seed=11)
-    storage = torch.empty(sb.numel() + 1, dtype=torch.uint8, device="cuda")
-    sb_odd = storage[1:].view(n, k // 16)
-    sb_odd.copy_(sb.view(torch.uint8))
-    sb_odd = sb_odd.view(torch.float8_e4m3fn)
+    sb_odd = _off_word(sb)
     xlo, xhi = decode_fp4_halves(a, sa)
     alpha = 1.0 / (ga * gb)
     got = ops._mm_fp4_hopper(a, sa, xlo, xhi, b, sb_odd, alpha, alpha, False, False, torch.bfloat16)

@@ -1,6 +1,7 @@
 """fp4fuse.tp.parallelize on Hugging Face Llama, Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms,
-replicated by its plan) and Gemma 3 (a scaled input embedding, left replicated), tiny configs, random
-weights (tests/hf_tiny.py).
+replicated by its plan), Gemma 3 (a scaled input embedding, left replicated), and OLMo 2, GLM and
+Phi-3 (plans that gather column-parallel outputs and split row-parallel inputs), tiny configs,
+random weights (tests/hf_tiny.py).
 
 Single process (a fake 2-rank group, no collectives run): plan resolution and its errors,
 dimension errors, static activation scales as buffers, a static scale as a compiled-graph input.
@@ -65,9 +66,9 @@ def test_plan_names_modules_under_the_base_model_prefix():
 
 @pytest.mark.parametrize("plan, error", [
     ({"layers.*.mlp": "colwise"}, r"names 'model.layers.0.mlp', a LlamaMLP; only nn.Linear"),
-    ({"layers.*.self_attn.q_proj": "colwise_gather_output"},
-     r"gives module 'model.layers.0.self_attn.q_proj' the style 'colwise_gather_output'; fp4fuse supports"),
-    ({"lm_head": "colwise_gather_output"}, r"module 'lm_head' the style 'colwise_gather_output'"),
+    ({"layers.*.self_attn.q_proj": "packed_colwise"},
+     r"gives module 'model.layers.0.self_attn.q_proj' the style 'packed_colwise'; fp4fuse supports"),
+    ({"lm_head": "sequence_parallel"}, r"module 'lm_head' the style 'sequence_parallel'"),
     ({"layers.*.self_attn.qq_proj": "colwise"}, r"'layers.\*.self_attn.qq_proj' matches no module"),
     ({"layers.*.mlp.up_proj": "colwise", "layers.1.mlp.up_proj": "rowwise"},
      r"'model.layers.1.mlp.up_proj' is colwise by plan entry 'layers.\*.mlp.up_proj' and rowwise"),
@@ -107,6 +108,33 @@ def test_layers_replace_only_planned_linears(fake_group):
     q = dense.model.layers[0].self_attn.q_proj
     assert type(q) is ColumnParallelLinear and q.weight.shape == (48, 96) and q.bias.shape == (48,)
     assert type(dense.model.layers[0].mlp.down_proj) is RowParallelLinear
+
+
+def test_gather_and_split_styles_and_their_hf_aliases(fake_group):
+    """OLMo 2's plan gathers q/k/v's outputs (its q/k norms span the whole projection) and gives
+    o_proj a whole input to split; GLM gathers its merged gate/up (chunked after). Hugging Face's
+    ``colwise_rep`` / ``rowwise_rep`` name the same two styles. With no plain ``colwise`` linear
+    (Phi-3's plan) attention runs whole on every rank, so a head count that does not split is
+    accepted."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    model = parallelize(hf_tiny.build("olmo2"))
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert type(attn.q_proj) is ColumnParallelNVFP4Linear and attn.q_proj.gather_output
+    assert attn.q_proj.weight_q.shape == (48, 48)  # this rank's 48 of 96 output features
+    assert type(attn.o_proj) is RowParallelNVFP4Linear and not attn.o_proj.input_is_parallel
+    assert not mlp.gate_proj.gather_output and mlp.down_proj.input_is_parallel
+    dense = parallelize(hf_tiny.build("glm"), weight_format=WeightFormat.BF16)
+    gate_up, down = dense.model.layers[1].mlp.gate_up_proj, dense.model.layers[1].mlp.down_proj
+    assert type(gate_up) is ColumnParallelLinear and gate_up.gather_output and gate_up.weight.shape == (160, 96)
+    assert type(down) is RowParallelLinear and not down.input_is_parallel and down.weight.shape == (96, 80)
+    aliases = {"layers.*.self_attn.q_proj": "colwise_rep", "layers.*.self_attn.o_proj": "rowwise_rep"}
+    assert set(resolve_plan(hf_tiny.build("llama"), aliases).values()) == {
+        ParallelStyle.COLWISE_GATHER, ParallelStyle.ROWWISE_SPLIT}
+    sizes = dict(vocab_size=100, hidden_size=96, intermediate_size=160, num_hidden_layers=1, num_attention_heads=6,
+                 num_key_value_heads=1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    phi3 = parallelize(Phi3ForCausalLM(Phi3Config(**sizes)))
+    assert phi3.model.layers[0].self_attn.qkv_proj.gather_output
 
 
 def test_replicated_plan_entries_leave_their_modules_whole(fake_group):
@@ -187,11 +215,12 @@ def test_static_scale_is_a_tensor_input_of_the_compiled_graph():
 # --------------------------------------------------------------------------- 2 gloo ranks
 
 
-def _quantized_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: hf_tiny.fake_quantized_weight(model.get_submodule(name)) for name in hf_tiny.planned()}
+def _quantized_weights(model: nn.Module, kind: str) -> dict[str, torch.Tensor]:
+    return {name: hf_tiny.fake_quantized_weight(model.get_submodule(name)) for name in hf_tiny.planned(kind=kind)}
 
 
-KINDS = ("llama", "qwen2", "qwen3", "gemma3")
+#: olmo2, glm and phi3: plans with gathered column-parallel outputs and split row-parallel inputs
+KINDS = ("llama", "qwen2", "qwen3", "gemma3", "olmo2", "glm", "phi3")
 
 
 def _rank_main() -> dict[str, torch.Tensor]:
@@ -201,7 +230,7 @@ def _rank_main() -> dict[str, torch.Tensor]:
     logits: dict[str, torch.Tensor] = {}
     for kind in KINDS:
         hf = hf_tiny.build(kind)
-        scales = hf_tiny.calibrate(hf, hf_tiny.token_ids(3))
+        scales = hf_tiny.calibrate(hf, hf_tiny.token_ids(3), kind)
         variants = {"bf16": parallelize(copy.deepcopy(hf), weight_format=WeightFormat.BF16),
                     "nvfp4_static_tp2": parallelize(copy.deepcopy(hf), activation_scales=scales),
                     "nvfp4_static_tp1": parallelize(copy.deepcopy(hf), tp1, activation_scales=scales),
@@ -216,11 +245,11 @@ def test_hf_models_at_tp2_equal_their_references():
     results = run_on_ranks(_rank_main, WORLD, timeout=TIMEOUT_S)
     for kind in KINDS:
         hf = hf_tiny.build(kind)
-        weights = _quantized_weights(hf)
+        weights = _quantized_weights(hf, kind)
+        scales = hf_tiny.calibrate(hf, hf_tiny.token_ids(3), kind)
         references = {"bf16": hf.double(),
-                      "nvfp4_static": hf_tiny.nvfp4_reference(hf, weights, hf_tiny.calibrate(hf, hf_tiny.token_ids(3)),
-                                                              WORLD),
-                      "nvfp4_dynamic": hf_tiny.nvfp4_reference(hf, weights, None, WORLD)}
+                      "nvfp4_static": hf_tiny.nvfp4_reference(hf, weights, scales, WORLD, kind),
+                      "nvfp4_dynamic": hf_tiny.nvfp4_reference(hf, weights, None, WORLD, kind)}
         for batch in (1, 3):
             ids = hf_tiny.token_ids(batch)
             expected = {name: hf_tiny.logits(ref, ids) for name, ref in references.items()}

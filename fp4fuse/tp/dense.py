@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp4fuse.tp.parallel import TPGroup, shard
-from fp4fuse.tp.rows import from_rows, row_parallel_sum, to_rows
+from fp4fuse.tp.rows import from_rows, gather_features, local_features, row_parallel_sum, to_rows
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -43,28 +43,44 @@ class _ShardedLinear(nn.Module):
 
 
 class ColumnParallelLinear(_ShardedLinear):
-    """Output features split across the group: ``y_local = x @ W_local^T + b_local``."""
+    """Output features split across the group: ``y_local = x @ W_local^T + b_local``;
+    ``gather_output``: all-gathered to the whole ``y`` on every rank (``colwise_gather_output``)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: TPGroup, *,
+                 gather_output: bool = False) -> None:
+        super().__init__(weight, bias, group)
+        self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows, lead = to_rows(x)
-        return from_rows(F.linear(rows, self.weight, self.bias), lead)
+        out = from_rows(F.linear(rows, self.weight, self.bias), lead)
+        return gather_features(out, self.group) if self.gather_output else out
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group: TPGroup) -> ColumnParallelLinear:
+    def from_linear(cls, linear: nn.Linear, group: TPGroup, *, gather_output: bool = False) -> ColumnParallelLinear:
         """This rank's column-parallel slice of ``linear``."""
         bias = None if linear.bias is None else shard(linear.bias.detach(), 0, group, "output features")
-        return cls(shard(linear.weight.detach(), 0, group, "output features"), bias, group)
+        return cls(shard(linear.weight.detach(), 0, group, "output features"), bias, group,
+                   gather_output=gather_output)
 
 
 class RowParallelLinear(_ShardedLinear):
-    """Input features split across the group: ``y = all_reduce_sum(x_local @ W_local^T) + b``."""
+    """Input features split across the group: ``y = all_reduce_sum(x_local @ W_local^T) + b``;
+    ``input_is_parallel=False``: the input is whole and each rank takes its features of it
+    (``rowwise_split_input``)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: TPGroup, *,
+                 input_is_parallel: bool = True) -> None:
+        super().__init__(weight, bias, group)
+        self.input_is_parallel = input_is_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows, lead = to_rows(x)
+        rows, lead = to_rows(x if self.input_is_parallel else local_features(x, self.group))
         return row_parallel_sum(F.linear(rows, self.weight), self.group, self.bias, lead)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group: TPGroup) -> RowParallelLinear:
+    def from_linear(cls, linear: nn.Linear, group: TPGroup, *, input_is_parallel: bool = True) -> RowParallelLinear:
         """This rank's row-parallel slice of ``linear``."""
         bias = None if linear.bias is None else linear.bias.detach()
-        return cls(shard(linear.weight.detach(), 1, group, "input features"), bias, group)
+        return cls(shard(linear.weight.detach(), 1, group, "input features"), bias, group,
+                   input_is_parallel=input_is_parallel)

@@ -38,7 +38,7 @@ from torch import nn
 from fp4fuse.nvfp4 import format as nvfp4
 from fp4fuse.nvfp4.quantizer import NVFP4Quantizer, quantize_weight
 from fp4fuse.tp.parallel import TPGroup, shard
-from fp4fuse.tp.rows import from_rows, row_parallel_sum, to_rows
+from fp4fuse.tp.rows import from_rows, gather_features, local_features, row_parallel_sum, to_rows
 
 __all__ = ["ColumnParallelNVFP4Linear", "NVFP4Linear", "RowParallelNVFP4Linear", "global_scale_tensor",
            "quantize_weight"]
@@ -174,12 +174,13 @@ def _amax(weight: torch.Tensor) -> torch.Tensor:
 
 class ColumnParallelNVFP4Linear(NVFP4Linear):
     """Output features split across the group; ``full_weight`` is the unsharded ``[N, K]``,
-    ``full_bias`` the unsharded ``[N]`` (or None)."""
+    ``full_bias`` the unsharded ``[N]`` (or None). ``gather_output``: all-gather the output
+    features, so every rank returns the whole ``[..., N]`` (``colwise_gather_output``)."""
 
     def __init__(self, full_weight: torch.Tensor, group: TPGroup, act_quantizer: NVFP4Quantizer,
                  out_dtype: torch.dtype = torch.bfloat16, parts: tuple[int, ...] | None = None, *,
                  full_bias: torch.Tensor | None = None,
-                 input_global_scale: float | torch.Tensor | None = None) -> None:
+                 input_global_scale: float | torch.Tensor | None = None, gather_output: bool = False) -> None:
         parts = parts or (full_weight.shape[0],)
         if sum(parts) != full_weight.shape[0]:
             raise ValueError(f"ColumnParallelNVFP4Linear: parts {parts} do not sum to {full_weight.shape[0]} rows")
@@ -190,23 +191,30 @@ class ColumnParallelNVFP4Linear(NVFP4Linear):
                          input_global_scale=input_global_scale)
         self.group = group
         self.local_parts = tuple(group.split(p, "output features") for p in parts)
+        self.gather_output = gather_output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return gather_features(out, self.group) if self.gather_output else out
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: TPGroup, act_quantizer: NVFP4Quantizer | None = None, *,
-                    input_global_scale: float | torch.Tensor | None = None) -> ColumnParallelNVFP4Linear:
+                    input_global_scale: float | torch.Tensor | None = None,
+                    gather_output: bool = False) -> ColumnParallelNVFP4Linear:
         """This rank's column-parallel NVFP4 slice of ``linear`` (output in its dtype)."""
         return cls(linear.weight.detach(), group, act_quantizer or NVFP4Quantizer(), linear.weight.dtype,
-                   full_bias=_bias_of(linear), input_global_scale=input_global_scale)
+                   full_bias=_bias_of(linear), input_global_scale=input_global_scale, gather_output=gather_output)
 
 
 class RowParallelNVFP4Linear(NVFP4Linear):
     """Input features split across the group (``K / size`` a multiple of 16, so no block straddles
     two ranks); the output is all-reduced (summed) over it, then ``full_bias`` (``[N]``, not
-    sharded) added once."""
+    sharded) added once. ``input_is_parallel=False``: the input is whole (``[..., K]`` on every
+    rank) and each rank takes its features of it (``rowwise_split_input``)."""
 
     def __init__(self, full_weight: torch.Tensor, group: TPGroup, act_quantizer: NVFP4Quantizer,
                  out_dtype: torch.dtype = torch.bfloat16, *, full_bias: torch.Tensor | None = None,
-                 input_global_scale: float | torch.Tensor | None = None) -> None:
+                 input_global_scale: float | torch.Tensor | None = None, input_is_parallel: bool = True) -> None:
         local_k = group.split(full_weight.shape[1], "input features")
         if local_k % nvfp4.BLOCK_SIZE:
             raise ValueError(f"RowParallelNVFP4Linear: input features per rank = {local_k} must be a multiple of "
@@ -214,14 +222,17 @@ class RowParallelNVFP4Linear(NVFP4Linear):
         super().__init__(shard(full_weight, 1, group, "input features"), act_quantizer, out_dtype, bias=full_bias,
                          weight_amax=_amax(full_weight), input_global_scale=input_global_scale)
         self.group = group
+        self.input_is_parallel = input_is_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows, lead = to_rows(x)
+        rows, lead = to_rows(x if self.input_is_parallel else local_features(x, self.group))
         return row_parallel_sum(self.matmul(rows), self.group, self.bias, lead)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: TPGroup, act_quantizer: NVFP4Quantizer | None = None, *,
-                    input_global_scale: float | torch.Tensor | None = None) -> RowParallelNVFP4Linear:
+                    input_global_scale: float | torch.Tensor | None = None,
+                    input_is_parallel: bool = True) -> RowParallelNVFP4Linear:
         """This rank's row-parallel NVFP4 slice of ``linear`` (output in its dtype)."""
         return cls(linear.weight.detach(), group, act_quantizer or NVFP4Quantizer(), linear.weight.dtype,
-                   full_bias=_bias_of(linear), input_global_scale=input_global_scale)
+                   full_bias=_bias_of(linear), input_global_scale=input_global_scale,
+                   input_is_parallel=input_is_parallel)

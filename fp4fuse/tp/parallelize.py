@@ -56,11 +56,19 @@ class WeightFormat(enum.Enum):
     BF16 = "bf16"
 
 
+#: (weight format, column-parallel) -> layer class
 _LAYERS = {
-    (WeightFormat.NVFP4, ParallelStyle.COLWISE): ColumnParallelNVFP4Linear,
-    (WeightFormat.NVFP4, ParallelStyle.ROWWISE): RowParallelNVFP4Linear,
-    (WeightFormat.BF16, ParallelStyle.COLWISE): ColumnParallelLinear,
-    (WeightFormat.BF16, ParallelStyle.ROWWISE): RowParallelLinear,
+    (WeightFormat.NVFP4, True): ColumnParallelNVFP4Linear,
+    (WeightFormat.NVFP4, False): RowParallelNVFP4Linear,
+    (WeightFormat.BF16, True): ColumnParallelLinear,
+    (WeightFormat.BF16, False): RowParallelLinear,
+}
+#: the layer options of each style
+_STYLE_OPTIONS = {
+    ParallelStyle.COLWISE: {},
+    ParallelStyle.COLWISE_GATHER: {"gather_output": True},
+    ParallelStyle.ROWWISE: {},
+    ParallelStyle.ROWWISE_SPLIT: {"input_is_parallel": False},
 }
 
 
@@ -71,11 +79,14 @@ def parallelize(model: nn.Module, group: dist.ProcessGroup | None = None, plan: 
     """Replace the ``nn.Linear`` modules named by ``plan`` with tensor-parallel linears; return ``model``.
 
     ``group``: the TP process group (default: the default group); call on every rank of it.
-    ``plan``: ``{module pattern: "colwise" | "rowwise"}`` (fp4fuse.tp.plan; ``*`` matches one name
-    component); default ``model.config.base_model_tp_plan``. Patterns match full module names or
+    ``plan``: ``{module pattern: "colwise" | "rowwise" | "colwise_gather_output" | "rowwise_split_input"}``
+    (fp4fuse.tp.plan; ``*`` matches one name component); default ``model.config.base_model_tp_plan``. Patterns match full module names or
     names relative to a Hugging Face base model (``layers.*`` finds ``model.layers.*`` in a
     ``*ForCausalLM``). Column-parallel linears shard output features and bias; row-parallel ones
-    shard input features, all-reduce the output (functional collectives) and add the bias once.
+    shard input features, all-reduce the output (functional collectives) and add the bias once;
+    ``colwise_gather_output`` all-gathers a column-parallel output's features (every rank gets the
+    whole output), ``rowwise_split_input`` gives a row-parallel linear a whole input, of which each
+    rank multiplies its features.
     Inputs may have any leading dimensions.
     ``weight_format``: ``WeightFormat.NVFP4`` or ``WeightFormat.BF16`` (see :class:`WeightFormat`).
     ``activation_scales``: None (dynamic activation scales) or ``{full module name: global scale}``
@@ -98,25 +109,26 @@ def parallelize(model: nn.Module, group: dist.ProcessGroup | None = None, plan: 
         plan = _config_plan(model)
     styles = resolve_plan(model, plan)
     scales = _activation_scales(activation_scales, styles, weight_format)
-    _check_heads(model, tp)
+    if ParallelStyle.COLWISE in styles.values():
+        _check_heads(model, tp)
     modules = dict(model.named_modules())
     for name, style in styles.items():  # every check before the first replacement: errors leave the model as it was
         _check_dims(name, style, modules[name], tp, weight_format)
     for name, style in styles.items():
         linear = modules[name]
-        layer_cls = _LAYERS[weight_format, style]
+        layer_cls = _LAYERS[weight_format, style.shards_output()]
         if weight_format is WeightFormat.NVFP4:
-            layer = layer_cls.from_linear(linear, tp, input_global_scale=scales.get(name))
+            layer = layer_cls.from_linear(linear, tp, input_global_scale=scales.get(name), **_STYLE_OPTIONS[style])
         else:
-            layer = layer_cls.from_linear(linear, tp)
+            layer = layer_cls.from_linear(linear, tp, **_STYLE_OPTIONS[style])
         parent, _, child = name.rpartition(".")
         setattr(modules[parent] if parent else model, child, layer)
     if embedding:
         _shard_input_embedding(model, tp)
     logger.info("parallelize: %d linears on TP=%d (rank %d, %s): %d column-parallel, %d row-parallel, "
                 "%d static activation scales", len(styles), tp.size, tp.rank, weight_format.value,
-                sum(s is ParallelStyle.COLWISE for s in styles.values()),
-                sum(s is ParallelStyle.ROWWISE for s in styles.values()), len(scales))
+                sum(s.shards_output() for s in styles.values()),
+                sum(not s.shards_output() for s in styles.values()), len(scales))
     return model
 
 
@@ -167,20 +179,22 @@ def _check_dims(name: str, style: ParallelStyle, linear: nn.Linear, tp: TPGroup,
     def fail(rule: str) -> None:
         raise ValueError(f"parallelize: {name} ({style.value}, weight {list(linear.weight.shape)}): {rule}")
 
-    split_dim, what = (linear.out_features, "out_features") if style is ParallelStyle.COLWISE else (
+    split_dim, what = (linear.out_features, "out_features") if style.shards_output() else (
         linear.in_features, "in_features")
     if split_dim % tp.size:
         fail(f"{what} = {split_dim} is not divisible by the tensor-parallel size {tp.size}")
     if weight_format is WeightFormat.NVFP4:
         if linear.weight.dtype not in _FLOAT_DTYPES:
             fail(f"NVFP4 needs a bf16, fp16 or fp32 weight, got {linear.weight.dtype}")
-        local_k = linear.in_features // tp.size if style is ParallelStyle.ROWWISE else linear.in_features
+        local_k = linear.in_features if style.shards_output() else linear.in_features // tp.size
         if local_k % nvfp4.BLOCK_SIZE:
             fail(f"NVFP4 needs input features per rank ({local_k}) to be a multiple of {nvfp4.BLOCK_SIZE}")
 
 
 def _check_heads(model: nn.Module, tp: TPGroup) -> None:
-    """Column-parallel q/k/v must hold whole heads: HF attention infers heads from the width."""
+    """Column-parallel q/k/v must hold whole heads: HF attention infers heads from the width.
+    Checked where the plan has a ``colwise`` linear (with gathered outputs only, attention runs
+    whole on every rank)."""
     config = getattr(model, "config", None)
     for field in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(config, field, None)

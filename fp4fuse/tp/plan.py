@@ -4,6 +4,10 @@ A plan maps module-name patterns to a style::
 
     {"layers.*.self_attn.q_proj": "colwise", ..., "layers.*.mlp.down_proj": "rowwise"}
 
+Styles (``ParallelStyle``): ``colwise`` / ``rowwise``, and the forms whose output or input is whole
+on every rank, ``colwise_gather_output`` / ``rowwise_split_input`` (OLMo 2's q/k/v before its
+full-width q/k norms, GLM's merged gate/up before its ``chunk``, Phi-3's merged projections).
+
 ``*`` matches one dotted name component (a layer index), the rest matches literally, and a pattern
 names whole modules (``fullmatch``). Patterns are matched against each module's name in the model
 and, for a Hugging Face ``*ForCausalLM`` whose base model sits under a prefix (``model.``), against
@@ -31,22 +35,37 @@ __all__ = ["ParallelStyle", "base_model_prefix", "resolve_plan"]
 
 
 class ParallelStyle(enum.Enum):
-    """How a linear is split: ``COLWISE`` shards output features (and bias); ``ROWWISE`` shards
-    input features and all-reduces the output (bias added once). ``REPLICATED``: any module, left
-    whole on every rank (module docstring)."""
+    """How a linear is split: ``COLWISE`` shards output features (and bias), so each rank outputs
+    its features; ``COLWISE_GATHER`` the same, then all-gathers the output features, so every rank
+    holds the whole output; ``ROWWISE`` shards input features (the input holds this rank's features)
+    and all-reduces the output (bias added once); ``ROWWISE_SPLIT`` the same on a whole input, of
+    which each rank takes its features. ``REPLICATED``: any module, left whole on every rank (module
+    docstring). Hugging Face's ``colwise_rep`` / ``rowwise_rep`` are the two gather / split styles
+    under other names (``transformers.distributed.tensor_parallel`` registers them alike)."""
 
     COLWISE = "colwise"
+    COLWISE_GATHER = "colwise_gather_output"
     ROWWISE = "rowwise"
+    ROWWISE_SPLIT = "rowwise_split_input"
     REPLICATED = "replicated_with_grad_allreduce"
+
+    def shards_output(self) -> bool:
+        """Whether the weight is split by output features (column-parallel)."""
+        return self in (ParallelStyle.COLWISE, ParallelStyle.COLWISE_GATHER)
+
+
+_ALIASES = {"colwise_rep": ParallelStyle.COLWISE_GATHER, "rowwise_rep": ParallelStyle.ROWWISE_SPLIT}
 
 
 def _style(value: object, pattern: str, module: str) -> ParallelStyle:
     if isinstance(value, ParallelStyle):
         return value
+    if value in _ALIASES:
+        return _ALIASES[value]
     try:
         return ParallelStyle(value)
     except ValueError:
-        supported = ", ".join(repr(s.value) for s in ParallelStyle)
+        supported = ", ".join([repr(s.value) for s in ParallelStyle] + [repr(a) for a in _ALIASES])
         raise ValueError(f"parallelize: plan entry {pattern!r} gives module {module!r} the style {value!r}; "
                          f"fp4fuse supports {supported}") from None
 

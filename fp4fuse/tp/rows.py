@@ -5,6 +5,10 @@ TP linears compute on 2-D ``[T, K]`` rows: an activation ``[..., K]`` with any l
 ops and its leading shape restored on the output. A 2-D input passes through untouched, so graphs of
 2-D models hold no extra view nodes.
 
+A column-parallel linear whose output every rank needs whole gathers its output features
+(``gather_features``); a row-parallel linear given a whole input takes this rank's features of it
+(``local_features``).
+
 A row-parallel linear sums its partial product over the group on the 2-D rows (``mm -> all_reduce``
 stays adjacent in the graph, the form the fusion passes match), then adds the bias once, after the
 reduction, then restores the leading shape.
@@ -16,7 +20,10 @@ import torch.distributed._functional_collectives as funcol
 
 from fp4fuse.tp.parallel import TPGroup
 
-__all__ = ["from_rows", "row_parallel_sum", "to_rows"]
+__all__ = ["from_rows", "gather_features", "local_features", "row_parallel_sum", "to_rows"]
+
+# torch 2.13 renames funcol.all_gather_tensor (deprecated there) to all_gather_single; same arguments
+_ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 
 def to_rows(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
@@ -42,3 +49,19 @@ def row_parallel_sum(partial: torch.Tensor, group: TPGroup, bias: torch.Tensor |
     if bias is not None:
         out = out + bias
     return from_rows(out, lead)
+
+
+def gather_features(y: torch.Tensor, group: TPGroup) -> torch.Tensor:
+    """``y [..., N / size]`` on each rank -> ``[..., N]``, rank ``r``'s features at
+    ``[r * N / size, (r + 1) * N / size)``: the whole output of a column-parallel linear, the same
+    on every rank (a functional all-gather along the last dimension)."""
+    if group.size == 1:
+        return y
+    return _ALL_GATHER(y.contiguous(), gather_dim=y.dim() - 1, group=group.name)
+
+
+def local_features(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
+    """This rank's features of a whole input ``x [..., K]``: ``x[..., r * K / size : (r + 1) * K / size]``,
+    contiguous (what a row-parallel linear multiplies). ValueError if K does not divide."""
+    k = group.split(x.shape[-1], "row-parallel input features")
+    return x if group.size == 1 else x.narrow(-1, group.rank * k, k).contiguous()
