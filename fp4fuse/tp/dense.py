@@ -8,6 +8,9 @@ that NVFP4 is measured against (``parallelize(..., weight_format=WeightFormat.BF
 * ``RowParallelLinear``: ``weight`` ``[N, K/size]`` (this rank's input columns), ``bias`` ``[N]``
   unsharded; partial products summed with a functional ``all_reduce``, bias added once after it.
 
+``gather_output`` (column) and ``input_is_parallel=False`` (row) give the plan styles
+``colwise_gather_output`` / ``rowwise_split_input`` (fp4fuse.tp.plan), as for the NVFP4 linears.
+
 Parameters are frozen (``requires_grad=False``): these layers serve inference, as the NVFP4 ones.
 Inputs ``[..., K]`` run as 2-D rows (fp4fuse.tp.rows).
 """

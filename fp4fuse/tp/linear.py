@@ -21,6 +21,9 @@ input's rows (``[..., K]`` flattened to ``[T, K]``, fp4fuse.tp.rows).
 * ``RowParallelNVFP4Linear``: the weight is split by input columns; the input holds this rank's
   features; the partial products are summed with a functional ``all_reduce`` (which sequence
   parallelism later turns into a reduce-scatter) and the bias is added once, after the sum.
+* ``gather_output=True`` (column) all-gathers the output features, so every rank returns the whole
+  output; ``input_is_parallel=False`` (row) takes a whole input and multiplies this rank's features
+  of it (the plan styles ``colwise_gather_output`` / ``rowwise_split_input``, fp4fuse.tp.plan).
 
 Activation quantizers: a column-parallel input is replicated, so a dynamic scale from the local
 amax is the same on every rank (``NVFP4Quantizer()``); a row-parallel input is a different slice on
