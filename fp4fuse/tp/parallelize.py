@@ -80,10 +80,11 @@ def parallelize(model: nn.Module, group: dist.ProcessGroup | None = None, plan: 
 
     ``group``: the TP process group (default: the default group); call on every rank of it.
     ``plan``: ``{module pattern: "colwise" | "rowwise" | "colwise_gather_output" | "rowwise_split_input"}``
-    (fp4fuse.tp.plan; ``*`` matches one name component); default ``model.config.base_model_tp_plan``. Patterns match full module names or
-    names relative to a Hugging Face base model (``layers.*`` finds ``model.layers.*`` in a
-    ``*ForCausalLM``). Column-parallel linears shard output features and bias; row-parallel ones
-    shard input features, all-reduce the output (functional collectives) and add the bias once;
+    (fp4fuse.tp.plan; ``*`` matches one name component); default ``model.config.base_model_tp_plan``.
+    Patterns match full module names or names relative to a Hugging Face base model (``layers.*``
+    finds ``model.layers.*`` in a ``*ForCausalLM``). Column-parallel linears shard output features
+    and bias; row-parallel ones shard input features, all-reduce the output (functional
+    collectives) and add the bias once;
     ``colwise_gather_output`` all-gathers a column-parallel output's features (every rank gets the
     whole output), ``rowwise_split_input`` gives a row-parallel linear a whole input, of which each
     rank multiplies its features.
