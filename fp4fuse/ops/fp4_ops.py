@@ -88,7 +88,7 @@ def _mm_fp4_hopper(
     """Internal (not part of the op contract): the Hopper Gluon GEMM's launch in a graph lowered by
     fp4fuse (``fp4fuse.passes.lowering``), where ``mm_fp4``'s activation decode ``xlo, xhi`` is a
     traced Triton launch and this op launches the Gluon kernel, whose TMA descriptors Inductor
-    cannot build (``fp4fuse.kernels.triton.mm_hopper.mm_fp4_hopper_decoded``). CUDA only."""
+    cannot build (``fp4fuse.kernels.triton.mm.mm_fp4_hopper_decoded``). CUDA only."""
     raise NotImplementedError("fp4fuse::_mm_fp4_hopper runs on CUDA only (the Hopper Gluon GEMM's launch)")
 
 
@@ -104,6 +104,6 @@ def _(a, a_scale, xlo, xhi, b, b_scale, alpha, alpha_b, alpha_from_scales, div_r
 
 @functools.cache
 def _hopper_decoded():
-    from fp4fuse.kernels.triton.mm_hopper import mm_fp4_hopper_decoded  # imports Triton: first call only
+    from fp4fuse.kernels.triton.mm import mm_fp4_hopper_decoded  # imports Triton: first call only
 
     return mm_fp4_hopper_decoded

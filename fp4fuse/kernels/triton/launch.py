@@ -76,13 +76,19 @@ def _arg_key(value: Any) -> Any:
     if isinstance(value, (bool, int, float)) or value is None:
         return type(value), value
     if isinstance(value, _descriptor_types()):
-        return type(value), value.base.dtype, *(_hashable(getattr(value, f.name))
-                                                for f in dataclasses.fields(value) if f.name not in _DESCRIPTOR_ARGS)
+        return type(value), value.base.dtype, *(_hashable(getattr(value, f)) for f in _specialized_fields(type(value)))
     raise KeyError(type(value).__name__)
 
 
 #: A descriptor's fields that its launcher passes per launch (not specialized on).
 _DESCRIPTOR_ARGS = frozenset(("base", "shape", "strides"))
+
+
+@functools.cache
+def _specialized_fields(descriptor_type: type) -> tuple[str, ...]:
+    """The fields of a descriptor class the key holds: all but ``_DESCRIPTOR_ARGS`` (read once per
+    class: the key is built on every launch)."""
+    return tuple(f.name for f in dataclasses.fields(descriptor_type) if f.name not in _DESCRIPTOR_ARGS)
 
 
 def _hashable(value: Any) -> Any:

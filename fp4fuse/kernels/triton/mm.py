@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4fuse.kernels.triton.alpha import Alpha, alpha_meta, alpha_operands, alpha_tensor, load_alpha
+from fp4fuse.kernels.triton.alpha import Alpha, GlobalScales, alpha_meta, alpha_operands, alpha_tensor, load_alpha
 from fp4fuse.kernels.triton.decode import (
     DECODE_SCALE_UNDO, decode_codes, decode_fp4_halves, decode_scales, grouped_tile, num_sms,
 )
@@ -82,6 +82,7 @@ __all__ = [
     "mm_fp4_calls_triton",
     "mm_fp4_dequant_mm",
     "mm_fp4_group_triton",
+    "mm_fp4_hopper_decoded",
     "mm_fp4_tiled",
     "mm_fp4_triton",
     "scale_by_alpha_",
@@ -430,7 +431,7 @@ def hopper_gemm(m: int, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch
     kernel computes it (:func:`hopper_serves` and the weight aligned for it), else None. Row blocks
     of that product launched through it sum as the whole product does. Under a tracer the
     weight's alignment is unknown (fake tensors): ``mm_fp4_hopper`` itself, whose traced form
-    checks it per call and takes the other path as this function does (``mm_hopper.mm_fp4_hopper_decoded``)."""
+    checks it per call and takes the other path as this function does (:func:`mm_fp4_hopper_decoded`)."""
     n, k = b.shape[0], b.shape[1] * 2
     if not hopper_serves(m, n, k, out_dtype, b.device):
         return None
@@ -440,6 +441,25 @@ def hopper_gemm(m: int, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch
     if not hopper.hopper_operands_ok(b, b_scale):
         return None
     return functools.partial(hopper.mm_fp4_hopper, split_k=hopper.split_for(m, n, k, num_sms(b.device)))
+
+
+def mm_fp4_hopper_decoded(
+    a: torch.Tensor, a_scale: torch.Tensor, xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor,
+    b_scale: torch.Tensor, alpha: torch.Tensor, alpha_b: torch.Tensor, alpha_from_scales: bool, div_rn: bool,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The CUDA kernel of ``fp4fuse::_mm_fp4_hopper``, the Gluon GEMM's call in a lowered graph
+    (``mm_hopper.mm_fp4_hopper`` under a tracer): its default launch on the activation already
+    decoded (``xlo, xhi = decode_fp4_halves(a, a_scale)``); alpha in ``alpha_operands`` /
+    ``alpha_meta``'s form. A weight that kernel cannot read (misaligned, known only per call:
+    ``mm_hopper.hopper_operands_ok``) takes :func:`mm_fp4_triton`'s other path, as the eager op
+    does with it."""
+    scales = GlobalScales(alpha, alpha_b, div_rn) if alpha_from_scales else alpha
+    hopper = hopper_kernels()
+    if not hopper.hopper_operands_ok(b, b_scale):
+        return mm_fp4_triton(a, b, a_scale, b_scale, scales, out_dtype)
+    return hopper.mm_fp4_hopper_halves(xlo, xhi, b, b_scale, scales, out_dtype, None, hopper.BLOCK_M, None,
+                                       hopper.MAX_REGISTERS)
 
 
 def mm_fp4_triton(

@@ -74,7 +74,9 @@ import triton
 import triton.language as tl
 
 from fp4fuse.kernels.triton.alpha import Alpha, alpha_meta, alpha_operands, load_alpha
-from fp4fuse.kernels.triton.decode import DECODE_SCALE_UNDO, decode_codes, decode_scales, num_sms, readable_rows, split_ranges
+from fp4fuse.kernels.triton.decode import (
+    DECODE_SCALE_UNDO, decode_codes, decode_scales, num_sms, readable_rows, split_ranges,
+)
 from fp4fuse.kernels.triton.launch import traceable, tracing
 from fp4fuse.nvfp4.format import BLOCK_SIZE
 

@@ -72,7 +72,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from fp4fuse.config import env_bool
-from fp4fuse.kernels.triton.alpha import Alpha, GlobalScales, alpha_meta, alpha_operands, load_alpha
+from fp4fuse.kernels.triton.alpha import Alpha, alpha_meta, alpha_operands, load_alpha
 from fp4fuse.kernels.triton.decode import (
     DECODE_PTX, DECODE_SCALE_UNDO, decode_fp4_halves, grouped_tile, num_sms, split_ranges,
 )
@@ -81,7 +81,7 @@ from fp4fuse.kernels.triton.mm_decode import DECODE_MAX_M, empty_decode_workspac
 
 __all__ = ["ENV_DISABLE_GLUON", "HOPPER_BF16_MAX_M", "SPLIT_MIN_M", "SPLIT_MIN_WEIGHT", "fills_the_gpu", "gluon_disabled",
            "hopper_available", "hopper_operands_ok", "hopper_serves", "hopper_split", "mm_fp4_hopper",
-           "mm_fp4_hopper_decoded", "serves_shape", "split_for"]
+           "mm_fp4_hopper_halves", "serves_shape", "split_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -381,7 +381,7 @@ def mm_fp4_hopper(
 
     Under a tracer (fp4fuse's kernel lowering) the activation's decode is traced as its Triton
     launch and the Gluon launch, whose TMA descriptors Inductor cannot build, as one call of the
-    internal op ``fp4fuse::_mm_fp4_hopper`` (:func:`mm_fp4_hopper_decoded`): the default launch
+    internal op ``fp4fuse::_mm_fp4_hopper`` (``mm.mm_fp4_hopper_decoded``): the default launch
     only, so the compiled graph computes what the eager call computes, bit for bit."""
     _check_operands(a, b, a_scale, b_scale, out_dtype, out, block_m, split_k)
     xlo, xhi = decode_fp4_halves(a, a_scale)
@@ -393,7 +393,7 @@ def mm_fp4_hopper(
         meta = alpha_meta(alpha)
         return torch.ops.fp4fuse._mm_fp4_hopper(a, a_scale, xlo, xhi, b, b_scale, alpha_a, alpha_b,
                                                 meta["ALPHA_FROM_SCALES"], meta["ALPHA_DIV_RN"], out_dtype)
-    return _launch(xlo, xhi, b, b_scale, alpha, out_dtype, out, block_m, split_k, max_registers)
+    return mm_fp4_hopper_halves(xlo, xhi, b, b_scale, alpha, out_dtype, out, block_m, split_k, max_registers)
 
 
 def _check_operands(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
@@ -416,29 +416,12 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_s
         raise ValueError(f"mm_fp4_hopper: split_k must be at least 1; got {split_k}")
 
 
-def mm_fp4_hopper_decoded(
-    a: torch.Tensor, a_scale: torch.Tensor, xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor,
-    b_scale: torch.Tensor, alpha: torch.Tensor, alpha_b: torch.Tensor, alpha_from_scales: bool, div_rn: bool,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """The CUDA kernel of ``fp4fuse::_mm_fp4_hopper``: :func:`mm_fp4_hopper`'s default launch, the
-    activation already decoded (``xlo, xhi = decode_fp4_halves(a, a_scale)``); alpha is
-    ``alpha_operands`` / ``alpha_meta``'s form of it. A weight this kernel cannot read (misaligned:
-    :func:`hopper_operands_ok`, known only per call) takes ``mm_fp4_triton``'s other path, as the
-    eager op does with it."""
-    scales = GlobalScales(alpha, alpha_b, div_rn) if alpha_from_scales else alpha
-    if not hopper_operands_ok(b, b_scale):
-        from fp4fuse.kernels.triton.mm import mm_fp4_triton  # mm imports this module
-
-        return mm_fp4_triton(a, b, a_scale, b_scale, scales, out_dtype)
-    return _launch(xlo, xhi, b, b_scale, scales, out_dtype, None, BLOCK_M, None, MAX_REGISTERS)
-
-
-def _launch(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, alpha: Alpha,
-            out_dtype: torch.dtype, out: torch.Tensor | None, block_m: int, split_k: int | None,
-            max_registers: int) -> torch.Tensor:
-    """The Gluon launch on the decoded activation halves (the arguments checked by
-    ``_check_operands``, the weight aligned)."""
+def mm_fp4_hopper_halves(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                         alpha: Alpha, out_dtype: torch.dtype, out: torch.Tensor | None, block_m: int,
+                         split_k: int | None, max_registers: int) -> torch.Tensor:
+    """The Gluon launch on the activation decoded to fp16 halves (``decode_fp4_halves``): the
+    arguments as ``mm_fp4_hopper`` checks them (``_check_operands``), the weight aligned
+    (:func:`hopper_operands_ok`). ``mm.mm_fp4_hopper_decoded`` calls it from a lowered graph."""
     m, n, k = xlo.shape[0], b.shape[0], xlo.shape[1] * 2
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=b.device)
