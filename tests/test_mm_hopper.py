@@ -228,6 +228,44 @@ def test_cuda_fast_launch_serves_the_kernel_tritons_dispatch_picks(monkeypatch):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("m,n,k", [(300, 1000, 1024), (200, 1000, 2048)])  # one split; split-K (workspace per call)
+def test_cuda_prepared_launch_reads_the_new_values_in_the_same_buffers(monkeypatch, m, n, k):
+    """A repeated call (``mm_fp4_hopper_halves`` with its own output, as a compiled graph makes it)
+    is a prepared launch (``launch.Relaunch``): descriptors encoded at the first call. Refilled
+    in place with another activation and other global scales, the same buffers give that product's
+    bits (a launch through Triton's own dispatch) and the float64 reference's values; another
+    activation buffer gets a launch of its own."""
+    _require_hopper()
+    from fp4fuse.kernels.triton.decode import decode_fp4_halves
+
+    a, sa, ga, b, sb, gb = _operands(m, n, k, seed=m + k)
+    a2, sa2, ga2, _, _, _ = _operands(m, n, k, seed=m + k + 1)
+    ga, gb = ga.clone(), gb.clone()
+    xlo, xhi = decode_fp4_halves(a, sa)
+
+    def call(xlo, xhi, ga):
+        return mm_hopper.mm_fp4_hopper_halves(xlo, xhi, b, sb, GlobalScales(ga, gb, True), torch.bfloat16, None,
+                                              mm_hopper.BLOCK_M, None, mm_hopper.MAX_REGISTERS)
+
+    mm_hopper._RELAUNCHES.clear()
+    first = call(xlo, xhi, ga)
+    assert len(mm_hopper._RELAUNCHES) == 1
+    assert torch.equal(call(xlo, xhi, ga), first)
+    lo2, hi2 = decode_fp4_halves(a2, sa2)
+    xlo.copy_(lo2)
+    xhi.copy_(hi2)
+    ga.copy_(ga2)
+    again = call(xlo, xhi, ga)
+    assert len(mm_hopper._RELAUNCHES) == 1  # served by the prepared launch
+    assert not torch.equal(again, first)
+    assert _rel_error(again, a2, b, sa2, sb, 1.0 / (ga2 * gb)) <= _TOL[torch.bfloat16]
+    other = call(lo2, hi2, ga)  # other buffers: a launch prepared for them
+    assert len(mm_hopper._RELAUNCHES) == 2 and torch.equal(other, again)
+    monkeypatch.setattr(mm_hopper, "traceable", lambda kernel: kernel)  # Triton's own dispatch, nothing prepared
+    assert torch.equal(call(lo2, hi2, ga), again)
+
+
+@pytest.mark.cuda
 def test_cuda_split_k_row_blocks_are_bitwise_the_whole_product():
     """With one split count for every block (``RowBlockGemm`` takes the whole GEMM's), row blocks
     give the whole split-K product's bits."""

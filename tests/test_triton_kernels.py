@@ -506,6 +506,54 @@ def test_cuda_fast_launch_reuses_only_the_kernel_triton_would_pick():
     assert len({entry[1] for entry in fast.cache.values()}) > 1
 
 @pytest.mark.cuda
+def test_cuda_relaunch_repeats_a_launch_with_other_tensors():
+    """``FastKernel.prepare`` (fp4fuse.kernels.triton.launch) launches and returns a ``Relaunch``
+    that repeats the launch with other tensors in the tensors' places, on a kernel that reads
+    through a host-side TMA descriptor (encoded once: its tensor's values may change, not its
+    address) and through pointers: each relaunch gives its own inputs' result."""
+    _require_triton_backend()
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("host-side TMA descriptors need sm_90")
+    import triton
+    import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from fp4fuse.kernels.triton.launch import FastKernel
+
+    @triton.jit
+    def add_rows_kernel(x_desc, y_ptr, out_ptr, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        row = tl.program_id(0) * BLOCK_M
+        rows = row + tl.arange(0, BLOCK_M)[:, None]
+        cols = tl.arange(0, BLOCK_N)[None, :]
+        mask = (rows < n) & (cols < BLOCK_N)
+        x = x_desc.load([row, 0])
+        tl.store(out_ptr + rows * BLOCK_N + cols, x + tl.load(y_ptr + rows * BLOCK_N + cols, mask=mask), mask=mask)
+
+    n, width = 300, 32
+    x = torch.randn(n, width, device="cuda")
+    fast = FastKernel(add_rows_kernel)
+    relaunch = None
+
+    def launch(y, out):
+        nonlocal relaunch
+        args = (TensorDescriptor.from_tensor(x, [32, width]), y, out, n)
+        if relaunch is None:
+            relaunch = fast.prepare((triton.cdiv(n, 32),), *args, BLOCK_M=32, BLOCK_N=width, num_warps=4)
+            assert relaunch is not None and relaunch.slots and len(relaunch.slots) == 2
+        else:
+            relaunch(y, out)
+
+    for round in range(3):
+        x.copy_(torch.randn(n, width, device="cuda"))
+        y = torch.randn(n, width, device="cuda")
+        out = torch.full((n, width), float("nan"), device="cuda")
+        launch(y, out)
+        assert torch.equal(out, x + y), round
+    with pytest.raises(ValueError):
+        relaunch(y)  # a tensor short
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 5), (130, 4099), (1000, 2047)])
 def test_cuda_scale_by_alpha_is_the_rounded_fp32_product(dtype, shape):

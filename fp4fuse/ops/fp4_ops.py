@@ -13,7 +13,8 @@ Contracts (docs/design.md):
 CPU (and any device without a faster backend) runs the pure-torch reference in fp4fuse.nvfp4.format;
 CUDA runs what ``fp4fuse.ops.kernel_table`` names for the device's backend.
 
-``fp4fuse::_mm_fp4_hopper`` is internal: the Gluon GEMM's launch in a lowered graph (its docstring).
+``fp4fuse::_mm_fp4_hopper`` is internal: the Gluon GEMM's launch in a lowered graph (the docstring of
+``_mm_fp4_hopper_no_kernel``).
 """
 from __future__ import annotations
 
@@ -79,12 +80,17 @@ def _(a, b, a_scale, b_scale, alpha, out_dtype):
     return kernel_for("mm_fp4", backend)(a, b, a_scale, b_scale, alpha, out_dtype)
 
 
-@torch.library.custom_op("fp4fuse::_mm_fp4_hopper", mutates_args=())
-def _mm_fp4_hopper(
-    a: torch.Tensor, a_scale: torch.Tensor, xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor,
-    b_scale: torch.Tensor, alpha: torch.Tensor, alpha_b: torch.Tensor, alpha_from_scales: bool, div_rn: bool,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
+#: ``fp4fuse::_mm_fp4_hopper`` is defined on the dispatcher directly (as ``fp4fuse::check_rank_uniform``
+#: is), not through ``torch.library.custom_op``: a compiled graph calls it once per GEMM, and
+#: ``custom_op``'s autograd layer alone (three Python frames per call) cost about as much host time
+#: as the launch it wraps (benchmarks/results/). Without an autograd kernel the dispatcher's own
+#: fallback refuses a backward through it.
+_lib = torch.library.Library("fp4fuse", "FRAGMENT")
+_lib.define("_mm_fp4_hopper(Tensor a, Tensor a_scale, Tensor xlo, Tensor xhi, Tensor b, Tensor b_scale, "
+            "Tensor alpha, Tensor alpha_b, bool alpha_from_scales, bool div_rn, ScalarType out_dtype) -> Tensor")
+
+
+def _mm_fp4_hopper_no_kernel(a, a_scale, xlo, xhi, b, b_scale, alpha, alpha_b, alpha_from_scales, div_rn, out_dtype):
     """Internal (not part of the op contract): the Hopper Gluon GEMM's launch in a graph lowered by
     fp4fuse (``fp4fuse.passes.lowering``), where ``mm_fp4``'s activation decode ``xlo, xhi`` is a
     traced Triton launch and this op launches the Gluon kernel, whose TMA descriptors Inductor
@@ -92,14 +98,19 @@ def _mm_fp4_hopper(
     raise NotImplementedError("fp4fuse::_mm_fp4_hopper runs on CUDA only (the Hopper Gluon GEMM's launch)")
 
 
-@_mm_fp4_hopper.register_fake
+_lib.impl("_mm_fp4_hopper", _mm_fp4_hopper_no_kernel, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("fp4fuse::_mm_fp4_hopper", lib=_lib)
 def _(a, a_scale, xlo, xhi, b, b_scale, alpha, alpha_b, alpha_from_scales, div_rn, out_dtype):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
-@cuda_kernel(_mm_fp4_hopper)
-def _(a, a_scale, xlo, xhi, b, b_scale, alpha, alpha_b, alpha_from_scales, div_rn, out_dtype):
+def _mm_fp4_hopper_cuda(a, a_scale, xlo, xhi, b, b_scale, alpha, alpha_b, alpha_from_scales, div_rn, out_dtype):
     return _hopper_decoded()(a, a_scale, xlo, xhi, b, b_scale, alpha, alpha_b, alpha_from_scales, div_rn, out_dtype)
+
+
+_lib.impl("_mm_fp4_hopper", _mm_fp4_hopper_cuda, "CUDA")
 
 
 @functools.cache

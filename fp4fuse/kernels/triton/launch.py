@@ -21,6 +21,13 @@ the current device -- and launches a cache hit through the compiled kernel's
 own launcher. A miss, a Triton version it was not written for, a launch hook (profilers such as
 proton) or an argument it cannot key takes Triton's path. The launcher and its argument order are
 those of ``JITFunction.run`` in Triton 3.2 to 3.9.
+
+A hit still rebuilds its key from every argument, and a kernel with host-side TMA descriptors
+still has the driver encode each descriptor on every launch. ``FastKernel.prepare`` launches once
+and returns a ``Relaunch``: the compiled kernel's C launcher with every argument fixed but the
+tensors (and the stream), each descriptor encoded once. Its caller keys it on what it fixes
+(``Relaunch``'s contract); ``fp4fuse.kernels.triton.mm_hopper`` does so for the Gluon GEMM's calls
+in a compiled graph, which repeat with the same buffers forward after forward.
 """
 from __future__ import annotations
 
@@ -34,7 +41,7 @@ import triton
 from torch.library import wrap_triton
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["FastKernel", "traceable", "tracing", "triton_version"]
+__all__ = ["FastKernel", "Relaunch", "traceable", "tracing", "triton_version"]
 
 #: Triton versions whose ``CompiledKernel.run`` takes ``JITFunction.run``'s positional layout:
 #: ``(grid x, y, z, stream, function, packed_metadata, launch_metadata, enter hook, exit hook, *args)``.
@@ -49,6 +56,10 @@ def triton_version() -> tuple[int, int]:
 
 
 _FAST_OK = _KNOWN_TRITON[0] <= triton_version() <= _KNOWN_TRITON[1]
+#: The NVIDIA launcher's fixed leading arguments (grid x, y, z, stream, function, cooperative, PDL,
+#: global and profile scratch, packed metadata, launch metadata, enter and exit hooks) in the one
+#: layout ``Relaunch`` is written for (Triton 3.6's ``driver._BASE_ARGS_FORMAT``).
+_RELAUNCH_BASE_FORMAT = "iiiKKppOOOOOO"
 
 
 @functools.cache
@@ -141,6 +152,21 @@ class FastKernel:
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
         run(gx, gy, gz, stream, function, packed_metadata, None, None, None, *args, *tail)
 
+    def prepare(self, grid: tuple[int, ...], *args: Any, **meta: Any) -> Relaunch | None:
+        """``launch(grid, *args, **meta)``, and a ``Relaunch`` that repeats it, or None where this
+        launch cannot be prepared (no fast path for it, a launcher of another layout, scratch
+        memory, a launch hook set): the caller then launches through ``launch`` each time."""
+        self.launch(grid, *args, **meta)
+        try:
+            key = (torch._C._cuda_getDevice(), tuple(meta.items()), *map(_arg_key, args))
+            hit = self.cache.get(key)
+        except (KeyError, TypeError):
+            return None
+        if hit is None or _launch_hooks_set():
+            return None
+        run, function, packed_metadata, tail = hit
+        return Relaunch.of(run, tuple(grid), function, packed_metadata, (*args, *tail), key[0])
+
     def _miss(self, key: tuple, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
         compiled = self.kernel[grid](*args, **meta)  # Triton's dispatch: compiles or finds, launches
         try:
@@ -151,6 +177,70 @@ class FastKernel:
         if len(self.cache) >= MAX_ENTRIES:
             self.cache.clear()
         self.cache[key] = entry
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Relaunch:
+    """One launch of a compiled kernel, prepared to repeat: ``relaunch(*tensors)`` launches it on
+    the current stream with ``tensors`` in the places the prepared launch had tensors, in order;
+    every other argument is the prepared one, each host-side TMA descriptor already encoded.
+
+    Valid only for the launch it was prepared from in everything but those tensors: the same
+    device, grid and scalars; tensors of the same dtypes and 16-byte alignment (what Triton
+    specialized the compiled kernel on); and each descriptor's tensor at the same address with the
+    same shape and strides (an encoded descriptor holds them). The caller keys a ``Relaunch`` on
+    all of that; it keeps no tensor alive."""
+    launcher: Any  # the compiled kernel's C launcher (the driver's ``launch``)
+    head: tuple  # grid x, y, z
+    function: int
+    flags: tuple[bool, bool]  # cooperative grid, programmatic dependent launch
+    packed_metadata: Any
+    template: tuple  # the kernel's arguments, descriptors expanded, None at each tensor's place
+    slots: tuple[int, ...]  # the tensors' places in ``template``
+    device: int
+
+    @classmethod
+    def of(cls, run: Any, grid: tuple[int, ...], function: int, packed_metadata: Any, kernel_args: tuple,
+           device: int) -> Relaunch | None:
+        """From a compiled kernel's launcher object ``run`` (``CompiledKernel.run``) and the
+        kernel's arguments in parameter order; None where ``run`` is not Triton 3.6's NVIDIA launcher
+        (argument layout, descriptor handling) or the launch needs scratch memory."""
+        try:
+            from triton.backends.nvidia import driver
+        except ImportError:
+            return None
+        if (getattr(driver, "_BASE_ARGS_FORMAT", None) != _RELAUNCH_BASE_FORMAT
+                or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)):
+            return None
+        launcher = run.launch
+        closure = dict(zip(launcher.__code__.co_freevars, (c.cell_contents for c in launcher.__closure__))) \
+            if getattr(launcher, "__closure__", None) else {}
+        descriptors, descriptor_meta = frozenset(), ()
+        if "launcher" in closure:  # the driver's descriptor-expanding wrapper around the C launcher
+            descriptors, descriptor_meta = closure.get("tensordesc_indices"), closure.get("tensordesc_meta")
+            launcher = closure["launcher"]
+            if descriptors is None or descriptor_meta is None or None in descriptor_meta:
+                return None
+        template, slots, metas = [], [], iter(descriptor_meta)
+        for index, value in enumerate(kernel_args):
+            if index in descriptors:
+                template.extend(driver.make_tensordesc_arg(value, next(metas)))
+            elif isinstance(value, torch.Tensor):
+                slots.append(len(template))
+                template.append(None)
+            else:
+                template.append(value)
+        gx, gy, gz = (tuple(grid) + (1, 1))[:3]
+        return cls(launcher, (gx, gy, gz), function, (run.launch_cooperative_grid, run.launch_pdl),
+                   packed_metadata, tuple(template), tuple(slots), device)
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        args = list(self.template)
+        for slot, tensor in zip(self.slots, tensors, strict=True):
+            args[slot] = tensor
+        stream = torch._C._cuda_getCurrentRawStream(self.device)
+        self.launcher(*self.head, stream, self.function, *self.flags, None, None, self.packed_metadata,
+                      None, None, None, *args)
 
 
 # one FastKernel per kernel, by identity (a JITFunction hashes its source key under a lock)

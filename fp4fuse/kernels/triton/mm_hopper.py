@@ -76,7 +76,7 @@ from fp4fuse.kernels.triton.alpha import Alpha, alpha_meta, alpha_operands, load
 from fp4fuse.kernels.triton.decode import (
     DECODE_PTX, DECODE_SCALE_UNDO, decode_fp4_halves, grouped_tile, num_sms, split_ranges,
 )
-from fp4fuse.kernels.triton.launch import traceable, tracing, triton_version
+from fp4fuse.kernels.triton.launch import FastKernel, Relaunch, traceable, tracing, triton_version
 from fp4fuse.kernels.triton.mm_decode import DECODE_MAX_M, empty_decode_workspace
 
 __all__ = ["ENV_DISABLE_GLUON", "HOPPER_BF16_MAX_M", "SPLIT_MIN_M", "SPLIT_MIN_WEIGHT", "fills_the_gpu", "gluon_disabled",
@@ -421,29 +421,73 @@ def mm_fp4_hopper_halves(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, 
                          split_k: int | None, max_registers: int) -> torch.Tensor:
     """The Gluon launch on the activation decoded to fp16 halves (``decode_fp4_halves``): the
     arguments as ``mm_fp4_hopper`` checks them (``_check_operands``), the weight aligned
-    (:func:`hopper_operands_ok`). ``mm.mm_fp4_hopper_decoded`` calls it from a lowered graph."""
+    (:func:`hopper_operands_ok`). ``mm.mm_fp4_hopper_decoded`` calls it from a lowered graph.
+
+    A call that allocates its output (``out`` None) repeats a prepared launch (``launch.Relaunch``:
+    TMA descriptors encoded once, no per-call key of every argument) when an earlier call had the
+    same :func:`_relaunch_key`, as a compiled graph's calls do forward after forward."""
     m, n, k = xlo.shape[0], b.shape[0], xlo.shape[1] * 2
+    if m == 0 or n == 0:
+        return out if out is not None else torch.empty((m, n), dtype=out_dtype, device=b.device)
+    if k == 0:
+        return out.zero_() if out is not None else torch.zeros((m, n), dtype=out_dtype, device=b.device)
+    alpha_a, alpha_b = alpha_operands(alpha)
+    key = None
+    if out is None and not tracing():
+        key = _relaunch_key(xlo, xhi, b, b_scale, alpha_a, alpha_b, alpha, out_dtype, block_m, split_k, max_registers)
+        prepared = _RELAUNCHES.get(key)
+        if prepared is not None:
+            relaunch, workspace = prepared
+            out = torch.empty((m, n), dtype=out_dtype, device=b.device)
+            partials, counters = empty_decode_workspace(*workspace, b.device) if workspace else (out, out)
+            relaunch(b_scale.view(torch.int32), alpha_a, alpha_b, out, partials, counters)
+            return out
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=b.device)
     if split_k is None:
         split_k = split_for(m, n, k, num_sms(b.device))
-    if m == 0 or n == 0:
-        return out
-    if k == 0:
-        return out.zero_()
     k_steps = k // STEP_K
     splits, iters = split_ranges(k_steps, split_k)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, BLOCK_N)
-    partials, counters = out, out
+    partials, counters, workspace = out, out, None
     if splits > 1:  # fresh per call: nothing may outlive a CUDA-graph tree's pool (mm_decode's workspace rule)
-        partials, counters = empty_decode_workspace(tiles * splits * BLOCK_N * block_m, tiles, b.device)
+        workspace = (tiles * splits * BLOCK_N * block_m, tiles)
+        partials, counters = empty_decode_workspace(*workspace, b.device)
     x_layout, w_layout = _smem_layouts(block_m)
-    traceable(_mm_hopper_kernel)[(tiles, splits)](
-        TensorDescriptor.from_tensor(xlo, [block_m, STEP_BYTES], x_layout),
-        TensorDescriptor.from_tensor(xhi, [block_m, STEP_BYTES], x_layout),
-        TensorDescriptor.from_tensor(b, [BLOCK_N, STEP_BYTES], w_layout),
-        b_scale.view(torch.int32), *alpha_operands(alpha), out, partials, counters, m, n, k_steps, k_steps, iters,
-        **alpha_meta(alpha), PARTIAL=splits > 1, STAGES=STAGES, GROUP_M=GROUP_M, num_warps=NUM_WARPS,
-        maxnreg=max_registers,
-    )
+    args = (TensorDescriptor.from_tensor(xlo, [block_m, STEP_BYTES], x_layout),
+            TensorDescriptor.from_tensor(xhi, [block_m, STEP_BYTES], x_layout),
+            TensorDescriptor.from_tensor(b, [BLOCK_N, STEP_BYTES], w_layout),
+            b_scale.view(torch.int32), alpha_a, alpha_b, out, partials, counters, m, n, k_steps, k_steps, iters)
+    meta = dict(**alpha_meta(alpha), PARTIAL=splits > 1, STAGES=STAGES, GROUP_M=GROUP_M, num_warps=NUM_WARPS,
+                maxnreg=max_registers)
+    kernel = traceable(_mm_hopper_kernel)
+    if key is None or not isinstance(kernel, FastKernel):
+        kernel[(tiles, splits)](*args, **meta)
+        return out
+    relaunch = kernel.prepare((tiles, splits), *args, **meta)  # launches
+    if relaunch is not None:
+        if len(_RELAUNCHES) >= MAX_RELAUNCHES:
+            _RELAUNCHES.clear()
+        _RELAUNCHES[key] = (relaunch, workspace)
     return out
+
+
+#: Prepared launches of :func:`mm_fp4_hopper_halves`, by :func:`_relaunch_key`; cleared when full
+#: (a graph's calls hold a few dozen; addresses that change every call would otherwise pile up).
+_RELAUNCHES: dict[tuple, tuple[Relaunch, tuple[int, int] | None]] = {}
+MAX_RELAUNCHES = 1024
+
+
+def _relaunch_key(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                  alpha_a: torch.Tensor, alpha_b: torch.Tensor, alpha: Alpha, out_dtype: torch.dtype,
+                  block_m: int, split_k: int | None, max_registers: int) -> tuple:
+    """What a prepared launch fixes (``launch.Relaunch``): the device; the three descriptors'
+    tensors' addresses, shapes and strides (which also fix M, N, K, so the grid, the split and the
+    scalars); the dtype and 16-byte alignment of each tensor passed per call (the output and the
+    workspace come from the allocator, aligned); alpha's form, the output dtype and the tiling
+    arguments. With ``b``'s address and ``b_scale``'s alignment class the weight alignment rule's
+    outcome is fixed too."""
+    return (torch._C._cuda_getDevice(), out_dtype, block_m, split_k, max_registers, tuple(alpha_meta(alpha).values()),
+            xlo.data_ptr(), xlo.dtype, xlo.shape, xlo.stride(), xhi.data_ptr(), xhi.dtype, xhi.shape, xhi.stride(),
+            b.data_ptr(), b.dtype, b.shape, b.stride(), b_scale.dtype, b_scale.data_ptr() % 16,
+            alpha_a.dtype, alpha_a.data_ptr() % 16 == 0, alpha_b.dtype, alpha_b.data_ptr() % 16 == 0)
