@@ -54,6 +54,10 @@ measurement, and (``--render``) a PNG plot. Progress goes to stderr as it compil
 device-kernel time (``device busy``: kernels that overlap count twice) and the host time of the
 profiled ops, and the ops with the most device and host time. Wall time well above device busy
 means the host is the limit; the tables say which ops cost it.
+
+``--cpp-wrapper``: every variant compiles with Inductor's C++ wrapper (``cpp_wrapper=True``), which
+launches the graph's kernels from C++ instead of Python: the default mode's host time without CUDA
+graphs.
 """
 from __future__ import annotations
 
@@ -93,6 +97,7 @@ class BenchArgs:
     profile_kernels: int = 0
     static_scales: bool = False
     family: str = "llama"
+    cpp_wrapper: bool = False
 
 
 #: ``--family`` -> (config class, model class) in ``transformers``.
@@ -321,6 +326,8 @@ def _rank_main(args: BenchArgs) -> dict[str, Any]:
     torch._inductor.config.emulate_precision_casts = True
     if args.deterministic:  # no numerics-changing autotuning: a reduction's configuration no longer follows its row count
         torch._inductor.config.deterministic = True
+    if args.cpp_wrapper:  # every variant's wrapper in C++ (Inductor's ``cpp_wrapper``): kernel launches without Python
+        torch._inductor.config.cpp_wrapper = True
     if args.static:  # one graph per token count, every size known when fp4fuse's passes run
         torch._dynamo.config.automatic_dynamic_shapes = False
     group = dist.group.WORLD
@@ -430,7 +437,8 @@ def render_markdown(raw: dict[str, Any]) -> str:
         f"FFN {args['ffn']}, random bf16 weights, `fp4fuse.tp.parallelize` with the config's TP plan; token "
         f"dimension {'static (one compile per count)' if args.get('static') else 'dynamic (mark_dynamic)'}; "
         f"NVFP4 activation scales {'static, calibrated once' if args.get('static_scales') else 'dynamic'}; "
-        + ("Inductor `emulate_precision_casts=True`. " if raw.get("emulate_precision_casts") else "") +
+        + ("Inductor `emulate_precision_casts=True`. " if raw.get("emulate_precision_casts") else "")
+        + ("Inductor `cpp_wrapper=True` (every variant). " if args.get("cpp_wrapper") else "") +
         "Command: `" + raw["command"] + "`.", "",
         "Milliseconds per forward (median over rounds of back-to-back forwards, rank 0 wall time; "
         "variants interleaved in one process). `fp4fuse/nvfp4` is the speedup of switching fp4fuse on "
@@ -540,6 +548,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="after each token count's timings, profile --iters forwards per variant (module doc)")
     p.add_argument("--profile-kernels", type=int, default=0, metavar="N",
                    help="with --profile, also list the N device kernels with the most time per forward")
+    p.add_argument("--cpp-wrapper", action="store_true",
+                   help="compile every variant with Inductor's C++ wrapper (torch._inductor.config.cpp_wrapper)")
     p.add_argument("--deterministic", action="store_true",
                    help="torch._inductor.config.deterministic: Inductor keeps no numerics-changing autotuning result")
     ns = p.parse_args(argv)
@@ -555,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     args = BenchArgs(ns.tp, ns.layers, tuple(int(t) for t in ns.tokens.split(",")),
                      tuple(ns.modes.split(",")), tuple(ns.variants.split(",")), ns.iters, ns.rounds,
                      ns.hidden, ns.heads, ns.kv_heads, ns.ffn, ns.partial, ns.static, ns.profile, ns.deterministic,
-                     ns.profile_kernels, ns.static_scales, ns.family)
+                     ns.profile_kernels, ns.static_scales, ns.family, ns.cpp_wrapper)
     unknown = set(args.variants) - set(VARIANTS)
     if unknown or set(args.modes) - {"default", "cudagraphs", "replay"}:
         p.error(f"unknown variants {sorted(unknown)} or modes {args.modes}")

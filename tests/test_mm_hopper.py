@@ -370,24 +370,30 @@ def _gemm_graph(a, b, sa, sb, ga, gb):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("m,n,k,later", [(1000, 4096, 256, None), (200, 8192, 4096, 250)])
-def test_cuda_compiled_graph_lowers_the_gluon_gemm_with_its_bits(m, n, k, later):
+@pytest.mark.parametrize("m,n,k,later,cpp_wrapper", [(1000, 4096, 256, None, False), (200, 8192, 4096, 250, False),
+                                                     (1000, 4096, 256, None, True)])
+def test_cuda_compiled_graph_lowers_the_gluon_gemm_with_its_bits(m, n, k, later, cpp_wrapper):
     """A compiled ``mm_fp4`` in the Gluon kernel's range is lowered: the activation's decode becomes
     a Triton launch, the Gluon launch one call of ``fp4fuse::_mm_fp4_hopper`` with alpha folded from
     the two global scales, and the output is the eager op's, bit for bit -- a prefill product, and a
-    dynamic batch in the split-K range (200 rows, then 250 in the same graph)."""
+    dynamic batch in the split-K range (200 rows, then 250 in the same graph); with Inductor's C++
+    wrapper as well. A second call with other values (its Gluon launch the prepared one of the
+    first call's buffers) gives its own product's bits."""
     _require_hopper()
     torch._dynamo.reset()
     a, sa, ga, b, sb, gb = _operands(m, n, k, seed=13)
     assert triton_mm.hopper_serves(m, n, k, torch.bfloat16, a.device)
     fusion = fp4fuse.FusionPass(FusionConfig())
-    compiled = torch.compile(_gemm_graph, fullgraph=True, options={"post_grad_custom_post_pass": fusion})
+    compiled = torch.compile(_gemm_graph, fullgraph=True,
+                             options={"post_grad_custom_post_pass": fusion, "cpp_wrapper": cpp_wrapper})
     if later is not None:  # a dynamic batch: the row count symbolic, nothing else
         torch._dynamo.mark_dynamic(a, 0)
         torch._dynamo.mark_dynamic(sa, 0)
     assert torch.equal(compiled(a, b, sa, sb, ga, gb), _gemm_graph(a, b, sa, sb, ga, gb))
     assert fusion.match_counts.get("lowering.mm_fp4") == 1
     assert fusion.match_counts.get("lowering.alpha_from_global_scales") == 1
+    a1, sa1, ga1 = _operands(m, n, k, seed=15)[:3]
+    assert torch.equal(compiled(a1, b, sa1, sb, ga1, gb), _gemm_graph(a1, b, sa1, sb, ga1, gb))
     if later is not None:
         a2, sa2 = _operands(later, n, k, seed=14)[:2]
         assert torch.equal(compiled(a2, b, sa2, sb, ga, gb), _gemm_graph(a2, b, sa2, sb, ga, gb))

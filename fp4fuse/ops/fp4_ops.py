@@ -81,10 +81,9 @@ def _(a, b, a_scale, b_scale, alpha, out_dtype):
 
 
 #: ``fp4fuse::_mm_fp4_hopper`` is defined on the dispatcher directly (as ``fp4fuse::check_rank_uniform``
-#: is), not through ``torch.library.custom_op``: a compiled graph calls it once per GEMM, and
-#: ``custom_op``'s autograd layer alone (three Python frames per call) cost about as much host time
-#: as the launch it wraps (benchmarks/results/). Without an autograd kernel the dispatcher's own
-#: fallback refuses a backward through it.
+#: is), not through ``torch.library.custom_op``: a compiled graph calls it once per GEMM without
+#: CUDA graphs, and ``custom_op``'s autograd layer would add three Python frames to each call.
+#: Without an autograd kernel the dispatcher's own fallback refuses a backward through it.
 _lib = torch.library.Library("fp4fuse", "FRAGMENT")
 _lib.define("_mm_fp4_hopper(Tensor a, Tensor a_scale, Tensor xlo, Tensor xhi, Tensor b, Tensor b_scale, "
             "Tensor alpha, Tensor alpha_b, bool alpha_from_scales, bool div_rn, ScalarType out_dtype) -> Tensor")
