@@ -17,7 +17,9 @@ dispatch, validation, backend lookup, launcher), ``mm_fp4_triton`` (the launcher
 output and split-K workspace allocations, launch), then for the decode GEMM's sizes
 ``mm_fp4_decode`` with a caller's workspace (no allocation but the output) and the
 ``_mm_decode_kernel`` launch alone, or for the Hopper Gluon GEMM's (``mm.hopper_gemm``)
-``mm_fp4_hopper``, its activation decode, its three TMA descriptors and the ``_mm_hopper_kernel``
+``mm_fp4_hopper``, its activation decode, the call a compiled graph makes (the internal op
+``fp4fuse::_mm_fp4_hopper`` down to its prepared launch, ``launch.Relaunch``) against the same launch
+on a caller's output (not prepared), its three TMA descriptors and the ``_mm_hopper_kernel``
 launch alone (descriptors built per launch); ``--cprofile N`` adds cProfile's N functions with the
 most own time over the op's calls; the same for
 ``scaled_fp4_quant`` on ``[M, K]`` bf16; ``torch.mm`` bf16 and an empty ``torch.library.custom_op``
@@ -134,8 +136,10 @@ def _decode_layers(a, b, sa, sb, alpha) -> dict[str, callable]:
 
 
 def _hopper_layers(a, b, sa, sb, alpha) -> dict[str, callable]:
-    """The Hopper Gluon GEMM's layers (no split-K: M above the decode range): the launcher, the
-    activation decode, the TMA descriptors and the bare launch both ways."""
+    """The Hopper Gluon GEMM's layers: the launcher, the activation decode, the call a lowered graph
+    makes (the op ``fp4fuse::_mm_fp4_hopper`` and below it, repeated on the same buffers: a prepared
+    launch) and the same launch on a caller's output (nothing prepared), the TMA descriptors and
+    the bare launch both ways (no split-K)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from fp4fuse.kernels.triton import decode, mm_hopper
@@ -160,9 +164,17 @@ def _hopper_layers(a, b, sa, sb, alpha) -> dict[str, callable]:
             ALPHA_FROM_SCALES=False, ALPHA_DIV_RN=False, PARTIAL=False, STAGES=mm_hopper.STAGES,
             GROUP_M=mm_hopper.GROUP_M, num_warps=mm_hopper.NUM_WARPS, maxnreg=mm_hopper.MAX_REGISTERS)
 
+    lowered = (a, sa, xlo, xhi, b, sb, alpha, alpha, False, False, torch.bfloat16)  # alpha as itself (not folded)
+    split = mm_hopper.split_for(m, n, k, num_sms(dev))
     return {
-        "mm_fp4_hopper": lambda: mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, split_k=1),
+        "mm_fp4_hopper": lambda: mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, split_k=split),
         "decode_fp4_halves (activation)": lambda: decode.decode_fp4_halves(a, sa),
+        "lowered call: op fp4fuse::_mm_fp4_hopper": lambda: torch.ops.fp4fuse._mm_fp4_hopper(*lowered),
+        "lowered call: mm.mm_fp4_hopper_decoded": lambda: triton_mm.mm_fp4_hopper_decoded(*lowered),
+        "lowered call: mm_fp4_hopper_halves (prepared launch)": lambda: mm_hopper.mm_fp4_hopper_halves(
+            xlo, xhi, b, sb, alpha, torch.bfloat16, None, block_m, None, mm_hopper.MAX_REGISTERS),
+        "mm_fp4_hopper_halves, caller's output (not prepared)": lambda: mm_hopper.mm_fp4_hopper_halves(
+            xlo, xhi, b, sb, alpha, torch.bfloat16, out, block_m, split, mm_hopper.MAX_REGISTERS),
         "3 TMA descriptors": descriptors,
         "_mm_hopper_kernel launch, Triton's dispatch": lambda: raw_launch(kernel),
         "_mm_hopper_kernel launch, FastKernel": lambda: raw_launch(fast),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 mm_hopper = pytest.importorskip("fp4fuse.kernels.triton.mm_hopper")  # needs Triton's Gluon
 
 import fp4fuse  # noqa: E402,F401
@@ -261,6 +261,9 @@ def test_cuda_prepared_launch_reads_the_new_values_in_the_same_buffers(monkeypat
     assert _rel_error(again, a2, b, sa2, sb, 1.0 / (ga2 * gb)) <= _TOL[torch.bfloat16]
     other = call(lo2, hi2, ga)  # other buffers: a launch prepared for them
     assert len(mm_hopper._RELAUNCHES) == 2 and torch.equal(other, again)
+    hooked = []
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda *args: hooked.append(args))
+    assert torch.equal(call(lo2, hi2, ga), again) and hooked  # a launch hook (a profiler) sees every launch
     monkeypatch.setattr(mm_hopper, "traceable", lambda kernel: kernel)  # Triton's own dispatch, nothing prepared
     assert torch.equal(call(lo2, hi2, ga), again)
 

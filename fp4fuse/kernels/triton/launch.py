@@ -41,7 +41,7 @@ import triton
 from torch.library import wrap_triton
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["FastKernel", "Relaunch", "traceable", "tracing", "triton_version"]
+__all__ = ["FastKernel", "Relaunch", "launch_hooks_set", "traceable", "tracing", "triton_version"]
 
 #: Triton versions whose ``CompiledKernel.run`` takes ``JITFunction.run``'s positional layout:
 #: ``(grid x, y, z, stream, function, packed_metadata, launch_metadata, enter hook, exit hook, *args)``.
@@ -111,7 +111,9 @@ def _hook_set(hook: Any) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-def _launch_hooks_set() -> bool:
+def launch_hooks_set() -> bool:
+    """Whether Triton's launch enter / exit hooks are set (a profiler such as proton): launches must
+    then take Triton's own path, which calls them."""
     runtime = triton.knobs.runtime
     return _hook_set(runtime.launch_enter_hook) or _hook_set(runtime.launch_exit_hook)
 
@@ -144,7 +146,7 @@ class FastKernel:
         except (KeyError, TypeError):  # an argument Triton may specialize in ways not keyed here
             self.kernel[grid](*args, **meta)
             return
-        if hit is None or _launch_hooks_set():
+        if hit is None or launch_hooks_set():
             self._miss(key, grid, args, meta)
             return
         run, function, packed_metadata, tail = hit
@@ -162,7 +164,7 @@ class FastKernel:
             hit = self.cache.get(key)
         except (KeyError, TypeError):
             return None
-        if hit is None or _launch_hooks_set():
+        if hit is None or launch_hooks_set():
             return None
         run, function, packed_metadata, tail = hit
         return Relaunch.of(run, tuple(grid), function, packed_metadata, (*args, *tail), key[0])
@@ -189,7 +191,8 @@ class Relaunch:
     device, grid and scalars; tensors of the same dtypes and 16-byte alignment (what Triton
     specialized the compiled kernel on); and each descriptor's tensor at the same address with the
     same shape and strides (an encoded descriptor holds them). The caller keys a ``Relaunch`` on
-    all of that; it keeps no tensor alive."""
+    all of that, and takes Triton's own path instead while ``launch_hooks_set()`` (a relaunch
+    calls no hook). A ``Relaunch`` keeps no tensor alive."""
     launcher: Any  # the compiled kernel's C launcher (the driver's ``launch``)
     head: tuple  # grid x, y, z
     function: int

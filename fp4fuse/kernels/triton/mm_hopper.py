@@ -76,7 +76,7 @@ from fp4fuse.kernels.triton.alpha import Alpha, alpha_meta, alpha_operands, load
 from fp4fuse.kernels.triton.decode import (
     DECODE_PTX, DECODE_SCALE_UNDO, decode_fp4_halves, grouped_tile, num_sms, split_ranges,
 )
-from fp4fuse.kernels.triton.launch import FastKernel, Relaunch, traceable, tracing, triton_version
+from fp4fuse.kernels.triton.launch import FastKernel, Relaunch, launch_hooks_set, traceable, tracing, triton_version
 from fp4fuse.kernels.triton.mm_decode import DECODE_MAX_M, empty_decode_workspace
 
 __all__ = ["ENV_DISABLE_GLUON", "HOPPER_BF16_MAX_M", "SPLIT_MIN_M", "SPLIT_MIN_WEIGHT", "fills_the_gpu", "gluon_disabled",
@@ -433,7 +433,7 @@ def mm_fp4_hopper_halves(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, 
         return out.zero_() if out is not None else torch.zeros((m, n), dtype=out_dtype, device=b.device)
     alpha_a, alpha_b = alpha_operands(alpha)
     key = None
-    if out is None and not tracing():
+    if out is None and not tracing() and not launch_hooks_set():
         key = _relaunch_key(xlo, xhi, b, b_scale, alpha_a, alpha_b, alpha, out_dtype, block_m, split_k, max_registers)
         prepared = _RELAUNCHES.get(key)
         if prepared is not None:
