@@ -1,0 +1,122 @@
+"""Where the host time of a compiled forward goes in the default launch mode (no CUDA graphs).
+
+    PYTHONPATH=. [TP=1] [TOKENS=1024,16] [VARS=bf16,nvfp4,fp4fuse] [CPPW=1] [PROF=1] [NK=40] \
+        python benchmarks/profile_e2e_host.py
+
+The model and variants are ``bench_e2e.py``'s (HF ``LlamaModel``, 2 Llama-3-8B-shaped layers, dynamic
+batch, dynamic activation scales; ``TP`` ranks, one GPU each). Per variant and token count, on rank 0:
+``wall`` (ms per forward, median of 5 rounds of 20 back-to-back forwards, the device synced after
+each round), ``issue`` (ms per forward to enqueue 20 forwards: the host's share), the kernels per
+forward and their summed device time (torch.profiler), the ``NK`` kernels with the most device time,
+whether ``fp4fuse``'s output is bitwise ``nvfp4``'s, and with ``PROF=1`` cProfile's functions by
+own and by cumulative time over 20 forwards. ``CPPW=1`` compiles every variant with Inductor's C++
+wrapper (``cpp_wrapper``). Wall close to issue and above device time: the host is the limit.
+"""
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_e2e as B  # noqa: E402
+
+TP = int(os.environ.get("TP", "1"))
+TOKENS = [int(t) for t in os.environ.get("TOKENS", "1024,16").split(",")]
+VARS = os.environ.get("VARS", "bf16,fp4fuse").split(",")
+FORWARDS = 20
+
+
+def report(name: str, tokens: int, fn, rank: int) -> None:
+    """Time, profile and print one variant at one token count (module docstring)."""
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    def forwards_ms(sync_after: bool) -> float:
+        dist.barrier()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(FORWARDS):
+            fn()
+        if sync_after:
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) / FORWARDS * 1e3
+
+    ts = [forwards_ms(True) for _ in range(5)]
+    issue = forwards_ms(False)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+    kern = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    dev_us = sum(e.device_time for e in kern) / 10
+    if rank != 0:
+        return
+    print(f"== {name} T={tokens}: wall {sorted(ts)[2]:.3f} ms (all {[round(x, 3) for x in ts]}), issue {issue:.3f} ms, "
+          f"kernels/forward {len(kern) / 10:.1f}, device {dev_us / 1e3:.3f} ms", flush=True)
+    agg = {}
+    for e in kern:
+        entry = agg.setdefault(e.name[:90], [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.device_time
+    for k, (n, us) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:int(os.environ.get("NK", "40"))]:
+        print(f"   {n / 10:5.1f} x {us / n:8.1f} us  {k}")
+    if os.environ.get("PROF"):
+        pr = cProfile.Profile()
+        torch.cuda.synchronize()
+        pr.enable()
+        for _ in range(20):
+            fn()
+        pr.disable()
+        torch.cuda.synchronize()
+        for order, n in (("tottime", 35), ("cumulative", 45)):
+            sio = io.StringIO()
+            pstats.Stats(pr, stream=sio).sort_stats(order).print_stats(n)
+            print(sio.getvalue()[-9000:], flush=True)
+
+
+def main(args: B.BenchArgs) -> dict:
+    """On every rank: build, compile and report each variant at each token count."""
+    import torch
+    import torch.distributed as dist
+    torch._dynamo.config.cache_size_limit = 256
+    torch._inductor.config.emulate_precision_casts = True
+    if os.environ.get("CPPW"):
+        torch._inductor.config.cpp_wrapper = True
+    rank = dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device())
+    models = B._build_models(args, device, dist.group.WORLD)
+    variants = B._compiled_variants(args, models, "default")
+    outs = {}
+    for tokens in TOKENS:
+        b, s = B.batch_shape(tokens)
+        ids = torch.randint(0, 32000, (b, s), generator=torch.Generator().manual_seed(tokens)).to(device)
+        torch._dynamo.mark_dynamic(ids, 0)
+        for name in VARS:
+            model = variants[name][0]
+            try:
+                with torch.no_grad():
+                    t0 = time.time()
+                    for _ in range(3):
+                        out = model(input_ids=ids).last_hidden_state
+                    torch.cuda.synchronize()
+                    if rank == 0:
+                        print(f"-- {name} T={tokens} warm-up {time.time() - t0:.1f} s", flush=True)
+                    outs[(name, tokens)] = out.float().clone()
+                    report(name, tokens, lambda: model(input_ids=ids), rank)
+            except Exception as exc:  # noqa: BLE001
+                import traceback
+                print(f"!! {name} T={tokens} failed: {type(exc).__name__}: {exc}"[:3000], flush=True)
+                traceback.print_exc(limit=-6)
+        if rank == 0 and ("nvfp4", tokens) in outs and ("fp4fuse", tokens) in outs:
+            print(f"   fp4fuse == nvfp4: {torch.equal(outs[('nvfp4', tokens)], outs[('fp4fuse', tokens)])}")
+    return {}
+
+
+if __name__ == "__main__":
+    from fp4fuse.launch import run_on_ranks
+    args = B.BenchArgs(TP, 2, tuple(TOKENS), ("default",), tuple(VARS), 20, 5, 4096, 32, 8, 14336)
+    run_on_ranks(main, TP, args, timeout=900, backend="nccl", hard_exit=True)
