@@ -505,6 +505,7 @@ def test_cuda_fast_launch_reuses_only_the_kernel_triton_would_pick():
     # the aligned and the misaligned pointers did get kernels of their own
     assert len({entry[1] for entry in fast.cache.values()}) > 1
 
+
 @pytest.mark.cuda
 def test_cuda_relaunch_repeats_a_launch_with_other_tensors():
     """``FastKernel.prepare`` (fp4fuse.kernels.triton.launch) launches and returns a ``Relaunch``
@@ -539,16 +540,16 @@ def test_cuda_relaunch_repeats_a_launch_with_other_tensors():
         args = (TensorDescriptor.from_tensor(x, [32, width]), y, out, n)
         if relaunch is None:
             relaunch = fast.prepare((triton.cdiv(n, 32),), *args, BLOCK_M=32, BLOCK_N=width, num_warps=4)
-            assert relaunch is not None and relaunch.slots and len(relaunch.slots) == 2
+            assert relaunch is not None and len(relaunch.slots) == 2  # y and out
         else:
             relaunch(y, out)
 
-    for round in range(3):
+    for step in range(3):
         x.copy_(torch.randn(n, width, device="cuda"))
         y = torch.randn(n, width, device="cuda")
         out = torch.full((n, width), float("nan"), device="cuda")
         launch(y, out)
-        assert torch.equal(out, x + y), round
+        assert torch.equal(out, x + y), step
     with pytest.raises(ValueError):
         relaunch(y)  # a tensor short
 
