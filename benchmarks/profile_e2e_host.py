@@ -6,8 +6,9 @@
 The model and variants are ``bench_e2e.py``'s (HF ``LlamaModel``, 2 Llama-3-8B-shaped layers, dynamic
 batch, dynamic activation scales; ``TP`` ranks, one GPU each). Per variant and token count, on rank 0:
 ``wall`` (ms per forward, median of 5 rounds of 20 back-to-back forwards, the device synced after
-each round), ``issue`` (ms per forward to enqueue 20 forwards: the host's share), the kernels per
-forward and their summed device time (torch.profiler), the ``NK`` kernels with the most device time,
+each round: ``bench_e2e``'s timing), ``issue`` (ms per forward to enqueue 20 forwards: the host's
+share), the kernels per forward and their summed device time and the ``NK`` kernels with the most
+device time (``bench_e2e``'s ``--profile-kernels`` table, over 10 forwards),
 whether ``fp4fuse``'s output is bitwise ``nvfp4``'s, and with ``PROF=1`` cProfile's functions by
 own and by cumulative time over 20 forwards. ``CPPW=1`` compiles every variant with Inductor's C++
 wrapper (``cpp_wrapper``). Wall close to issue and above device time: the host is the limit.
@@ -29,53 +30,41 @@ FORWARDS = 20
 
 
 def report(name: str, tokens: int, fn, rank: int) -> None:
-    """Time, profile and print one variant at one token count (module docstring)."""
+    """Time, profile and print one variant at one token count (module docstring). Wall time and
+    the kernel table are ``bench_e2e``'s (``_time_ms``, ``_profiled``); the issue time is the same
+    loop without the closing device sync."""
     import torch
     import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile
 
-    def forwards_ms(sync_after: bool) -> float:
-        dist.barrier()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(FORWARDS):
-            fn()
-        if sync_after:
-            torch.cuda.synchronize()
-        return (time.perf_counter() - start) / FORWARDS * 1e3
-
-    ts = [forwards_ms(True) for _ in range(5)]
-    issue = forwards_ms(False)
+    walls = [B._time_ms(fn, FORWARDS) for _ in range(5)]
+    dist.barrier()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            fn()
-        torch.cuda.synchronize()
-    kern = [e for e in prof.events() if e.device_type.name == "CUDA"]
-    dev_us = sum(e.device_time for e in kern) / 10
+    start = time.perf_counter()
+    for _ in range(FORWARDS):
+        fn()
+    issue = (time.perf_counter() - start) * 1e3 / FORWARDS
+    torch.cuda.synchronize()
+    listed = int(os.environ.get("NK", "40"))
+    summary = B._profiled(fn, 10, max(listed, 1))  # kernel totals need at least one listed
     if rank != 0:
         return
-    print(f"== {name} T={tokens}: wall {sorted(ts)[2]:.3f} ms (all {[round(x, 3) for x in ts]}), issue {issue:.3f} ms, "
-          f"kernels/forward {len(kern) / 10:.1f}, device {dev_us / 1e3:.3f} ms", flush=True)
-    agg = {}
-    for e in kern:
-        entry = agg.setdefault(e.name[:90], [0, 0.0])
-        entry[0] += 1
-        entry[1] += e.device_time
-    for k, (n, us) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:int(os.environ.get("NK", "40"))]:
-        print(f"   {n / 10:5.1f} x {us / n:8.1f} us  {k}")
+    print(f"== {name} T={tokens}: wall {sorted(walls)[2]:.3f} ms (all {[round(x, 3) for x in walls]}), "
+          f"issue {issue:.3f} ms, kernels/forward {summary['kernel_launches']:.1f}, "
+          f"device {summary['kernel_ms']:.3f} ms", flush=True)
+    for kernel, ms, launches in summary["kernels"][:listed]:
+        print(f"   {launches:5.1f} x {ms / launches * 1e3:8.1f} us  {kernel}")
     if os.environ.get("PROF"):
-        pr = cProfile.Profile()
+        profiler = cProfile.Profile()
         torch.cuda.synchronize()
-        pr.enable()
-        for _ in range(20):
+        profiler.enable()
+        for _ in range(FORWARDS):
             fn()
-        pr.disable()
+        profiler.disable()
         torch.cuda.synchronize()
         for order, n in (("tottime", 35), ("cumulative", 45)):
-            sio = io.StringIO()
-            pstats.Stats(pr, stream=sio).sort_stats(order).print_stats(n)
-            print(sio.getvalue()[-9000:], flush=True)
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(n)
+            print(text.getvalue()[-9000:], flush=True)
 
 
 def main(args: B.BenchArgs) -> dict:
@@ -84,7 +73,7 @@ def main(args: B.BenchArgs) -> dict:
     import torch.distributed as dist
     torch._dynamo.config.cache_size_limit = 256
     torch._inductor.config.emulate_precision_casts = True
-    if os.environ.get("CPPW"):
+    if args.cpp_wrapper:
         torch._inductor.config.cpp_wrapper = True
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -118,5 +107,6 @@ def main(args: B.BenchArgs) -> dict:
 
 if __name__ == "__main__":
     from fp4fuse.launch import run_on_ranks
-    args = B.BenchArgs(TP, 2, tuple(TOKENS), ("default",), tuple(VARS), 20, 5, 4096, 32, 8, 14336)
+    args = B.BenchArgs(TP, 2, tuple(TOKENS), ("default",), tuple(VARS), FORWARDS, 5, 4096, 32, 8, 14336,
+                       cpp_wrapper=bool(os.environ.get("CPPW")))
     run_on_ranks(main, TP, args, timeout=900, backend="nccl", hard_exit=True)
