@@ -432,9 +432,11 @@ def mm_fp4_hopper_halves(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, 
     if k == 0:
         return out.zero_() if out is not None else torch.zeros((m, n), dtype=out_dtype, device=b.device)
     alpha_a, alpha_b = alpha_operands(alpha)
+    alpha_flags = alpha_meta(alpha)
     key = None
     if out is None and not tracing() and not launch_hooks_set():
-        key = _relaunch_key(xlo, xhi, b, b_scale, alpha_a, alpha_b, alpha, out_dtype, block_m, split_k, max_registers)
+        key = _relaunch_key(xlo, xhi, b, b_scale, alpha_a, alpha_b, alpha_flags, out_dtype, block_m, split_k,
+                            max_registers)
         prepared = _RELAUNCHES.get(key)
         if prepared is not None:
             relaunch, workspace = prepared
@@ -458,7 +460,7 @@ def mm_fp4_hopper_halves(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, 
             TensorDescriptor.from_tensor(xhi, [block_m, STEP_BYTES], x_layout),
             TensorDescriptor.from_tensor(b, [BLOCK_N, STEP_BYTES], w_layout),
             b_scale.view(torch.int32), alpha_a, alpha_b, out, partials, counters, m, n, k_steps, k_steps, iters)
-    meta = dict(**alpha_meta(alpha), PARTIAL=splits > 1, STAGES=STAGES, GROUP_M=GROUP_M, num_warps=NUM_WARPS,
+    meta = dict(**alpha_flags, PARTIAL=splits > 1, STAGES=STAGES, GROUP_M=GROUP_M, num_warps=NUM_WARPS,
                 maxnreg=max_registers)
     kernel = traceable(_mm_hopper_kernel)
     if key is None or not isinstance(kernel, FastKernel):
@@ -479,15 +481,15 @@ MAX_RELAUNCHES = 1024
 
 
 def _relaunch_key(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                  alpha_a: torch.Tensor, alpha_b: torch.Tensor, alpha: Alpha, out_dtype: torch.dtype,
+                  alpha_a: torch.Tensor, alpha_b: torch.Tensor, alpha_flags: dict[str, bool], out_dtype: torch.dtype,
                   block_m: int, split_k: int | None, max_registers: int) -> tuple:
     """What a prepared launch fixes (``launch.Relaunch``): the device; the three descriptors'
     tensors' addresses, shapes and strides (which also fix M, N, K, so the grid, the split and the
     scalars); the dtype and 16-byte alignment of each tensor passed per call (the output and the
-    workspace come from the allocator, aligned); alpha's form, the output dtype and the tiling
-    arguments. With ``b``'s address and ``b_scale``'s alignment class the weight alignment rule's
-    outcome is fixed too."""
-    return (torch._C._cuda_getDevice(), out_dtype, block_m, split_k, max_registers, tuple(alpha_meta(alpha).values()),
+    workspace come from the allocator, aligned); alpha's form (``alpha_flags``, ``alpha_meta``'s
+    constexprs), the output dtype and the tiling arguments. With ``b``'s address and ``b_scale``'s
+    alignment class the weight alignment rule's outcome is fixed too."""
+    return (torch._C._cuda_getDevice(), out_dtype, block_m, split_k, max_registers, tuple(alpha_flags.items()),
             xlo.data_ptr(), xlo.dtype, xlo.shape, xlo.stride(), xhi.data_ptr(), xhi.dtype, xhi.shape, xhi.stride(),
             b.data_ptr(), b.dtype, b.shape, b.stride(), b_scale.dtype, b_scale.data_ptr() % 16,
             alpha_a.dtype, alpha_a.data_ptr() % 16 == 0, alpha_b.dtype, alpha_b.data_ptr() % 16 == 0)
