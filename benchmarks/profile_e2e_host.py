@@ -10,7 +10,8 @@ each round: ``bench_e2e``'s timing), ``issue`` (ms per forward to enqueue 20 for
 share), the kernels per forward and their summed device time and the ``NK`` kernels with the most
 device time (``bench_e2e``'s ``--profile-kernels`` table, over 10 forwards),
 whether ``fp4fuse``'s output is bitwise ``nvfp4``'s, and with ``PROF=1`` cProfile's functions by
-own and by cumulative time over 20 forwards. ``CPPW=1`` compiles every variant with Inductor's C++
+own and by cumulative time over 20 forwards (profiled on every rank, as the forwards hold collectives;
+rank 0's printed). ``CPPW=1`` compiles every variant with Inductor's C++
 wrapper (``cpp_wrapper``). Wall close to issue and above device time: the host is the limit.
 """
 import cProfile
@@ -46,14 +47,8 @@ def report(name: str, tokens: int, fn, rank: int) -> None:
     torch.cuda.synchronize()
     listed = int(os.environ.get("NK", "40"))
     summary = B._profiled(fn, 10, max(listed, 1))  # kernel totals need at least one listed
-    if rank != 0:
-        return
-    print(f"== {name} T={tokens}: wall {sorted(walls)[2]:.3f} ms (all {[round(x, 3) for x in walls]}), "
-          f"issue {issue:.3f} ms, kernels/forward {summary['kernel_launches']:.1f}, "
-          f"device {summary['kernel_ms']:.3f} ms", flush=True)
-    for kernel, ms, launches in summary["kernels"][:listed]:
-        print(f"   {launches:5.1f} x {ms / launches * 1e3:8.1f} us  {kernel}")
-    if os.environ.get("PROF"):
+    profiler = None
+    if os.environ.get("PROF"):  # every rank runs the forwards: they hold collectives
         profiler = cProfile.Profile()
         torch.cuda.synchronize()
         profiler.enable()
@@ -61,6 +56,14 @@ def report(name: str, tokens: int, fn, rank: int) -> None:
             fn()
         profiler.disable()
         torch.cuda.synchronize()
+    if rank != 0:
+        return
+    print(f"== {name} T={tokens}: wall {sorted(walls)[2]:.3f} ms (all {[round(x, 3) for x in walls]}), "
+          f"issue {issue:.3f} ms, kernels/forward {summary['kernel_launches']:.1f}, "
+          f"device {summary['kernel_ms']:.3f} ms", flush=True)
+    for kernel, ms, launches in summary["kernels"][:listed]:
+        print(f"   {launches:5.1f} x {ms / launches * 1e3:8.1f} us  {kernel}")
+    if profiler is not None:
         for order, n in (("tottime", 35), ("cumulative", 45)):
             text = io.StringIO()
             pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(n)
