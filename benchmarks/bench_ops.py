@@ -300,25 +300,51 @@ def sweep(raw: dict) -> None:
         splits = (1, 2, 4, 8) if m < 512 else (1, 2)
         out += _sweep_case(m, n, k, weight, configs, splits)
     weight = None
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    x = torch.randn(16384, 8192, device="cuda", dtype=torch.bfloat16)
-    gs = nvfp4.global_scale_from_amax(x.float().abs().amax()).reshape(1)
-    n_blocks = x.numel() // 16
-    for blocks, warps in ((128, 4), (256, 4), (256, 8), (512, 8)):
-        # one chunk per program (the default), or a persistent grid of per_sm programs per multiprocessor
-        for per_sm in (None, 8, 12, 16):
-            programs = triton.cdiv(n_blocks, blocks) if per_sm is None else per_sm * sms
-            fn = functools.partial(triton_quant.scaled_fp4_quant_triton, x, gs, config=(blocks, warps, programs))
-            ms = bench(fn)
-            print(f"sweep quant blocks={blocks} warps={warps} programs/SM={per_sm or 'all chunks'}: {ms * 1e3:.1f} us",
-                  flush=True)
-            out.append({"quant_blocks": blocks, "warps": warps, "programs_per_sm": per_sm, "ms": ms})
+    out += _quant_configs(None)
     q, s = quantize(torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16))[:2]
     for blocks, warps in ((256, 8), (512, 8), (1024, 8), (1024, 16), (2048, 16)):
         ms = bench(functools.partial(triton_mm.dequantize_fp4_triton, q, s, config=(blocks, warps)))
         print(f"sweep dequant 8192x8192 blocks={blocks} warps={warps}: {ms * 1e3:.1f} us", flush=True)
         out.append({"dequant_blocks": blocks, "warps": warps, "ms": ms})
     raw["sweep"] = out
+
+
+#: Quantization launches the sweeps time: (BLOCKS, num_warps) -- 1 or 2 blocks of 16 per thread
+#: (quant.MAX_BLOCKS_PER_THREAD) -- each with one chunk per program or a persistent grid of this
+#: many programs per multiprocessor.
+QUANT_LAUNCHES = ((128, 4), (256, 4), (256, 8), (512, 8), (64, 2), (128, 2))
+QUANT_PROGRAMS_PER_SM = (None, 8, 12, 16)
+
+
+def _quant_configs(ceil: Ceilings | None) -> list[dict]:
+    """``scaled_fp4_quant_triton`` on a 16384 x 8192 bf16 input at each launch of QUANT_LAUNCHES x
+    QUANT_PROGRAMS_PER_SM (L2 cleared before each call), with its share of the copy bandwidth where
+    ``ceil`` is given; every launch's output is checked against the default launch's."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    x = torch.randn(16384, 8192, device="cuda", dtype=torch.bfloat16)
+    gs = nvfp4.global_scale_from_amax(x.float().abs().amax()).reshape(1)
+    n_blocks = x.numel() // 16
+    moved = x.numel() * 2 + x.numel() // 2 + x.numel() // 16
+    q0, s0 = triton_quant.scaled_fp4_quant_triton(x, gs)
+    rows = []
+    for blocks, warps in QUANT_LAUNCHES:
+        for per_sm in QUANT_PROGRAMS_PER_SM:
+            programs = triton.cdiv(n_blocks, blocks) if per_sm is None else per_sm * sms
+            fn = functools.partial(triton_quant.scaled_fp4_quant_triton, x, gs, config=(blocks, warps, programs))
+            q, s = fn()
+            same = torch.equal(q, q0) and torch.equal(s.view(torch.uint8), s0.view(torch.uint8))
+            ms = bench(fn)
+            share = f", {moved / ceil.copy_gbs / 1e6 / ms:.0%} of copy" if ceil else ""
+            print(f"quant blocks={blocks} warps={warps} programs/SM={per_sm or 'all chunks'}: {ms * 1e3:.1f} us"
+                  f"{share}, same bits {same}", flush=True)
+            rows.append({"quant_blocks": blocks, "warps": warps, "programs_per_sm": per_sm, "ms": ms,
+                         "same_bits_as_default": same})
+    return rows
+
+
+def quant_sweep(ceil: Ceilings, raw: dict) -> None:
+    """``--quant-sweep``: the quantization launches of ``_quant_configs``."""
+    raw["quant_sweep"] = _quant_configs(ceil)
 
 
 DECODE_SHAPES = ((3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168), (8192, 8192), (28672, 8192),
@@ -792,6 +818,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="only M=16..64: the Hopper Gluon GEMM's small token tiles with 1-3 programs per SM")
     parser.add_argument("--ms", type=lambda v: tuple(int(x) for x in v.split(",")),
                         help="row counts of --hopper-split-sweep / --hopper-small-sweep")
+    parser.add_argument("--quant-sweep", action="store_true",
+                        help="only the quantization's launch configurations on a 16384 x 8192 bf16 input")
     parser.add_argument("--scale-words-sweep", action="store_true",
                         help="only the decode GEMM at M<=64 with word- vs byte-loaded activation scales")
     args = parser.parse_args(argv)
@@ -805,7 +833,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"copy {ceil.copy_gbs:.0f} GB/s, bf16 mm {ceil.mm_tflops:.0f} TFLOP/s", flush=True)
     sweeps = [fn for flag, fn in ((args.decode_sweep, decode_sweep), (args.mid_sweep, mid_sweep),
                                   (args.wide_step_sweep, wide_step_sweep),
-                                  (args.scale_words_sweep, scale_words_sweep),
+                                  (args.scale_words_sweep, scale_words_sweep), (args.quant_sweep, quant_sweep),
                                   (args.dequant_sweep, dequant_sweep), (args.hopper_sweep, hopper_sweep),
                                   (args.hopper_split_sweep, hopper_split_sweep),
                                   (args.hopper_small_sweep, hopper_small_sweep)) if flag]
