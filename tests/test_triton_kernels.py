@@ -173,6 +173,30 @@ def test_decode_configuration_is_constant_over_each_row_range(n, k, num_sms):
     assert low == mm_decode.DECODE_MAX_M + 1
 
 
+def test_cuda_quant_launch_caps_its_programs_and_guards_no_dynamic_batch(monkeypatch):
+    """The CUDA launch of the quantization: one program per 256-block chunk up to 16 programs per
+    multiprocessor, then several chunks a program; for a traced launch with a dynamic batch the
+    grid stays a symbolic ``min`` of the two, with no guard on the batch (runs on CPU: only the
+    launch rule, no kernel)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from fp4fuse.kernels.triton import quant
+
+    monkeypatch.setattr(quant, "num_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert quant.quant_launch_config(1000, cuda) == (256, 8, 4)
+    assert quant.quant_launch_config(256 * 2112 + 1, cuda) == (256, 8, 2112)
+    shape_env = ShapeEnv()
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    x = FakeTensorMode(shape_env=shape_env).from_tensor(torch.empty(100, 64), symbolic_context=ctx)
+    blocks, warps, programs = quant.quant_launch_config(x.shape[0] * 4, cuda)  # 4 blocks of 16 a row
+    assert (blocks, warps) == (256, 8) and isinstance(programs, torch.SymInt)
+    assert not shape_env.guards
+    rows = x.shape[0].node.expr
+    assert int(programs.node.expr.subs(rows, 100)) == 2 and int(programs.node.expr.subs(rows, 10**6)) == 2112
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("m,k", [(1, 16), (3, 48), (130, 1040), (7, 4112), (1000, 4096), (4099, 512)])

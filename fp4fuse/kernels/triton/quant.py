@@ -76,6 +76,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fp4fuse.kernels.triton.decode import num_sms
 from fp4fuse.kernels.triton.launch import traceable
 from fp4fuse.nvfp4.format import BLOCK_SIZE
 
@@ -562,15 +563,29 @@ def _quant_chunks(
 MAX_BLOCKS_PER_THREAD = 2
 
 
-def quant_launch_config(n_blocks: int, device: torch.device) -> tuple[int, int, int]:
+#: CUDA launch of the quantization: blocks of 16 per program (one per thread at 8 warps) and the
+#: most programs per multiprocessor; a larger input loops over its chunks (``_quant_chunks``).
+QUANT_BLOCKS = 256
+QUANT_WARPS = 8
+QUANT_PROGRAMS_PER_SM = 16
+
+
+def quant_launch_config(n_blocks: int | torch.SymInt, device: torch.device) -> tuple[int, int, int]:
     """``(BLOCKS, num_warps, programs)`` for ``n_blocks`` 16-element blocks.
 
-    CUDA: one block per thread (BLOCKS = 32 * num_warps) and one chunk per program: the
-    ``FMA_SAT`` kernel needs ~40 registers, so about 12 programs of 4 warps fit on a multiprocessor,
-    and a persistent grid larger than that would run in uneven waves. Triton's interpreter:
-    large chunks (its cost is per operation, not per element)."""
-    blocks, num_warps = (128, 4) if device.type == "cuda" else (1024, 4)
-    return blocks, num_warps, triton.cdiv(n_blocks, blocks)
+    CUDA: ``QUANT_BLOCKS`` blocks a program (one per thread), one chunk per program up to
+    ``QUANT_PROGRAMS_PER_SM`` programs per multiprocessor; a larger input gives each program several
+    chunks, whose loads Triton pipelines across the loop. Chosen by ``benchmarks/bench_ops.py
+    --quant-sweep`` and the per-size check of benchmarks/results/2026-11-27-quant-launch.md: from
+    an 8192 x 8192 input on, 8-11% faster than one 4-warp program per 128-block chunk on an H200
+    and 2-3% slower on an H100; the same within 0.1 us at decode sizes. Which program
+    quantizes a block does not change its bits. A symbolic block count (a traced launch with a
+    dynamic batch) gives a symbolic grid, ``sym_min`` adds no guard. Triton's interpreter: large
+    chunks (its cost is per operation, not per element)."""
+    if device.type != "cuda":
+        return 1024, 4, triton.cdiv(n_blocks, 1024)
+    chunks = triton.cdiv(n_blocks, QUANT_BLOCKS)
+    return QUANT_BLOCKS, QUANT_WARPS, torch.sym_min(chunks, QUANT_PROGRAMS_PER_SM * num_sms(device))
 
 
 def _scale_operand(global_scale: torch.Tensor) -> torch.Tensor:
