@@ -12,7 +12,9 @@ Spawns ``--world`` NCCL ranks. For token counts T in ``--tokens`` it all-reduces
   workspace (the kernel copies the input into this rank's buffer, barriers, and every rank sums all
   ranks' buffers in rank order);
 * ``two-shot``: the input copied into the buffer, then ``symm_mem.two_shot_all_reduce_out``
-  (reduce-scatter + all-gather through the buffers).
+  (reduce-scatter + all-gather through the buffers);
+* ``op``: ``torch.ops.fp4fuse.all_reduce_sum``, the op a compiled graph calls (its rank agreement,
+  path choice, side stream and output allocation included).
 
 and checks each result bitwise against NCCL's. Timed two ways, median of 5 rounds on rank 0:
 ``graph``: 20 calls captured in one CUDA graph and replayed (device time per call: what a serving
@@ -74,11 +76,13 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    import fp4fuse  # noqa: F401  (registers torch.ops.fp4fuse)
     from fp4fuse.distributed.symm_mem.workspace import get_workspace
 
     group_name = dist.group.WORLD.group_name
     c10d = torch.ops._c10d_functional
     symm = torch.ops.symm_mem
+    fp4fuse_ops = torch.ops.fp4fuse
     tokens = [int(t) for t in args.tokens.split(",")]
     ws = get_workspace(group_name, device)
     ws.ensure_capacity(max(tokens) * args.hidden * 2)
@@ -100,9 +104,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
             buf.copy_(x)
             return symm.two_shot_all_reduce_out(buf, "sum", group_name, out)
 
+        def op():
+            return fp4fuse_ops.all_reduce_sum(x, group_name)
+
         ref = nccl().clone()
         row = {"tokens": t, "bytes": x.numel() * 2}
-        for name, fn in (("nccl", nccl), ("one-shot", one_shot), ("two-shot", two_shot)):
+        for name, fn in (("nccl", nccl), ("one-shot", one_shot), ("two-shot", two_shot), ("op", op)):
             try:
                 same = torch.equal(fn().clone(), ref)
                 row[name] = {"same_bits_as_nccl": same, "graph_us": _graph_ms(fn) * 1e3,
@@ -112,7 +119,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         results.append(row)
         if rank == 0:
             cells = []
-            for name in ("nccl", "one-shot", "two-shot"):
+            for name in ("nccl", "one-shot", "two-shot", "op"):
                 r = row[name]
                 cells.append(f"{name} " + (f"graph {r['graph_us']:7.1f} eager {r['eager_us']:7.1f} us"
                                            f"{'' if r['same_bits_as_nccl'] else ' BITS DIFFER'}"

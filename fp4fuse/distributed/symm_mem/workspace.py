@@ -225,6 +225,7 @@ class SymmWorkspace:
         self._captured_generation: int | None = None
         self.retired: list[tuple[torch.Tensor, object]] = []
         self._views: dict[tuple[int, Region], torch.Tensor] = {}
+        self._streams: dict[tuple[int, int, int], torch.cuda.Stream] = {}
 
     # -- capacity -------------------------------------------------------------------------------
     def ensure_capacity(self, nbytes: int) -> None:
@@ -305,7 +306,41 @@ class SymmWorkspace:
         so far, and make the current stream wait for them: the buffer's users run one after another
         on one stream whichever stream each calls from, as NCCL runs a communicator's collectives on
         its own stream (two callers on two streams would otherwise race on the buffer). Allocate
-        outside the block: an allocation inside it belongs to the side stream."""
+        outside the block: an allocation inside it belongs to the side stream.
+
+        An eager decode step enters this once per all-reduce, so the streams are switched with the
+        C calls ``torch.cuda.stream`` makes (not through it: its Python context costs several times
+        the launches it wraps); where the current device is not the workspace's, through it."""
+        index = self.device.index
+        if torch._C._cuda_getDevice() != index:
+            with self._on_side_stream_of_other_device():
+                yield
+            return
+        caller = self._current_stream(index)
+        side = self.side_stream
+        self.start_event.record(caller)
+        side.wait_event(self.start_event)
+        torch._C._cuda_setStream(stream_id=side.stream_id, device_index=index, device_type=side.device_type)
+        try:
+            yield
+        finally:
+            torch._C._cuda_setStream(stream_id=caller.stream_id, device_index=index, device_type=caller.device_type)
+        self.done_event.record(side)
+        caller.wait_event(self.done_event)
+
+    def _current_stream(self, index: int) -> torch.cuda.Stream:
+        """The current stream of device ``index`` as a ``torch.cuda.Stream`` (one object per stream,
+        kept: building one per call costs more than the switch)."""
+        key = torch._C._cuda_getCurrentStream(index)  # (stream id, device index, device type)
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = self._streams[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+        return stream
+
+    @contextlib.contextmanager
+    def _on_side_stream_of_other_device(self) -> Iterator[None]:
+        """``on_side_stream`` where the current device is another one: ``torch.cuda.stream`` switches
+        the device and restores it."""
         caller = torch.cuda.current_stream(self.device)
         self.start_event.record(caller)
         self.side_stream.wait_event(self.start_event)
