@@ -407,7 +407,8 @@ def test_cuda_compiled_graph_lowers_the_gluon_gemm_with_its_bits(m, n, k, later,
 def test_cuda_lowered_launch_takes_the_other_path_for_a_misaligned_weight():
     """``fp4fuse::_mm_fp4_hopper`` (the lowered graph's Gluon launch) finds a weight's alignment only
     per call: with scales the kernel cannot read as words it computes what the eager ``mm_fp4``
-    computes for them (its other path), bit for bit, and with aligned ones what the Gluon kernel does."""
+    computes for them (its other path), bit for bit, and with aligned ones what the Gluon kernel does;
+    an input requiring a gradient is refused outside torch.no_grad() (the op has no gradient)."""
     _require_hopper()
     from fp4fuse.kernels.triton.decode import decode_fp4_halves
 
@@ -421,3 +422,8 @@ def test_cuda_lowered_launch_takes_the_other_path_for_a_misaligned_weight():
     # aligned, alpha folded from the two global scales (IEEE division in the epilogue)
     got = ops._mm_fp4_hopper(a, sa, xlo, xhi, b, sb, ga, gb, True, True, torch.bfloat16)
     assert torch.equal(got, mm_hopper.mm_fp4_hopper(a, b, sa, sb, GlobalScales(ga, gb, div_rn=True), torch.bfloat16))
+    # an input that requires a gradient is refused (the op has none), not run without one
+    with pytest.raises(RuntimeError, match="no gradient formula"):
+        ops._mm_fp4_hopper(a, sa, xlo, xhi, b, sb, ga, gb.clone().requires_grad_(), True, True, torch.bfloat16)
+    with torch.no_grad():
+        ops._mm_fp4_hopper(a, sa, xlo, xhi, b, sb, ga, gb.clone().requires_grad_(), True, True, torch.bfloat16)

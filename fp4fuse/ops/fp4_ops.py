@@ -83,7 +83,8 @@ def _(a, b, a_scale, b_scale, alpha, out_dtype):
 #: ``fp4fuse::_mm_fp4_hopper`` is defined on the dispatcher directly (as ``fp4fuse::check_rank_uniform``
 #: is), not through ``torch.library.custom_op``: a compiled graph calls it once per GEMM without
 #: CUDA graphs, and ``custom_op``'s autograd layer would add three Python frames to each call.
-#: Without an autograd kernel the dispatcher's own fallback refuses a backward through it.
+#: Without an autograd kernel the dispatcher's autograd fallback would only warn on a backward
+#: through it (and return no gradient), so the CUDA kernel refuses inputs that require one.
 _lib = torch.library.Library("fp4fuse", "FRAGMENT")
 _lib.define("_mm_fp4_hopper(Tensor a, Tensor a_scale, Tensor xlo, Tensor xhi, Tensor b, Tensor b_scale, "
             "Tensor alpha, Tensor alpha_b, bool alpha_from_scales, bool div_rn, ScalarType out_dtype) -> Tensor")
@@ -106,6 +107,10 @@ def _(a, a_scale, xlo, xhi, b, b_scale, alpha, alpha_b, alpha_from_scales, div_r
 
 
 def _mm_fp4_hopper_cuda(a, a_scale, xlo, xhi, b, b_scale, alpha, alpha_b, alpha_from_scales, div_rn, out_dtype):
+    if torch.is_grad_enabled() and (xlo.requires_grad or xhi.requires_grad or alpha.requires_grad
+                                    or alpha_b.requires_grad):
+        raise RuntimeError("fp4fuse::_mm_fp4_hopper has no gradient formula: it runs in graphs fp4fuse lowered "
+                           "after autograd; call fp4fuse::mm_fp4, or run it under torch.no_grad()")
     return _hopper_decoded()(a, a_scale, xlo, xhi, b, b_scale, alpha, alpha_b, alpha_from_scales, div_rn, out_dtype)
 
 
