@@ -576,7 +576,7 @@ def quant_launch_config(n_blocks: int | torch.SymInt, device: torch.device) -> t
     CUDA: ``QUANT_BLOCKS`` blocks a program (one per thread), one chunk per program up to
     ``QUANT_PROGRAMS_PER_SM`` programs per multiprocessor; a larger input gives each program several
     chunks, whose loads Triton pipelines across the loop. Chosen by ``benchmarks/bench_ops.py
-    --quant-sweep`` and the per-size check of benchmarks/results/2026-11-27-quant-launch.md: from
+    --quant-sweep`` and the per-size check of benchmarks/results/2026-11-26-quant-launch-all-reduce-host-h200.md: from
     an 8192 x 8192 input on, 8-11% faster than one 4-warp program per 128-block chunk on an H200
     and 2-3% slower on an H100; the same within 0.1 us at decode sizes. Which program
     quantizes a block does not change its bits. A symbolic block count (a traced launch with a
