@@ -173,7 +173,7 @@ def test_decode_configuration_is_constant_over_each_row_range(n, k, num_sms):
     assert low == mm_decode.DECODE_MAX_M + 1
 
 
-def test_cuda_quant_launch_caps_its_programs_and_guards_no_dynamic_batch(monkeypatch):
+def test_quant_launch_rule_for_cuda_caps_its_programs_and_guards_no_dynamic_batch(monkeypatch):
     """The CUDA launch of the quantization: one program per 256-block chunk up to 16 programs per
     multiprocessor, then several chunks a program; for a traced launch with a dynamic batch the
     grid stays a symbolic ``min`` of the two, with no guard on the batch (runs on CPU: only the
