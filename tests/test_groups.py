@@ -77,6 +77,13 @@ def _agreement_phases() -> dict[str, object]:
 
     # 5. Strings of different lengths per rank.
     report["strings"] = groups.gather_strings(group, ("x" * (3 * rank), f"é{rank}"), cpu)
+
+    # 6. Out of step: rank 0 runs an all-gather of its own while rank 1 gathers strings, so rank 1's
+    # lengths hold rank 0's value; rank 1 stops there with an error instead of padding to it.
+    if rank == 0:
+        groups.gather_values(group, (1 << 40,), cpu)
+    else:
+        report["out_of_step"] = _error(lambda: groups.gather_strings(group, ("abc",), cpu), RuntimeError)
     return report
 
 
@@ -92,6 +99,8 @@ def test_ranks_agree_on_environment_and_on_signatures_by_call_ordinal():
         assert "rank 1: a_shard[24, 104]" in report["always"]
         assert "ranks differ on purpose" in report["device"]
         assert report["strings"] == [("", "é0"), ("xxx", "é1")]
+    assert "rank 0 sent a length of 1099511627776 bytes" in reports[1]["out_of_step"]
+    assert "collective calls are out of step" in reports[1]["out_of_step"]
     assert [r["unchecked_shape"] for r in reports] == [(32, N), (32, N + 16)]
 
 

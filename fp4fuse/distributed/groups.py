@@ -128,11 +128,24 @@ def gather_values(group_name: str, values: tuple[int, ...], device: torch.device
     return [tuple(r) for r in gathered.view(world, len(values)).tolist()]
 
 
+#: Longest string (UTF-8 bytes) :func:`gather_strings` takes from a rank: the values of environment
+#: variables; a longer length means another call's collective paired with this one.
+MAX_STRING_BYTES = 1 << 20
+
+
 def gather_strings(group_name: str, strings: tuple[str, ...], device: torch.device) -> list[tuple[str, ...]]:
     """Collective: every rank's ``strings`` (the same count everywhere), indexed by rank. Two small
-    all-gathers (lengths, then the padded UTF-8 bytes); host syncs."""
+    all-gathers (lengths, then the padded UTF-8 bytes); host syncs. A gathered length outside
+    ``[0, MAX_STRING_BYTES]`` is a ``RuntimeError`` saying the ranks are out of step."""
     encoded = [text.encode("utf-8") for text in strings]
     lengths = gather_values(group_name, tuple(len(b) for b in encoded), device)
+    wrong = [(rank, n) for rank, row in enumerate(lengths) for n in row if not 0 <= n <= MAX_STRING_BYTES]
+    if wrong:  # a collective of another call paired with this one: padding to it would exhaust memory
+        rank, n = wrong[0]
+        raise RuntimeError(
+            f"fp4fuse: gathering strings over group {group_name!r}, rank {rank} sent a length of {n} bytes "
+            f"(at most {MAX_STRING_BYTES}): the ranks' collective calls are out of step (a rank ran a collective "
+            "the others did not, or in another order)")
     width = max(1, max(max(row) for row in lengths))
     padded = b"".join(b.ljust(width, b"\0") for b in encoded)
     rows = gather_values(group_name, tuple(padded), device)
