@@ -40,6 +40,9 @@ every timed call, so weights are read from HBM as in a real decode step):
     Llama-3-8B's TP=2 shard shapes: the Hopper Gluon GEMM (``fp4fuse.kernels.triton.mm_hopper``,
     both token tiles) against the shipped dispatch, dequantize + cuBLAS and cuBLAS bf16, as
     CUDA-graph replays (``hopper_sweep``).
+11. ``--quant-sweep`` (only this, after the ceilings): the quantization's launches on 16384x8192
+    bf16 -- blocks per program, warps, one chunk a program or a persistent grid -- as % of the copy
+    bandwidth, each output compared bitwise with the shipped launch's (``quant_sweep``).
 """
 from __future__ import annotations
 
@@ -313,13 +316,13 @@ def sweep(raw: dict) -> None:
 #: (quant.MAX_BLOCKS_PER_THREAD) -- each with one chunk per program or a persistent grid of this
 #: many programs per multiprocessor.
 QUANT_LAUNCHES = ((128, 4), (256, 4), (256, 8), (512, 8), (64, 2), (128, 2))
-QUANT_PROGRAMS_PER_SM = (None, 8, 12, 16)
+QUANT_SWEEP_PROGRAMS_PER_SM = (None, 8, 12, 16)
 
 
 def _quant_configs(ceil: Ceilings | None) -> list[dict]:
     """``scaled_fp4_quant_triton`` on a 16384 x 8192 bf16 input at each launch of QUANT_LAUNCHES x
-    QUANT_PROGRAMS_PER_SM (L2 cleared before each call), with its share of the copy bandwidth where
-    ``ceil`` is given; every launch's output is checked against the default launch's."""
+    QUANT_SWEEP_PROGRAMS_PER_SM (L2 cleared before each call), with its share of the copy bandwidth where
+    ``ceil`` is given; every launch's output is checked against the shipped launch's."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     x = torch.randn(16384, 8192, device="cuda", dtype=torch.bfloat16)
     gs = nvfp4.global_scale_from_amax(x.float().abs().amax()).reshape(1)
@@ -328,7 +331,7 @@ def _quant_configs(ceil: Ceilings | None) -> list[dict]:
     q0, s0 = triton_quant.scaled_fp4_quant_triton(x, gs)
     rows = []
     for blocks, warps in QUANT_LAUNCHES:
-        for per_sm in QUANT_PROGRAMS_PER_SM:
+        for per_sm in QUANT_SWEEP_PROGRAMS_PER_SM:
             programs = triton.cdiv(n_blocks, blocks) if per_sm is None else per_sm * sms
             fn = functools.partial(triton_quant.scaled_fp4_quant_triton, x, gs, config=(blocks, warps, programs))
             q, s = fn()
