@@ -1,6 +1,6 @@
 """Where the host time of a compiled forward goes in the default launch mode (no CUDA graphs).
 
-    PYTHONPATH=. [TP=1] [TOKENS=1024,16] [VARS=bf16,nvfp4,fp4fuse] [CPPW=1] [PROF=1] [NK=40] \
+    PYTHONPATH=. [TP=1] [TOKENS=1024,16] [VARS=bf16,nvfp4,fp4fuse] [CPPW=1] [PROF=1] [CPUOPS=28] [NK=40] \
         python benchmarks/profile_e2e_host.py
 
 The model and variants are ``bench_e2e.py``'s (HF ``LlamaModel``, 2 Llama-3-8B-shaped layers, dynamic
@@ -11,7 +11,8 @@ share), the kernels per forward and their summed device time and the ``NK`` kern
 device time (``bench_e2e``'s ``--profile-kernels`` table, over 10 forwards),
 whether ``fp4fuse``'s output is bitwise ``nvfp4``'s, and with ``PROF=1`` cProfile's functions by
 own and by cumulative time over 20 forwards (profiled on every rank, as the forwards hold collectives;
-rank 0's printed). ``CPPW=1`` compiles every variant with Inductor's C++
+rank 0's printed), and with ``CPUOPS=n`` the n ops and runtime calls with the most host time of
+their own (``cpu_op_table``). ``CPPW=1`` compiles every variant with Inductor's C++
 wrapper (``cpp_wrapper``). Wall close to issue and above device time: the host is the limit.
 """
 import cProfile
@@ -28,6 +29,26 @@ TP = int(os.environ.get("TP", "1"))
 TOKENS = [int(t) for t in os.environ.get("TOKENS", "1024,16").split(",")]
 VARS = os.environ.get("VARS", "bf16,fp4fuse").split(",")
 FORWARDS = 20
+
+
+def cpu_op_table(fn, forwards: int, rows: int) -> list[str]:
+    """The ``rows`` ops and runtime calls with the most host time of their own over ``forwards``
+    calls of ``fn`` (torch.profiler, CPU activity only), per forward: calls, own time, own time a
+    call, and time including what they call. Python code inside an op counts as the op's own time,
+    so a Python op's cost shows whole (cProfile spreads it over its frames and slows Python more
+    than the C++ calls around it)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(forwards):
+            fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:rows]
+    return [f"   {e.count / forwards:6.1f}/fwd  own {e.self_cpu_time_total / forwards:8.1f} us/fwd "
+            f"({e.self_cpu_time_total / max(e.count, 1):6.1f} us a call)  total {e.cpu_time_total / forwards:8.1f} us/fwd"
+            f"  {e.key[:80]}" for e in events]
 
 
 def report(name: str, tokens: int, fn, rank: int) -> None:
@@ -56,6 +77,7 @@ def report(name: str, tokens: int, fn, rank: int) -> None:
             fn()
         profiler.disable()
         torch.cuda.synchronize()
+    cpu_ops = cpu_op_table(fn, 10, int(os.environ["CPUOPS"])) if os.environ.get("CPUOPS") else []
     if rank != 0:
         return
     print(f"== {name} T={tokens}: wall {sorted(walls)[2]:.3f} ms (all {[round(x, 3) for x in walls]}), "
@@ -63,6 +85,8 @@ def report(name: str, tokens: int, fn, rank: int) -> None:
           f"device {summary['kernel_ms']:.3f} ms", flush=True)
     for kernel, ms, launches in summary["kernels"][:listed]:
         print(f"   {launches:5.1f} x {ms / launches * 1e3:8.1f} us  {kernel}")
+    for line in cpu_ops:
+        print(line)
     if profiler is not None:
         for order, n in (("tottime", 35), ("cumulative", 45)):
             text = io.StringIO()
