@@ -202,7 +202,24 @@ def _gpu_cases() -> dict:
             assert torch.equal(out, _expected(shape, torch.bfloat16, seed + i, False, device)), (seed, shape)
         replays += 1
     torch.cuda.synchronize()
-    return {"capacity": capacity, "replays": replays, "two_streams": _two_streams(rank, group, device)}
+    return {"capacity": capacity, "replays": replays, "two_streams": _two_streams(rank, group, device),
+            "other_device": _from_another_current_device(rank, group, device)}
+
+
+def _from_another_current_device(rank: int, group: str, device: torch.device) -> int:
+    """A call made while the current device is the other GPU: the sum is still NCCL's, and the
+    current device and each device's current stream are what they were before the call."""
+    other = torch.device("cuda", 1 - rank)
+    calls = 0
+    with torch.cuda.device(other):
+        before = (torch.cuda.current_stream(device), torch.cuda.current_stream(other))
+        for seed, shape in ((100, (16, 4096)), (101, (700, 4096))):  # one-shot, two-shot
+            x = _rank_input(shape, torch.bfloat16, rank, seed, False).to(device)
+            _check_gpu_sum(x, _expected(shape, torch.bfloat16, seed, False, device), group)
+            calls += 1
+        assert torch.cuda.current_device() == other.index
+        assert (torch.cuda.current_stream(device), torch.cuda.current_stream(other)) == before
+    return calls
 
 
 def _two_streams(rank: int, group: str, device: torch.device) -> int:
@@ -231,3 +248,4 @@ def test_symmetric_memory_sum_is_nccls_bit_for_bit_on_two_gpus():
     results = run_on_ranks(_gpu_cases, 2, backend="nccl", timeout=300, env=GPU_ENV, hard_exit=True)
     for r in results:
         assert r["capacity"] >= 2048 * 4096 * 2 and r["replays"] == 2 and r["two_streams"] == 2, r
+        assert r["other_device"] == 2, r

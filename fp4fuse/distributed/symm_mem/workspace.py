@@ -312,19 +312,20 @@ class SymmWorkspace:
         C calls ``torch.cuda.stream`` makes (not through it: its Python context costs several times
         the launches it wraps); where the current device is not the workspace's, through it."""
         index = self.device.index
-        if torch._C._cuda_getDevice() != index:
-            with self._on_side_stream_of_other_device():
-                yield
-            return
         caller = self._current_stream(index)
         side = self.side_stream
         self.start_event.record(caller)
         side.wait_event(self.start_event)
-        torch._C._cuda_setStream(stream_id=side.stream_id, device_index=index, device_type=side.device_type)
-        try:
-            yield
-        finally:
-            torch._C._cuda_setStream(stream_id=caller.stream_id, device_index=index, device_type=caller.device_type)
+        if torch._C._cuda_getDevice() != index:
+            with torch.cuda.stream(side):  # switches the current device too, and restores both
+                yield
+        else:
+            torch._C._cuda_setStream(stream_id=side.stream_id, device_index=index, device_type=side.device_type)
+            try:
+                yield
+            finally:
+                torch._C._cuda_setStream(stream_id=caller.stream_id, device_index=index,
+                                         device_type=caller.device_type)
         self.done_event.record(side)
         caller.wait_event(self.done_event)
 
@@ -336,18 +337,6 @@ class SymmWorkspace:
         if stream is None:
             stream = self._streams[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
         return stream
-
-    @contextlib.contextmanager
-    def _on_side_stream_of_other_device(self) -> Iterator[None]:
-        """``on_side_stream`` where the current device is another one: ``torch.cuda.stream`` switches
-        the device and restores it."""
-        caller = torch.cuda.current_stream(self.device)
-        self.start_event.record(caller)
-        self.side_stream.wait_event(self.start_event)
-        with torch.cuda.stream(self.side_stream):
-            yield
-        self.done_event.record(self.side_stream)
-        caller.wait_event(self.done_event)
 
     # -- signals (enqueued on the current stream) -----------------------------------------------
     def barrier(self, channel: Channel) -> None:

@@ -138,47 +138,49 @@ class FastKernel:
             return self.kernel[grid]
         return functools.partial(self.launch, grid)
 
-    def launch(self, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
+    def launch(self, grid: tuple[int, ...], *args: Any, **meta: Any) -> tuple[int, tuple] | None:
+        """Launches ``kernel[grid](*args, **meta)``; returns the ``(device, cache entry)`` it launched
+        with, or None where it took Triton's path without caching an entry for it (an argument it
+        cannot key, another Triton, a launch hook set)."""
         try:
             device = torch._C._cuda_getDevice()
             key = (device, tuple(meta.items()), *map(_arg_key, args))
             hit = self.cache.get(key)  # hashes every keyword value
         except (KeyError, TypeError):  # an argument Triton may specialize in ways not keyed here
             self.kernel[grid](*args, **meta)
-            return
+            return None
         if hit is None or launch_hooks_set():
-            self._miss(key, grid, args, meta)
-            return
+            entry = self._miss(key, grid, args, meta)
+            return None if entry is None or launch_hooks_set() else (device, entry)
         run, function, packed_metadata, tail = hit
         stream = torch._C._cuda_getCurrentRawStream(device)  # what Triton's dispatch launches on
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
         run(gx, gy, gz, stream, function, packed_metadata, None, None, None, *args, *tail)
+        return device, hit
 
     def prepare(self, grid: tuple[int, ...], *args: Any, **meta: Any) -> Relaunch | None:
         """``launch(grid, *args, **meta)``, and a ``Relaunch`` that repeats it, or None where this
         launch cannot be prepared (no fast path for it, a launcher of another layout, scratch
         memory, a launch hook set): the caller then launches through ``launch`` each time."""
-        self.launch(grid, *args, **meta)
-        try:
-            key = (torch._C._cuda_getDevice(), tuple(meta.items()), *map(_arg_key, args))
-            hit = self.cache.get(key)
-        except (KeyError, TypeError):
+        launched = self.launch(grid, *args, **meta)
+        if launched is None:
             return None
-        if hit is None or launch_hooks_set():
-            return None
-        run, function, packed_metadata, tail = hit
-        return Relaunch.of(run, tuple(grid), function, packed_metadata, (*args, *tail), key[0])
+        device, (run, function, packed_metadata, tail) = launched
+        return Relaunch.of(run, tuple(grid), function, packed_metadata, (*args, *tail), device)
 
-    def _miss(self, key: tuple, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
-        compiled = self.kernel[grid](*args, **meta)  # Triton's dispatch: compiles or finds, launches
+    def _miss(self, key: tuple, grid: tuple[int, ...], args: tuple, meta: dict) -> tuple | None:
+        """Triton's dispatch (it compiles or finds the kernel, and launches); the cache entry it
+        adds, or None where the result is not a ``CompiledKernel`` (no fast path for it)."""
+        compiled = self.kernel[grid](*args, **meta)
         try:
             entry = (compiled.run, compiled.function, compiled.packed_metadata,
                      tuple(meta[name] if name in meta else default for name, default in self.params[len(args):]))
         except AttributeError:  # not a CompiledKernel (another Triton): no fast path for it
-            return
+            return None
         if len(self.cache) >= MAX_ENTRIES:
             self.cache.clear()
         self.cache[key] = entry
+        return entry
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
