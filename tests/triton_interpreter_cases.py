@@ -334,6 +334,43 @@ def _check_decode_products(gen: torch.Generator) -> None:
                 assert torch.equal(out, want), f"decode products {m}x{ns}x{k} {c} fold={fold}"
 
 
+def _in_split_order(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The split-K reduction's contract (``mm_decode.finish_tile``), written out: fp32 partials
+    added one after another, split 0 first."""
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
+def _check_decode_split_order(gen: torch.Generator) -> None:
+    """Split-K asked for 2 to 7 splits (a partial last K step) is bitwise the fp32 sum, in split
+    order, of the splits' own products: each split's K range computed by a one-split
+    launch on that slice of the operands, with alpha 1 (the epilogue's scaling by 2**28 is then exact
+    and commutes with the sums). Counters are zero after every call."""
+    C = mm_decode.DecodeConfig
+    m, n, k = 5, 40, 1040  # 17 K steps of 64 elements, the last one partial
+    a, sa, _ = _quantized(m, k, gen)
+    b, sb, _ = _quantized(n, k, gen)
+    one = torch.ones(1)
+    step_bytes, step_groups = 32, 4
+    for split in range(2, 8):
+        cfg = C(16, 32, 64, split, 4, 2)
+        steps = -(-(k // 2) // step_bytes)
+        iters = -(-steps // split)  # K steps per split; the last split takes what is left
+        splits = -(-steps // iters)
+        ws = mm_decode.empty_decode_workspace(*mm_decode.decode_workspace_numel(m, n, k, cfg), a.device)
+        got = mm_decode.mm_fp4_decode(a, b, sa, sb, one, torch.float32, cfg, workspace=ws)
+        assert not ws.counters.any(), f"decode split {split}: counters not reset"
+        parts = []
+        for s in range(splits):
+            cb = slice(s * iters * step_bytes, (s + 1) * iters * step_bytes)
+            cg = slice(s * iters * step_groups, (s + 1) * iters * step_groups)
+            parts.append(mm_decode.mm_fp4_decode(a[:, cb].contiguous(), b[:, cb].contiguous(), sa[:, cg].contiguous(),
+                                                 sb[:, cg].contiguous(), one, torch.float32, C(16, 32, 64, 1, 4, 2)))
+        assert torch.equal(got, _in_split_order(parts)), f"decode split {split}: not the sum of its splits in order"
+
+
 def case_mm_decode() -> None:
     """The one-launch decode GEMM against the float64 reference: odd shapes, every output dtype,
     split counts that do and do not divide the K steps, NaN scales, determinism, workspace reuse."""
@@ -374,6 +411,7 @@ def case_mm_decode() -> None:
     assert torch.isnan(out[5]).all(), "decode: NaN scale lost"
     assert torch.isfinite(out[:5]).all() and torch.isfinite(out[6:]).all(), "decode: NaN leaked"
     assert not ws.counters.any(), "decode: counters not reset after NaN call"
+    _check_decode_split_order(gen)
     # K / 16 a multiple of 4: the activation scales load as int32 words (a partial last K step: the
     # word mask); a view of them 1 byte off a word boundary takes the byte loads. Both give the
     # float64 reference and the same bits.
