@@ -177,7 +177,9 @@ def _prmt(a, b, SEL: tl.constexpr, ON_CUDA: tl.constexpr):
         out = a * 0
         for k in tl.static_range(4):
             nib = (SEL >> (4 * k)) & 15
-            byte = ((a if nib < 4 or 8 <= nib < 12 else b) >> ((nib & 3) * 8)) & 255
+            # selector bit 2 picks the word (bytes 0-3: a, 4-7: b); written without a chained
+            # comparison, which Triton 3.6's frontend rejects
+            byte = ((a if (nib & 4) == 0 else b) >> ((nib & 3) * 8)) & 255
             if nib >= 8:
                 byte = (byte >> 7) * 255
             out = out | (byte << (8 * k))
