@@ -164,13 +164,44 @@ def test_decode_configuration_is_constant_over_each_row_range(n, k, num_sms):
     range that configuration."""
     from fp4fuse.kernels.triton import mm_decode
 
-    low = 1
-    for top in mm_decode.DECODE_ROW_RANGES:
-        expected = mm_decode.decode_config_for(top, n, k, num_sms)
-        changed = [m for m in range(low, top + 1) if mm_decode.decode_config_for(m, n, k, num_sms) != expected]
-        assert not changed, (top, changed[:5])
-        low = top + 1
-    assert low == mm_decode.DECODE_MAX_M + 1
+    for launch_weight in (None, 3 * n * k, 1 << 26):  # alone, and as one product of grouped launches
+        low = 1
+        for top in mm_decode.DECODE_ROW_RANGES:
+            expected = mm_decode.decode_config_for(top, n, k, num_sms, launch_weight=launch_weight)
+            changed = [m for m in range(low, top + 1)
+                       if mm_decode.decode_config_for(m, n, k, num_sms, launch_weight=launch_weight) != expected]
+            assert not changed, (top, launch_weight, changed[:5])
+            low = top + 1
+        assert low == mm_decode.DECODE_MAX_M + 1
+
+
+def test_decode_rule_at_33_to_64_rows_takes_two_32_row_tiles_on_small_launches():
+    """33-64 rows: two 32-row tiles of 256-element K steps where the launch's weights hold fewer
+    than 2**25 elements (Llama-3-8B's TP=2 shards, alone or as the grouped q/k/v launch); the
+    64 x 128 tile of 128-element steps on larger ones (a gate/up pair of 7168 x 4096 shards, whose
+    launch holds 2**25.8). 17-32 rows keep the 32-row tile at every size, and 16 rows the
+    narrow step on these small weights."""
+    from fp4fuse.kernels.triton import mm_decode
+
+    def tile(cfg):
+        return cfg.block_m, cfg.block_n, cfg.block_k
+
+    k = 4096
+    for m in (33, 40, 64):
+        for n in (512, 2048, 3072, 6144):  # q / k / v shards, q/k/v fused, TP=1 q/k/v
+            assert tile(mm_decode.decode_config_for(m, n, k)) == (32, 64, 256), (m, n)
+        assert tile(mm_decode.decode_config_for(m, 4096, 7168)) == (32, 64, 256), m  # down shard
+        assert tile(mm_decode.decode_config_for(m, 14336, k)) == (64, 128, 128), m
+        assert tile(mm_decode.decode_config_for(m, 8192, 8192)) == (64, 128, 128), m
+        qkv = mm_decode.group_configs(m, [2048, 512, 512], k, 132)
+        assert qkv is not None and {tile(c) for c in qkv} == {(32, 64, 256)}, m
+        gate_up = mm_decode.group_configs(m, [7168, 7168], k, 132)
+        assert gate_up is not None and {tile(c) for c in gate_up} == {(64, 128, 128)}, m
+        # each product fills the GPU with its own split: the 2048-row q shard at 64 rows has
+        # 2 x 32 tiles of 64 weight rows, 16 K steps of 256 -> split 4 (4 programs / SM, 4 steps each)
+    assert mm_decode.decode_config_for(64, 2048, k).split_k == 4
+    assert tile(mm_decode.decode_config_for(32, 14336, k)) == (32, 64, 256)
+    assert mm_decode.decode_config_for(16, 2048, k).block_k == 128  # the narrow step
 
 
 def test_quant_launch_rule_for_cuda_caps_its_programs_and_guards_no_dynamic_batch(monkeypatch):

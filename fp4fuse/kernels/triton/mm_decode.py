@@ -450,9 +450,11 @@ MAX_SPLIT = 16
 PREDECODE_PROGRAMS_PER_SM = 2
 #: ``wide_step_config`` serves up to this many activation rows (up to 16 only on weights of at
 #: least ``WIDE_STEP_MIN_WEIGHT`` elements), with split-K aiming at this many programs per
-#: multiprocessor.
+#: multiprocessor; and, in two 32-row tiles, ``WIDE_STEP_MAX_M + 1`` to ``INKERNEL_DECODE_MAX_M``
+#: rows on launches whose weights hold fewer than ``WIDE_STEP_MAX_WEIGHT_TWO_TILES`` elements.
 WIDE_STEP_MAX_M = 32
 WIDE_STEP_MIN_WEIGHT = 1 << 24
+WIDE_STEP_MAX_WEIGHT_TWO_TILES = 1 << 25
 WIDE_STEP_PROGRAMS_PER_SM = 4
 #: Register cap of ``wide_step_config``'s tiles: 4 programs of 4 warps per multiprocessor. Without
 #: it the 16-row tile with word-loaded activation scales takes 144 registers (3 programs); capped
@@ -461,8 +463,8 @@ WIDE_STEP_MAX_REGISTERS = 128
 
 
 #: Top row counts of the ranges over which ``decode_config_for`` gives one configuration (for any
-#: N, K: the 16-, 32- and 64-row tiles cover their range in one tile row, the pre-decoded 128-row
-#: tiles in one and two).
+#: N, K: the 16-, 32- and 64-row tiles cover their range in one tile row, the 32-row tile 33-64 rows
+#: in two, the pre-decoded 128-row tiles in one and two).
 DECODE_ROW_RANGES = (16, WIDE_STEP_MAX_M, INKERNEL_DECODE_MAX_M, 128, DECODE_MAX_M)
 
 
@@ -489,11 +491,13 @@ def filling_split(tiles: int, k: int, num_sms: int, programs_per_sm: int, block_
 
 
 @functools.lru_cache(maxsize=4096)
-def decode_config_for(m: int, n: int, k: int, num_sms: int = 132) -> DecodeConfig:
+def decode_config_for(m: int, n: int, k: int, num_sms: int = 132, launch_weight: int | None = None) -> DecodeConfig:
     """Launch configuration for an ``[m, k] x [n, k]^T`` product on ``num_sms`` multiprocessors:
-    ``wide_step_config`` from 17 to ``WIDE_STEP_MAX_M`` rows, and up to 16 rows on weights of
-    ``WIDE_STEP_MIN_WEIGHT`` elements or more; ``narrow_step_config`` on other products up to
-    ``INKERNEL_DECODE_MAX_M`` rows;
+    ``wide_step_config`` from 17 to ``WIDE_STEP_MAX_M`` rows, up to 16 rows on weights of
+    ``WIDE_STEP_MIN_WEIGHT`` elements or more, and from ``WIDE_STEP_MAX_M + 1`` to
+    ``INKERNEL_DECODE_MAX_M`` rows where the launch's weights (``launch_weight``: all the products a
+    grouped launch computes, default ``n * k``) hold fewer than ``WIDE_STEP_MAX_WEIGHT_TWO_TILES``
+    elements; ``narrow_step_config`` on other products up to ``INKERNEL_DECODE_MAX_M`` rows;
     and above, the activation pre-decoded (``predecode``, since every weight tile's program would
     decode it again) with tiles of 128 activation rows x 64 weight rows, 4 warps, split-K bringing
     the grid to ``PREDECODE_PROGRAMS_PER_SM`` programs per multiprocessor: the best or within 3% of
@@ -508,19 +512,26 @@ def decode_config_for(m: int, n: int, k: int, num_sms: int = 132) -> DecodeConfi
                             predecode=True)
     if m <= WIDE_STEP_MAX_M and (m > 16 or n * k >= WIDE_STEP_MIN_WEIGHT):
         return wide_step_config(m, n, k, num_sms)
+    if m > WIDE_STEP_MAX_M and (n * k if launch_weight is None else launch_weight) < WIDE_STEP_MAX_WEIGHT_TWO_TILES:
+        return wide_step_config(m, n, k, num_sms)
     return narrow_step_config(m, n, k, num_sms)
 
 
 def wide_step_config(m: int, n: int, k: int, num_sms: int = 132) -> DecodeConfig:
-    """Up to ``WIDE_STEP_MAX_M`` rows: tiles of 16 (or 32) activation rows x 64 weight rows, 256 K
-    elements a step (128 code bytes of a weight row per load), 4 warps, 3 stages, split-K bringing
-    the grid to ``WIDE_STEP_PROGRAMS_PER_SM`` programs per multiprocessor.
+    """Tiles of 16 (up to 16 rows) or 32 activation rows (above: one tile row up to
+    ``WIDE_STEP_MAX_M`` rows, two up to ``INKERNEL_DECODE_MAX_M``) x 64 weight rows, 256 K elements a
+    step (128 code bytes of a weight row per load), 4 warps, 3 stages, split-K bringing the grid to
+    ``WIDE_STEP_PROGRAMS_PER_SM`` programs per multiprocessor.
 
     How it was chosen: CUDA-graph replays on an H100 (``benchmarks/bench_ops.py --wide-step-sweep``,
     benchmarks/results/) of this tile at split 1..8 against ``narrow_step_config`` on the TP=1 and
     TP=2 Llama-3-8B shapes and 8192^2: at up to 16 rows faster on every weight of 2**24 elements
     or more (up to 1.3x on the largest), a tie on smaller ones; at 32 rows faster on every shape;
-    at 64 rows slower on the large weights, so not used there."""
+    at 64 rows slower on the large weights. At 33-64 rows in two 32-row tiles (CUDA-graph replays on
+    an H200 against the 64 x 128 narrow tile, benchmarks/results/2026-11-26-split-k-tail-e2e-2xh200.md):
+    faster on every measured launch whose weights hold fewer than ``WIDE_STEP_MAX_WEIGHT_TWO_TILES``
+    elements (Llama-3-8B's TP=2 shards, alone and as the grouped q/k/v launch), slower on every
+    larger one."""
     block_m = 16 if m <= 16 else 32
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, 64)
     split = filling_split(tiles, k, num_sms, WIDE_STEP_PROGRAMS_PER_SM, block_k=256)
@@ -654,8 +665,9 @@ def _agree_but_for_split(cfgs: list[DecodeConfig]) -> bool:
 
 def group_configs(m: int | torch.SymInt, ns: list[int], k: int, num_sms: int) -> list[DecodeConfig] | None:
     """Each product's ``decode_config_for`` where all but their split counts agree (one launch can
-    then run them all, each with its own split), else None."""
-    cfgs = [decode_config_for(config_rows(m), n, k, num_sms) for n in ns]
+    then run them all, each with its own split), else None. The size rules see the launch's total
+    weight: a grouped launch fills the GPU like one product of that size."""
+    cfgs = [decode_config_for(config_rows(m), n, k, num_sms, launch_weight=sum(ns) * k) for n in ns]
     return cfgs if _agree_but_for_split(cfgs) else None
 
 
