@@ -197,8 +197,8 @@ def test_decode_rule_at_33_to_64_rows_takes_two_32_row_tiles_on_small_launches()
         assert qkv is not None and {tile(c) for c in qkv} == {(32, 64, 256)}, m
         gate_up = mm_decode.group_configs(m, [7168, 7168], k, 132)
         assert gate_up is not None and {tile(c) for c in gate_up} == {(64, 128, 128)}, m
-        # each product fills the GPU with its own split: the 2048-row q shard at 64 rows has
-        # 2 x 32 tiles of 64 weight rows, 16 K steps of 256 -> split 4 (4 programs / SM, 4 steps each)
+    # the split fills 4 programs per multiprocessor with at least 4 K steps each: the 2048-row q shard
+    # at 64 rows has 2 x 32 tiles and 16 K steps of 256 -> min(4 * 132 / 64, 16 / 4) = 4
     assert mm_decode.decode_config_for(64, 2048, k).split_k == 4
     assert tile(mm_decode.decode_config_for(32, 14336, k)) == (32, 64, 256)
     assert mm_decode.decode_config_for(16, 2048, k).block_k == 128  # the narrow step
