@@ -498,13 +498,16 @@ def wide_step_sweep(ceil: Ceilings, raw: dict) -> None:
     """``--wide-step-sweep`` (only this, after the ceilings): M in {1, 16, 32, 64} on WIDE_SHAPES as
     CUDA-graph replays over rotating weights: the shipped ``decode_config_for``, the 128-K-step rule
     (``narrow_step_config``), the 256-K-step tile of ``wide_step_config`` at every split in
-    WIDE_SPLITS, and cuBLAS bf16; then one markdown row per point."""
+    WIDE_SPLITS (at 64 rows with all 64 in one tile row), at 64 rows also ``wide_step_config``'s two
+    32-row tiles at its filling split, and cuBLAS bf16; then one markdown row per point."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for m, n, k, x, a, sa, alpha, weights, w_t in _rotating_points(WIDE_SHAPES, WIDE_MS):
         def graph_us(cfg: mm_decode.DecodeConfig) -> float:
             return 1e3 * decode_graph_ms(a, sa, alpha, weights, cfg)
 
+        # above WIDE_STEP_MAX_M rows: the 256-K-step tile with all the rows in one tile row, and
+        # wide_step_config's own two 32-row tiles (what decode_config_for takes on small weights)
         wide = mm_decode.wide_step_config(m, n, k, sms) if m <= mm_decode.WIDE_STEP_MAX_M else \
             dataclasses.replace(mm_decode.wide_step_config(32, n, k, sms), block_m=64)
         shipped = mm_decode.decode_config_for(m, n, k, sms)
@@ -514,19 +517,24 @@ def wide_step_sweep(ceil: Ceilings, raw: dict) -> None:
                "shipped_cfg": _cfg_str(shipped), "shipped_us": graph_us(shipped),
                "narrow_cfg": _cfg_str(narrow), "narrow_us": graph_us(narrow),
                "wide_us": {s: graph_us(dataclasses.replace(wide, split_k=s)) for s in WIDE_SPLITS}}
+        if m > mm_decode.WIDE_STEP_MAX_M:
+            two_tiles = mm_decode.wide_step_config(m, n, k, sms)
+            row["two_tiles_cfg"], row["two_tiles_us"] = _cfg_str(two_tiles), graph_us(two_tiles)
         rows.append(row)
+        two = f" two 32-row tiles {row['two_tiles_us']:.1f} {row['two_tiles_cfg']}" if "two_tiles_us" in row else ""
         print(f"WIDE m={m} n={n} k={k}: bf16 {row['bf16_us']:.1f} shipped {row['shipped_us']:.1f} "
-              f"{row['shipped_cfg']} narrow {row['narrow_us']:.1f} {row['narrow_cfg']} wide "
+              f"{row['shipped_cfg']} narrow {row['narrow_us']:.1f} {row['narrow_cfg']}{two} wide "
               + " ".join(f"s{s} {t:.1f}" for s, t in row["wide_us"].items()), flush=True)
     raw["wide_step_sweep"] = rows
     print("\n| M | N | K | bf16 us | floor us | narrow-step rule us | shipped us | shipped config | shipped vs bf16 "
-          "| shipped vs narrow | " + " | ".join(f"wide s{s}" for s in WIDE_SPLITS) + " |")
-    print("| --- " * (10 + len(WIDE_SPLITS)) + "|")
+          "| shipped vs narrow | two 32-row tiles us | " + " | ".join(f"wide s{s}" for s in WIDE_SPLITS) + " |")
+    print("| --- " * (11 + len(WIDE_SPLITS)) + "|")
     for r in rows:
+        two = f"{r['two_tiles_us']:.1f}" if "two_tiles_us" in r else "-"
         print(f"| {r['m']} | {r['n']} | {r['k']} | {r['bf16_us']:.1f} | {r['floor_us']:.1f} | {r['narrow_us']:.1f} | "
               f"{r['shipped_us']:.1f} | `{r['shipped_cfg']}` | {r['bf16_us'] / r['shipped_us']:.2f}x | "
-              f"{r['narrow_us'] / r['shipped_us']:.2f}x | " + " | ".join(f"{t:.1f}" for t in r["wide_us"].values()) + " |",
-              flush=True)
+              f"{r['narrow_us'] / r['shipped_us']:.2f}x | {two} | "
+              + " | ".join(f"{t:.1f}" for t in r["wide_us"].values()) + " |", flush=True)
 
 
 #: (N, K) of the middle-range sweep: Llama-3-8B's linears at TP=1 (qkv, o, gate_up, down) and 8192^2.
