@@ -454,7 +454,8 @@ def test_cuda_mm_fp4_matches_float64(m, n, k, out_dtype):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("m,n,k", [(1, 3072, 4096), (3, 423, 208), (16, 8192, 1040), (17, 200, 48),
-                                   (64, 1000, 1024), (128, 4096, 7168), (5, 4104, 8208), (20, 2056, 8208)])
+                                   (64, 1000, 1024), (45, 2056, 1040), (128, 4096, 7168), (5, 4104, 8208),
+                                   (20, 2056, 8208)])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cuda_mm_fp4_decode_matches_float64(m, n, k, out_dtype):
     """The one-launch decode GEMM (default config and a 3-way split that does not divide the K

@@ -380,7 +380,7 @@ def case_mm_decode() -> None:
     # (block_m, block_n, block_k, split_k, warps, stages); K steps of 32 code bytes at block_k 64
     configs = (C(16, 16, 64, 1, 4, 2), C(16, 32, 64, 2, 4, 2), C(32, 16, 128, 3, 4, 2), C(64, 64, 64, 5, 4, 2))
     dtypes = ((torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3))
-    for m, n, k in ((1, 37, 1040), (3, 70, 160), (17, 200, 48), (64, 37, 16)):
+    for m, n, k in ((1, 37, 1040), (3, 70, 160), (17, 200, 48), (64, 37, 16), (45, 50, 272)):
         a, sa, ga = _quantized(m, k, gen)
         b, sb, gb = _quantized(n, k, gen)
         alpha = 1.0 / (ga * gb)
