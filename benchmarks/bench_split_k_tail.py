@@ -41,7 +41,7 @@ SHAPES = ((3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168), (8192, 8192))
 MS = (16, 64, 128)
 ROUNDS = 3
 
-#: The reduction of the shipped ``finish_tile``, and what each variant puts in its place.
+#: The reduction of the shipped ``finish_tile``, verbatim: what each entry of VARIANTS replaces.
 _SHIPPED = '''            total = tl.load(tile_base + in_tile, cache_modifier=".cg")
             for sp in range(1, n_split):
                 total += tl.load(tile_base + sp * TILE + in_tile, cache_modifier=".cg")
@@ -63,6 +63,7 @@ def _unrolled(width: int) -> str:
     return "".join(lines)
 
 
+#: Name -> the lines that replace _SHIPPED in that copy of the module.
 VARIANTS = {"unroll2": _unrolled(2), "unroll4": _unrolled(4), "notail": "            total = acc\n"}
 
 
