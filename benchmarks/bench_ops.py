@@ -54,6 +54,7 @@ import json
 import logging
 import sys
 import time
+from typing import Any
 
 import torch
 import triton
@@ -384,12 +385,15 @@ def weight_floor_us(ceil: Ceilings, n: int, k: int) -> float:
 
 
 def decode_graph_ms(a: torch.Tensor, sa: torch.Tensor, alpha: torch.Tensor, weights: list,
-                    cfg: mm_decode.DecodeConfig) -> float:
+                    cfg: mm_decode.DecodeConfig, module: Any = mm_decode) -> float:
     """Milliseconds per call of the decode GEMM under ``cfg`` on the activation ``(a, sa)``, replayed
-    from one CUDA graph over the rotating ``weights`` (``quantize`` triples), with its own workspace."""
+    from one CUDA graph over the rotating ``weights`` (``quantize`` triples), with its own workspace.
+    ``module``: ``mm_decode`` or a copy of it (``bench_split_k_tail.py``'s variants), whose own
+    ``DecodeConfig`` gets ``cfg``'s fields."""
     m, n, k = a.shape[0], weights[0][0].shape[0], a.shape[1] * 2
-    ws = mm_decode.empty_decode_workspace(*mm_decode.decode_workspace_numel(m, n, k, cfg), a.device)
-    return bench_graph([functools.partial(mm_decode.mm_fp4_decode, a, wq, sa, wsq, alpha, torch.bfloat16, cfg, ws)
+    cfg = module.DecodeConfig(**dataclasses.asdict(cfg))
+    ws = module.empty_decode_workspace(*module.decode_workspace_numel(m, n, k, cfg), a.device)
+    return bench_graph([functools.partial(module.mm_fp4_decode, a, wq, sa, wsq, alpha, torch.bfloat16, cfg, ws)
                         for wq, wsq, _ in weights])
 
 
@@ -517,9 +521,10 @@ def wide_step_sweep(ceil: Ceilings, raw: dict) -> None:
                "shipped_cfg": _cfg_str(shipped), "shipped_us": graph_us(shipped),
                "narrow_cfg": _cfg_str(narrow), "narrow_us": graph_us(narrow),
                "wide_us": {s: graph_us(dataclasses.replace(wide, split_k=s)) for s in WIDE_SPLITS}}
-        if m > mm_decode.WIDE_STEP_MAX_M:
+        if m > mm_decode.WIDE_STEP_MAX_M:  # shipped on small weights: timed once
             two_tiles = mm_decode.wide_step_config(m, n, k, sms)
-            row["two_tiles_cfg"], row["two_tiles_us"] = _cfg_str(two_tiles), graph_us(two_tiles)
+            row["two_tiles_cfg"] = _cfg_str(two_tiles)
+            row["two_tiles_us"] = row["shipped_us"] if two_tiles == shipped else graph_us(two_tiles)
         rows.append(row)
         two = f" two 32-row tiles {row['two_tiles_us']:.1f} {row['two_tiles_cfg']}" if "two_tiles_us" in row else ""
         print(f"WIDE m={m} n={n} k={k}: bf16 {row['bf16_us']:.1f} shipped {row['shipped_us']:.1f} "

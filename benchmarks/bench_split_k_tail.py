@@ -17,7 +17,7 @@ must be found verbatim, or the script stops):
 and times each against the shipped module, at the shipped configuration (``decode_config_for``),
 plus the shipped tile without split-K, the pre-decode launch alone where the configuration has one,
 and cuBLAS bf16. CUDA-graph replays over rotating weight copies (``bench_ops._rotating_points``,
-``bench_ops.bench_graph``), median of 3 interleaved rounds, one process. Results in
+``bench_ops.decode_graph_ms``), median of 3 interleaved rounds, one process. Results in
 benchmarks/results/.
 """
 from __future__ import annotations
@@ -84,14 +84,6 @@ def variant_modules(directory: Path) -> dict[str, object]:
     return modules
 
 
-def _graph_us(module, a, sa, alpha, weights, cfg) -> float:
-    m, n, k = a.shape[0], weights[0][0].shape[0], a.shape[1] * 2
-    c = module.DecodeConfig(**dataclasses.asdict(cfg))
-    ws = module.empty_decode_workspace(*module.decode_workspace_numel(m, n, k, c), a.device)
-    return 1e3 * bench_ops.bench_graph([functools.partial(module.mm_fp4_decode, a, wq, sa, wsq, alpha, torch.bfloat16,
-                                                          c, ws) for wq, wsq, _ in weights])
-
-
 def run(modules: dict[str, object]) -> list[dict]:
     sms = decode.num_sms(torch.device("cuda"))
     rows = []
@@ -102,13 +94,13 @@ def run(modules: dict[str, object]) -> list[dict]:
         times: dict[str, list[float]] = {name: [] for name in modules}
         for _ in range(ROUNDS):
             for name, mod in modules.items():
-                times[name].append(_graph_us(mod, a, sa, alpha, weights, cfg))
+                times[name].append(1e3 * bench_ops.decode_graph_ms(a, sa, alpha, weights, cfg, mod))
         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
         split, _ = decode.split_ranges(triton.cdiv(k // 2, cfg.block_k // 2), cfg.split_k)
         row = {"m": m, "n": n, "k": k, "cfg": bench_ops._cfg_str(cfg), "tiles": tiles, "split": split,
                "us": {name: sorted(t)[ROUNDS // 2] for name, t in times.items()},
                "bitwise": {name: torch.equal(out, first["shipped"]) for name, out in first.items()},
-               "split1_us": _graph_us(mm_decode, a, sa, alpha, weights, dataclasses.replace(cfg, split_k=1)),
+               "split1_us": 1e3 * bench_ops.decode_graph_ms(a, sa, alpha, weights, dataclasses.replace(cfg, split_k=1)),
                "predecode_us": 1e3 * bench_ops.bench_graph(
                    [functools.partial(mm_decode.predecode_activation, a, sa, cfg.block_k)]) if cfg.predecode else None,
                "bf16_us": 1e3 * bench_ops.bench_graph([functools.partial(torch.mm, x, wt) for wt in w_t])}

@@ -665,8 +665,8 @@ def _agree_but_for_split(cfgs: list[DecodeConfig]) -> bool:
 
 def group_configs(m: int | torch.SymInt, ns: list[int], k: int, num_sms: int) -> list[DecodeConfig] | None:
     """Each product's ``decode_config_for`` where all but their split counts agree (one launch can
-    then run them all, each with its own split), else None. The size rules see the launch's total
-    weight: a grouped launch fills the GPU like one product of that size."""
+    then run them all, each with its own split), else None. The 33-64-row rule sees the launch's
+    total weight (``launch_weight``): a grouped launch fills the GPU like one product of that size."""
     cfgs = [decode_config_for(config_rows(m), n, k, num_sms, launch_weight=sum(ns) * k) for n in ns]
     return cfgs if _agree_but_for_split(cfgs) else None
 
