@@ -423,7 +423,12 @@ def test_cuda_lowered_launch_takes_the_other_path_for_a_misaligned_weight():
     got = ops._mm_fp4_hopper(a, sa, xlo, xhi, b, sb, ga, gb, True, True, torch.bfloat16)
     assert torch.equal(got, mm_hopper.mm_fp4_hopper(a, b, sa, sb, GlobalScales(ga, gb, div_rn=True), torch.bfloat16))
     # an input that requires a gradient is refused (the op has none), not run without one
-    with pytest.raises(RuntimeError, match="no gradient formula"):
+    with pytest.raises(RuntimeError, match="no gradient formula, and alpha_b requires"):
         ops._mm_fp4_hopper(a, sa, xlo, xhi, b, sb, ga, gb.clone().requires_grad_(), True, True, torch.bfloat16)
+    # the e4m3 block scales too: an fp8 tensor can require a gradient
+    with pytest.raises(RuntimeError, match="no gradient formula, and a_scale requires"):
+        ops._mm_fp4_hopper(a, sa.clone().requires_grad_(), xlo, xhi, b, sb, ga, gb, True, True, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="no gradient formula, and b_scale requires"):
+        ops._mm_fp4_hopper(a, sa, xlo, xhi, b, sb.clone().requires_grad_(), ga, gb, True, True, torch.bfloat16)
     with torch.no_grad():
         ops._mm_fp4_hopper(a, sa, xlo, xhi, b, sb, ga, gb.clone().requires_grad_(), True, True, torch.bfloat16)

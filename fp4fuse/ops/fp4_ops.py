@@ -106,11 +106,21 @@ def _(a, a_scale, xlo, xhi, b, b_scale, alpha, alpha_b, alpha_from_scales, div_r
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
+def _refuse_gradients(**tensors: torch.Tensor) -> None:
+    """RuntimeError naming the first of ``tensors`` that requires a gradient while autograd records:
+    ``_mm_fp4_hopper`` has no gradient formula. Every floating input counts, the e4m3 block scales
+    included (an fp8 tensor can require a gradient); the uint8 codes cannot."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if t.requires_grad:
+            raise RuntimeError(f"fp4fuse::_mm_fp4_hopper has no gradient formula, and {name} requires a gradient: "
+                               "the op runs in graphs fp4fuse lowered after autograd; call fp4fuse::mm_fp4, or run "
+                               "it under torch.no_grad()")
+
+
 def _mm_fp4_hopper_cuda(a, a_scale, xlo, xhi, b, b_scale, alpha, alpha_b, alpha_from_scales, div_rn, out_dtype):
-    if torch.is_grad_enabled() and (xlo.requires_grad or xhi.requires_grad or alpha.requires_grad
-                                    or alpha_b.requires_grad):
-        raise RuntimeError("fp4fuse::_mm_fp4_hopper has no gradient formula: it runs in graphs fp4fuse lowered "
-                           "after autograd; call fp4fuse::mm_fp4, or run it under torch.no_grad()")
+    _refuse_gradients(a_scale=a_scale, xlo=xlo, xhi=xhi, b_scale=b_scale, alpha=alpha, alpha_b=alpha_b)
     return _hopper_decoded()(a, a_scale, xlo, xhi, b, b_scale, alpha, alpha_b, alpha_from_scales, div_rn, out_dtype)
 
 
