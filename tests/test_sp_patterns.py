@@ -24,6 +24,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 import fp4fuse  # noqa: F401  (registers torch.ops.fp4fuse.*)
 from torch._functorch._aot_autograd.descriptors import BufferAOTInput, ParamAOTInput
 
+from fp4fuse.nvfp4.format import global_scale_from_amax
 from fp4fuse.nvfp4.quantizer import NVFP4Quantizer, register_amax_group
 from fp4fuse.config import FusionConfig, RankCheck
 from fp4fuse.ops import sp_ops  # noqa: F401  (registers fp4fuse::shard_rows)
@@ -423,8 +424,18 @@ def test_any_epsilon_and_it_is_kept(sp_pass):
     assert len(norms) == 2 and {n.args[3] for n in norms} == {3e-4}
 
 
-def test_dynamic_scale_gets_a_group_amax(sp_pass):
-    quant = NVFP4Quantizer().quantize
+def full_amax_quant(x):
+    """A dynamic scale from one reduction over every element (``x.abs().amax()``), where
+    ``NVFP4Quantizer`` takes the row maxima first (``abs_amax``)."""
+    gs = global_scale_from_amax(x.abs().amax().float().reshape(1))
+    return fp4.scaled_fp4_quant(x, gs)
+
+
+@pytest.mark.parametrize("quant", ["quantizer", "full_amax"])
+def test_dynamic_scale_gets_a_group_amax(sp_pass, quant):
+    """Both forms of a dynamic scale's amax are replaced by the shards' all-reduce MAX: the row
+    maxima first (NVFP4Quantizer) and one reduction over every element."""
+    quant = NVFP4Quantizer().quantize if quant == "quantizer" else full_amax_quant
     gm = trace(three_layers(fp4fuse_norm, quant=quant), layer_shapes(), state=NORM_WEIGHTS)
     assert reduce_ops(gm) == ["sum"] * 3
     run(sp_pass, gm)
@@ -434,10 +445,11 @@ def test_dynamic_scale_gets_a_group_amax(sp_pass):
     maxes = [n for n in gm.graph.find_nodes(op="call_function", target=fc.all_reduce.default)]
     assert [n.args[1] for n in maxes] == ["max", "max"]
     assert all(tuple(n.meta["val"].shape) == (2,) for n in maxes)
-    # no amax reads a gathered tensor any more
-    for amax in gm.graph.find_nodes(op="call_function", target=aten.amax.default):
-        assert amax.meta["val"].dim() == 0
-        assert amax.args[0].args[0].target is not fc.wait_tensor.default
+    # no amax reads a gathered tensor any more: every |.| an amax reads is of a shard
+    magnitudes = [n.args[0] for n in gm.graph.find_nodes(op="call_function", target=aten.amax.default)
+                  if n.args[0].target is aten.abs.default]
+    assert len(magnitudes) == 2
+    assert all(m.args[0].target is not fc.wait_tensor.default for m in magnitudes)
 
 
 def test_dynamic_scale_with_amax_group(sp_pass):

@@ -34,6 +34,7 @@ __all__ = [
     "AmaxGroup",
     "UnknownAmaxGroupError",
     "NVFP4Quantizer",
+    "abs_amax",
     "amax_group",
     "amax_group_id",
     "group_amax",
@@ -136,6 +137,19 @@ def amax_group(group_id: int) -> AmaxGroup:
     return record
 
 
+def abs_amax(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` over every element of a non-empty ``x``, as a 0-d tensor in x's dtype (NaN if any
+    element is NaN): each row's maximum first (the last dim), then theirs. The same value as one
+    reduction over every element (a maximum is exact in any order); compiled, Inductor fuses the
+    row maxima into the kernel producing ``x`` (SiLU * up, a transposed attention output) instead
+    of reading it through one long split reduction, which end to end took longer
+    (benchmarks/bench_amax_forms.py; results in benchmarks/results/)."""
+    magnitude = x.abs()
+    if magnitude.dim() > 1:
+        magnitude = magnitude.amax(dim=-1)
+    return magnitude.amax()
+
+
 def group_amax(x: torch.Tensor, group_id: int | None) -> torch.Tensor:
     """``max |x|`` as fp32 ``[1]`` on x's device, agreed over the registered group ``group_id``
     (an all-reduce MAX through ``_c10d_functional``, so compiled graphs contain it) when not None.
@@ -146,7 +160,7 @@ def group_amax(x: torch.Tensor, group_id: int | None) -> torch.Tensor:
     if x.numel() == 0:
         amax = torch.zeros(1, dtype=torch.float32, device=x.device)
     else:
-        amax = x.abs().amax().float().reshape(1)
+        amax = abs_amax(x).float().reshape(1)
     amax = torch.where(torch.isnan(amax), torch.full_like(amax, math.inf), amax)
     if group_id is not None:
         group_name = amax_group(group_id).group_name

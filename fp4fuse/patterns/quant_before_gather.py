@@ -16,8 +16,9 @@ its first call. A gathered activation read by several quants (q, k and v project
 output, each with its own scale) has each quant moved before its own gather.
 
 A dynamic scale reads the amax of the gathered tensor (``NVFP4Quantizer``:
-``global_scale_from_amax(g.abs().amax())``). That amax is replaced, exactly, by the all-reduce MAX
-of the shards' amaxes, so ``g`` itself is no longer needed::
+``global_scale_from_amax(abs_amax(g))``, the row maxima first; a single ``g.abs().amax()`` is
+recognized too). That amax is replaced, exactly, by the all-reduce MAX of the shards' amaxes, so
+``g`` itself is no longer needed::
 
     before:  a = amax(abs(g))                           after:  m = amax(abs(out_r))
                                                                 r = all_reduce_max([nan_to_num(m, nan=inf), isnan(m)])
@@ -40,6 +41,7 @@ import torch.fx as fx
 
 from fp4fuse.config import FusionConfig
 from fp4fuse.distributed import groups
+from fp4fuse.nvfp4.quantizer import abs_amax
 from fp4fuse.patterns.base import (
     GraphRewrite, QuantCall, erase_if_unused, fake_value, insert_call, insert_traced, is_call, token_count_reason,
 )
@@ -54,26 +56,42 @@ c10d = torch.ops._c10d_functional
 QUANT = torch.ops.fp4fuse.scaled_fp4_quant.default
 
 
+def _amax_dims(node: fx.Node) -> list[int] | None:
+    """The dims (non-negative, sorted; every dim for ``[]``) an ``aten.amax`` without keepdim
+    reduces; None for anything else."""
+    if not is_call(node, aten.amax):
+        return None
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", [])
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    ndim = fake_value(node.args[0]).dim()
+    return None if keepdim else sorted({d % ndim for d in dims} if dims else range(ndim))
+
+
 @dataclasses.dataclass(frozen=True)
 class AmaxOfGathered:
-    """``amax(abs(g))`` over all of ``g``'s elements; ``abs_node`` may have other readers."""
+    """``max |g|`` over all of ``g``'s elements: ``amax(abs(g))``, or ``amax(amax(abs(g), -1))``
+    (``fp4fuse.nvfp4.quantizer.abs_amax``: row maxima first; ``rows`` the inner node). ``abs_node``
+    may have other readers."""
 
     amax: fx.Node
     abs_node: fx.Node
+    rows: fx.Node | None = None
 
     @classmethod
     def decode(cls, reader: fx.Node) -> AmaxOfGathered | None:
         if not is_call(reader, aten.abs) or len(reader.users) != 1:
             return None
         (amax,) = reader.users
-        if not is_call(amax, aten.amax):
-            return None
-        dims = amax.args[1] if len(amax.args) > 1 else amax.kwargs.get("dim", [])
-        keepdim = amax.args[2] if len(amax.args) > 2 else amax.kwargs.get("keepdim", False)
+        dims = _amax_dims(amax)
         ndim = fake_value(reader).dim()
-        if keepdim or sorted(d % ndim for d in dims) not in ([], list(range(ndim))):
+        if dims == list(range(ndim)):
+            return cls(amax, reader)
+        if dims != [ndim - 1] or len(amax.users) != 1:
             return None
-        return cls(amax, reader)
+        (outer,) = amax.users
+        if _amax_dims(outer) != list(range(ndim - 1)):
+            return None
+        return cls(outer, reader, rows=amax)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +172,7 @@ class QuantBeforeGather(GraphRewrite[QuantsOfGatheredMatch]):
             with graph.inserting_before(amax.amax):
                 replacement = _insert_group_amax(graph, g.shard, group_name)
             amax.amax.replace_all_uses_with(replacement)
-            erase_if_unused([amax.amax, amax.abs_node])
+            erase_if_unused([amax.amax, *([amax.rows] if amax.rows is not None else []), amax.abs_node])
         for q in match.quants:
             with graph.inserting_before(q.quant):
                 local = insert_call(graph, QUANT, (g.shard, q.global_scale))
@@ -181,7 +199,7 @@ def _insert_all_gather(graph: fx.Graph, shard: fx.Node, size: int, group_name: s
 
 def _group_amax(shard: torch.Tensor, group_name: str) -> torch.Tensor:
     """``amax(abs(all_gather(shard)))`` without the gather (module docstring), in shard's dtype."""
-    local = shard.abs().amax().float()
+    local = abs_amax(shard).float()
     nan = torch.isnan(local)
     packed = torch.stack([torch.where(nan, math.inf, local), nan.float()])
     reduced = c10d.wait_tensor(c10d.all_reduce(packed, "max", group_name))

@@ -1,0 +1,299 @@
+"""Alternatives to the shipped decode GEMM at 16-64 rows, timed against it in one process.
+
+    PYTHONPATH=. python benchmarks/bench_decode_alternatives.py [--mma-sync] [--predecode] [--caps]
+        [--json raw.json]
+
+The shipped kernel (``fp4fuse.kernels.triton.mm_decode``, ``decode_config_for``) decodes the weight
+into wgmma register fragments and the activation, in every program, into shared memory. Each flag
+times one alternative against it (no flag: all three):
+
+* ``--mma-sync``: a Gluon kernel on ``mma.sync`` (m16n8k16) without shared memory: every thread
+  loads its own operand bytes from global memory as int32 words straight into its MMA fragments'
+  registers (``DotOperandLayout`` with ``k_width`` 2 over words: 8 code bytes of a row per 64-byte
+  half step, the same bytes as ``k_width`` 8 over the fp16 planes, so the decoded planes need no
+  layout conversion), decodes each word with one PTX block that also applies its block scale, and
+  prefetches the next K step's words in registers. No CTA barrier in the K loop; split-K with the
+  shipped kernel's last-arriver reduction. 16 activation rows; a sweep of weight rows per program,
+  warps, step and split. Gluon: Triton 3.6 only.
+* ``--predecode``: the shipped configuration with the activation pre-decoded by a launch of its own
+  (``DecodeConfig.predecode``, the 65-256-row path), at 16-64 rows.
+* ``--caps``: the shipped configuration under register caps that fit more programs per
+  multiprocessor (104, 96, 80: spills), with 4 stages, and with 1.5x its split.
+
+CUDA-graph replays over 4 rotating weight copies (``bench_ops``), microseconds, with cuBLAS bf16 on
+the same shape. Outputs: the mma.sync kernel against the float64 reference (it sums K in another
+order), the others against the shipped output (bitwise where the split is the same). Results in
+benchmarks/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+import bench_ops  # benchmarks/, this script's folder
+from fp4fuse.kernels.triton import mm_decode
+from fp4fuse.kernels.triton.alpha import alpha_meta, alpha_operands, load_alpha
+from fp4fuse.kernels.triton.decode import DECODE_SCALE_UNDO, split_ranges
+from fp4fuse.nvfp4 import format as nvfp4
+
+SHAPES = ((8192, 8192), (3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168), (28672, 8192))
+MS = (16, 32, 64)
+#: Relative error (max |out - ref| / max |ref|) a bf16 output of a correct kernel stays under.
+MAX_REL_ERR = 4e-3
+
+
+def _gluon_kernel():
+    """The mma.sync kernel and its launcher, built on first use (Gluon's API is Triton 3.6's)."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    # One code word (4 bytes, 8 codes of one 16-element block) and the word holding its block scale
+    # with the prmt selector of that byte -> 8 fp16 halves, e2m1 * 2**-14 * scale (exact): $0..$3 the
+    # low nibbles of bytes 0..3, $4..$7 the high nibbles. The decode is fp4fuse's DECODE_PTX.
+    word_ptx = gl.constexpr(
+        "{ .reg .b32 a, b, l, h, z, s, t, r0, r1, r2, r3; .reg .b16 sl, sh; mov.b32 z, 0; "
+        "prmt.b32 t, $9, 0, $10; mov.b32 {sl, sh}, t; cvt.rn.f16x2.e4m3x2 s, sl; "
+        "shl.b32 a, $8, 1; and.b32 a, a, 0x0E0E0E0E; shl.b32 b, $8, 4; and.b32 b, b, 0x80808080; or.b32 l, a, b; "
+        "shr.b32 a, $8, 3; and.b32 a, a, 0x0E0E0E0E; and.b32 b, $8, 0x80808080; or.b32 h, a, b; "
+        "prmt.b32 r0, z, l, 0x5040; prmt.b32 r1, z, l, 0x7060; prmt.b32 r2, z, h, 0x5040; prmt.b32 r3, z, h, 0x7060; "
+        "mul.rn.f16x2 r0, r0, s; mul.rn.f16x2 r1, r1, s; mul.rn.f16x2 r2, r2, s; mul.rn.f16x2 r3, r3, s; "
+        "mov.b32 {$0, $1}, r0; mov.b32 {$2, $3}, r1; mov.b32 {$4, $5}, r2; mov.b32 {$6, $7}, r3; }"
+    )
+
+    @gluon.jit
+    def planes(words, scale_words, selectors):
+        """int32 code words ``[R, W]`` -> scaled fp16 (lo, hi) planes ``[R, 4 W]`` (column c: code byte c)."""
+        o = gl.inline_asm_elementwise(word_ptx, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, scale_words, selectors],
+                                      dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+        shape: gl.constexpr = [words.shape[0], 4 * words.shape[1]]
+        lo = gl.reshape(gl.join(gl.join(o[0], o[2]), gl.join(o[1], o[3])), shape)
+        hi = gl.reshape(gl.join(gl.join(o[4], o[6]), gl.join(o[5], o[7])), shape)
+        return lo, hi
+
+    @gluon.jit
+    def store_tile(acc, alpha_ptr, alpha_b_ptr, out_ptr, off_n, M, N,
+                   ALPHA_FROM_SCALES: gl.constexpr, ALPHA_DIV_RN: gl.constexpr):
+        alpha = load_alpha(alpha_ptr, alpha_b_ptr, ALPHA_FROM_SCALES, ALPHA_DIV_RN)
+        res = ((acc * DECODE_SCALE_UNDO) * alpha).to(out_ptr.dtype.element_ty)
+        n_idx = off_n + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, acc.type.layout))
+        m_idx = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, acc.type.layout))
+        offs = m_idx[None, :].to(gl.int64) * N + n_idx[:, None]
+        gl.store(out_ptr + offs, res, mask=(m_idx < M)[None, :] & (n_idx < N)[:, None])
+
+    @gluon.jit
+    def kernel(a_ptr, as_ptr, b_ptr, bs_ptr, alpha_ptr, alpha_b_ptr, out_ptr, part_ptr, count_ptr,
+               M, N, KW, KSW, iters_per_split,
+               BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STEP_W: gl.constexpr, PARTIAL: gl.constexpr,
+               ALPHA_FROM_SCALES: gl.constexpr, ALPHA_DIV_RN: gl.constexpr, num_warps: gl.constexpr):
+        """Program ``(tile, split)``; KW code words and KSW scale words (4 scales) per row, STEP_W words a step."""
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, 8])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+        b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+        aw_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        bw_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        tile = gl.program_id(0)
+        split = gl.program_id(1)
+        off_n = tile * BLOCK_N
+        rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, aw_l))
+        rows = gl.where(rows < N, rows, rows % N).to(gl.int64)
+        wi = gl.arange(0, STEP_W, layout=gl.SliceLayout(0, aw_l))
+        w_ptrs = b_ptr.to(gl.pointer_type(gl.int32)) + rows[:, None] * KW + wi[None, :]
+        ws_ptrs = bs_ptr.to(gl.pointer_type(gl.int32)) + rows[:, None] * KSW + (wi // 8)[None, :]
+        # word w of a step is in block w // 2, whose scale is byte (w // 2) % 4 of scale word w // 8
+        w_sel = gl.zeros([BLOCK_N, STEP_W], gl.int32, aw_l) + (((wi // 2) % 4) * 0x1111)[None, :]
+        tok = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, bw_l))
+        tok = gl.where(tok < M, tok, tok % M).to(gl.int64)
+        xi = gl.arange(0, STEP_W, layout=gl.SliceLayout(1, bw_l))
+        x_ptrs = a_ptr.to(gl.pointer_type(gl.int32)) + tok[None, :] * KW + xi[:, None]
+        xs_ptrs = as_ptr.to(gl.pointer_type(gl.int32)) + tok[None, :] * KSW + (xi // 8)[:, None]
+        x_sel = gl.permute(gl.zeros([STEP_W, BLOCK_M], gl.int32, bw_l) + (((xi // 2) % 4) * 0x1111)[:, None], (1, 0))
+
+        kw = split * iters_per_split * STEP_W
+        steps = gl.minimum(iters_per_split, (KW - kw) // STEP_W)
+        last = KW - STEP_W
+        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+        w = gl.load(w_ptrs + kw)
+        ws = gl.load(ws_ptrs + kw // 8)
+        x = gl.load(x_ptrs + kw)
+        xs = gl.load(xs_ptrs + kw // 8)
+        for _ in range(steps):
+            nk = gl.minimum(kw + STEP_W, last)  # the last step prefetches a step it does not use
+            w_next = gl.load(w_ptrs + nk)
+            ws_next = gl.load(ws_ptrs + nk // 8)
+            x_next = gl.load(x_ptrs + nk)
+            xs_next = gl.load(xs_ptrs + nk // 8)
+            wlo, whi = planes(w, ws, w_sel)
+            xlo, xhi = planes(gl.permute(x, (1, 0)), gl.permute(xs, (1, 0)), x_sel)
+            acc = mma_v2(gl.convert_layout(wlo, a_l, assert_trivial=True),
+                         gl.convert_layout(gl.permute(xlo, (1, 0)), b_l, assert_trivial=True), acc)
+            acc = mma_v2(gl.convert_layout(whi, a_l, assert_trivial=True),
+                         gl.convert_layout(gl.permute(xhi, (1, 0)), b_l, assert_trivial=True), acc)
+            w, ws, x, xs = w_next, ws_next, x_next, xs_next
+            kw += STEP_W
+
+        if not PARTIAL:
+            store_tile(acc, alpha_ptr, alpha_b_ptr, out_ptr, off_n, M, N, ALPHA_FROM_SCALES, ALPHA_DIV_RN)
+        else:
+            n_split = gl.num_programs(1)
+            TILE: gl.constexpr = BLOCK_N * BLOCK_M
+            in_tile = (gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))[:, None] * BLOCK_M
+                       + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))[None, :])
+            tile_base = part_ptr + tile.to(gl.int64) * n_split * TILE
+            gl.store(tile_base + split * TILE + in_tile, acc)
+            gl.thread_barrier()
+            arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == n_split - 1:
+                total = gl.load(tile_base + in_tile, cache_modifier=".cg")
+                for sp in range(1, n_split):
+                    total += gl.load(tile_base + sp * TILE + in_tile, cache_modifier=".cg")
+                store_tile(total, alpha_ptr, alpha_b_ptr, out_ptr, off_n, M, N, ALPHA_FROM_SCALES, ALPHA_DIV_RN)
+                gl.store(count_ptr + tile, 0)
+
+    def launch(a, b, sa, sb, alpha, block_n, step_w, split_k, num_warps, workspace):
+        """``alpha * (q_a * s_a) @ (q_b * s_b)^T`` in bf16 for M <= 16, K/2 a multiple of 4 * step_w bytes."""
+        m, n, kb = a.shape[0], b.shape[0], a.shape[1]
+        out = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
+        tiles = triton.cdiv(n, block_n)
+        splits, iters = split_ranges(kb // (4 * step_w), split_k)
+        part, count = workspace if splits > 1 else (out, out)
+        alpha_a, alpha_b = alpha_operands(alpha)
+        kernel[(tiles, splits)](a, sa, b, sb, alpha_a, alpha_b, out, part, count, m, n, kb // 4, kb // 32, iters,
+                                BLOCK_N=block_n, BLOCK_M=16, STEP_W=step_w, PARTIAL=splits > 1,
+                                num_warps=num_warps, **alpha_meta(alpha))
+        return out
+
+    launch.kernel = kernel
+    return launch
+
+
+def _reference(a, b, sa, sb, alpha) -> torch.Tensor:
+    """float64 ``alpha * (q_a * s_a) @ (q_b * s_b)^T`` from the format's decode table."""
+    def decoded(q, s):
+        table = nvfp4._E2M1_TABLE.to(device=q.device, dtype=torch.float64)
+        codes = torch.stack((q & 0xF, q >> 4), dim=-1).flatten(-2).long()
+        return table[codes] * s.to(torch.float64).repeat_interleave(nvfp4.BLOCK_SIZE, dim=1)
+    return (decoded(a, sa) @ decoded(b, sb).t()) * alpha.double()
+
+
+def _points(ms):
+    """``(m, n, k, a, sa, alpha, weights, x, w_t)`` over SHAPES x ``ms`` (bench_ops._rotating_points)."""
+    for m, n, k, x, a, sa, alpha, weights, w_t in bench_ops._rotating_points(SHAPES, ms):
+        yield m, n, k, a, sa, alpha.reshape(1), weights, x, w_t
+
+
+def _shipped(m, n, k, a, sa, alpha, weights, x, w_t, sms) -> tuple[mm_decode.DecodeConfig, dict]:
+    cfg = mm_decode.decode_config_for(m, n, k, sms)
+    us = {"shipped": bench_ops.decode_graph_ms(a, sa, alpha, weights, cfg) * 1e3,
+          "bf16": bench_ops.bench_graph([functools.partial(torch.mm, x, wt) for wt in w_t]) * 1e3}
+    return cfg, us
+
+
+def mma_sync_sweep(sms: int) -> list[dict]:
+    launch = _gluon_kernel()
+    rows = []
+    for m, n, k, a, sa, alpha, weights, x, w_t in _points((16,)):
+        cfg, us = _shipped(m, n, k, a, sa, alpha, weights, x, w_t, sms)
+        ref = _reference(a, weights[0][0], sa, weights[0][1], alpha)
+        variants = []
+        for block_n, warps, step_w in itertools.product((64, 128, 256), (2, 4, 8), (16, 32)):
+            if not 16 <= block_n // warps <= 64:
+                continue
+            tiles = triton.cdiv(n, block_n)
+            for per_sm in (4, 8, 16):
+                split = max(1, min(16, per_sm * sms // tiles, (k // 2) // (4 * step_w) // 3))
+                splits, _ = split_ranges((k // 2) // (4 * step_w), split)
+                ws = mm_decode.empty_decode_workspace(tiles * splits * block_n * 16, tiles, a.device)
+                out = launch(a, weights[0][0], sa, weights[0][1], alpha, block_n, step_w, split, warps, ws)
+                err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+                t = bench_ops.bench_graph([functools.partial(launch, a, wq, sa, wsq, alpha, block_n, step_w, split,
+                                                             warps, ws) for wq, wsq, _ in weights]) * 1e3
+                variants.append({"block_n": block_n, "warps": warps, "step_bytes": 4 * step_w, "split": splits,
+                                 "us": t, "rel_err": err})
+        ok = [v for v in variants if v["rel_err"] < MAX_REL_ERR]
+        best = min(ok, key=lambda v: v["us"])
+        print(f"MMA_SYNC m={m} n={n:<5d} k={k:<5d} shipped {us['shipped']:5.1f} us | mma.sync best {best['us']:5.1f} us "
+              f"({best['block_n']} rows, {best['warps']} warps, {best['step_bytes']} B, split {best['split']}; "
+              f"{us['shipped'] / best['us']:.2f}x shipped) | bf16 {us['bf16']:5.1f} | "
+              f"{len(variants) - len(ok)} variants over {MAX_REL_ERR:g} rel. error", flush=True)
+        rows.append({"m": m, "n": n, "k": k, **us, "variants": variants})
+    return rows
+
+
+def _against_shipped(label: str, m, n, k, a, sa, alpha, weights, x, w_t, sms, overrides: dict) -> dict:
+    """The shipped configuration and each of ``overrides`` (name -> DecodeConfig fields) timed; an
+    override with the shipped split must give the shipped output bit for bit."""
+    cfg, us = _shipped(m, n, k, a, sa, alpha, weights, x, w_t, sms)
+    b, sb = weights[0][0], weights[0][1]
+    ref = mm_decode.mm_fp4_decode(a, b, sa, sb, alpha, torch.bfloat16, cfg)
+    for name, fields in overrides.items():
+        c = dataclasses.replace(cfg, **fields)
+        out = mm_decode.mm_fp4_decode(a, b, sa, sb, alpha, torch.bfloat16, c)
+        if c.split_k == cfg.split_k and c.block_k == cfg.block_k and not torch.equal(out, ref):
+            raise AssertionError(f"{label} {name}: output differs from the shipped configuration's")
+        us[name] = bench_ops.decode_graph_ms(a, sa, alpha, weights, c) * 1e3
+    best = min((kk for kk in us if kk != "bf16"), key=us.get)
+    print(f"{label} m={m:<2d} n={n:<5d} k={k:<5d} [{cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.split_k} "
+          f"r{cfg.max_registers}] " + " ".join(f"{kk}={v:.1f}" for kk, v in us.items())
+          + f" | best {best} ({us['shipped'] / us[best]:.2f}x shipped)", flush=True)
+    return {"m": m, "n": n, "k": k, "config": dataclasses.asdict(cfg), "us": us}
+
+
+def predecode_sweep(sms: int) -> list[dict]:
+    rows = []
+    for point in _points(MS):
+        m, n, k = point[:3]
+        cfg = mm_decode.decode_config_for(m, n, k, sms)
+        pre = dict(predecode=True, scale_words=False)
+        overrides = {"pre": pre, "pre_bk128": {**pre, "block_k": 128},
+                     "pre_x2split": {**pre, "split_k": min(16, 2 * cfg.split_k)}}
+        rows.append(_against_shipped("PREDECODE", *point, sms, overrides))
+    return rows
+
+
+def caps_sweep(sms: int) -> list[dict]:
+    rows = []
+    for point in _points(MS):
+        m, n, k = point[:3]
+        cfg = mm_decode.decode_config_for(m, n, k, sms)
+        overrides = {f"r{cap}": {"max_registers": cap} for cap in (104, 96, 80)}
+        overrides["st4"] = {"num_stages": 4}
+        overrides["x1.5split"] = {"split_k": min(16, max(1, round(1.5 * cfg.split_k)))}
+        rows.append(_against_shipped("CAPS", *point, sms, overrides))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for flag in ("--mma-sync", "--predecode", "--caps"):
+        parser.add_argument(flag, action="store_true")
+    parser.add_argument("--json", help="raw results as JSON")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_decode_alternatives.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    everything = not (args.mma_sync or args.predecode or args.caps)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    raw = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    if args.mma_sync or everything:
+        raw["mma_sync"] = mma_sync_sweep(sms)
+    if args.predecode or everything:
+        raw["predecode"] = predecode_sweep(sms)
+    if args.caps or everything:
+        raw["caps"] = caps_sweep(sms)
+    if args.json:
+        Path(args.json).write_text(json.dumps(raw, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
