@@ -21,15 +21,11 @@ and 1024 (two prefill chunks of 512). Results in benchmarks/results/.
 """
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
 
 import bench_ops  # benchmarks/, this script's folder
 from fp4fuse.nvfp4 import format as nvfp4
@@ -101,17 +97,10 @@ def run() -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", help="raw results as JSON")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_amax_forms.py needs a CUDA GPU", file=sys.stderr)
+    args = bench_ops.script_args(__doc__, argv)
+    if args is None:
         return 2
-    rows = run()
-    if args.json:
-        raw = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "rows": rows}
-        Path(args.json).write_text(json.dumps(raw, indent=1))
+    bench_ops.write_raw(args.json, rows=run())
     return 0
 
 

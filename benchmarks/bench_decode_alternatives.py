@@ -12,9 +12,9 @@ times one alternative against it (no flag: all three):
   registers (``DotOperandLayout`` with ``k_width`` 2 over words: 8 code bytes of a row per 64-byte
   half step, the same bytes as ``k_width`` 8 over the fp16 planes, so the decoded planes need no
   layout conversion), decodes each word with one PTX block that also applies its block scale, and
-  prefetches the next K step's words in registers. No CTA barrier in the K loop; split-K with the
-  shipped kernel's last-arriver reduction. 16 activation rows; a sweep of weight rows per program,
-  warps, step and split. Gluon: Triton 3.6 only.
+  prefetches the next K step's words in registers. No CTA barrier in the K loop; split-K and the
+  epilogue are the Hopper Gluon GEMM's (``mm_hopper.finish_tile``). 16 activation rows; a sweep of
+  weight rows per program, warps, step and split. Gluon: Triton 3.6 only.
 * ``--predecode``: the shipped configuration with the activation pre-decoded by a launch of its own
   (``DecodeConfig.predecode``, the 65-256-row path), at 16-64 rows.
 * ``--caps``: the shipped configuration under register caps that fit more programs per
@@ -27,21 +27,18 @@ benchmarks/results/.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import itertools
-import json
 import sys
-from pathlib import Path
 
 import torch
 import triton
 
 import bench_ops  # benchmarks/, this script's folder
 from fp4fuse.kernels.triton import mm_decode
-from fp4fuse.kernels.triton.alpha import alpha_meta, alpha_operands, load_alpha
-from fp4fuse.kernels.triton.decode import DECODE_SCALE_UNDO, split_ranges
+from fp4fuse.kernels.triton.alpha import alpha_meta, alpha_operands
+from fp4fuse.kernels.triton.decode import split_ranges
 from fp4fuse.nvfp4 import format as nvfp4
 
 SHAPES = ((8192, 8192), (3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168), (28672, 8192))
@@ -55,6 +52,8 @@ def _gluon_kernel():
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    from fp4fuse.kernels.triton.mm_hopper import finish_tile
 
     # One code word (4 bytes, 8 codes of one 16-element block) and the word holding its block scale
     # with the prmt selector of that byte -> 8 fp16 halves, e2m1 * 2**-14 * scale (exact): $0..$3 the
@@ -78,16 +77,6 @@ def _gluon_kernel():
         lo = gl.reshape(gl.join(gl.join(o[0], o[2]), gl.join(o[1], o[3])), shape)
         hi = gl.reshape(gl.join(gl.join(o[4], o[6]), gl.join(o[5], o[7])), shape)
         return lo, hi
-
-    @gluon.jit
-    def store_tile(acc, alpha_ptr, alpha_b_ptr, out_ptr, off_n, M, N,
-                   ALPHA_FROM_SCALES: gl.constexpr, ALPHA_DIV_RN: gl.constexpr):
-        alpha = load_alpha(alpha_ptr, alpha_b_ptr, ALPHA_FROM_SCALES, ALPHA_DIV_RN)
-        res = ((acc * DECODE_SCALE_UNDO) * alpha).to(out_ptr.dtype.element_ty)
-        n_idx = off_n + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, acc.type.layout))
-        m_idx = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, acc.type.layout))
-        offs = m_idx[None, :].to(gl.int64) * N + n_idx[:, None]
-        gl.store(out_ptr + offs, res, mask=(m_idx < M)[None, :] & (n_idx < N)[:, None])
 
     @gluon.jit
     def kernel(a_ptr, as_ptr, b_ptr, bs_ptr, alpha_ptr, alpha_b_ptr, out_ptr, part_ptr, count_ptr,
@@ -141,23 +130,8 @@ def _gluon_kernel():
             w, ws, x, xs = w_next, ws_next, x_next, xs_next
             kw += STEP_W
 
-        if not PARTIAL:
-            store_tile(acc, alpha_ptr, alpha_b_ptr, out_ptr, off_n, M, N, ALPHA_FROM_SCALES, ALPHA_DIV_RN)
-        else:
-            n_split = gl.num_programs(1)
-            TILE: gl.constexpr = BLOCK_N * BLOCK_M
-            in_tile = (gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))[:, None] * BLOCK_M
-                       + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))[None, :])
-            tile_base = part_ptr + tile.to(gl.int64) * n_split * TILE
-            gl.store(tile_base + split * TILE + in_tile, acc)
-            gl.thread_barrier()
-            arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == n_split - 1:
-                total = gl.load(tile_base + in_tile, cache_modifier=".cg")
-                for sp in range(1, n_split):
-                    total += gl.load(tile_base + sp * TILE + in_tile, cache_modifier=".cg")
-                store_tile(total, alpha_ptr, alpha_b_ptr, out_ptr, off_n, M, N, ALPHA_FROM_SCALES, ALPHA_DIV_RN)
-                gl.store(count_ptr + tile, 0)
+        finish_tile(acc, alpha_ptr, alpha_b_ptr, out_ptr, part_ptr, count_ptr, tile, split, 0, off_n, M, N,
+                    PARTIAL, ALPHA_FROM_SCALES, ALPHA_DIV_RN, num_warps)
 
     def launch(a, b, sa, sb, alpha, block_n, step_w, split_k, num_warps, workspace):
         """``alpha * (q_a * s_a) @ (q_b * s_b)^T`` in bf16 for M <= 16, K/2 a multiple of 4 * step_w bytes."""
@@ -221,8 +195,8 @@ def mma_sync_sweep(sms: int) -> list[dict]:
                                  "us": t, "rel_err": err})
         ok = [v for v in variants if v["rel_err"] < MAX_REL_ERR]
         best = min(ok, key=lambda v: v["us"])
-        print(f"MMA_SYNC m={m} n={n:<5d} k={k:<5d} shipped {us['shipped']:5.1f} us | mma.sync best {best['us']:5.1f} us "
-              f"({best['block_n']} rows, {best['warps']} warps, {best['step_bytes']} B, split {best['split']}; "
+        print(f"MMA_SYNC m={m} n={n:<5d} k={k:<5d} shipped {us['shipped']:5.1f} us | "
+              f"mma.sync best {best['us']:5.1f} us ({best['block_n']} rows, {best['warps']} warps, {best['step_bytes']} B, split {best['split']}; "
               f"{us['shipped'] / best['us']:.2f}x shipped) | bf16 {us['bf16']:5.1f} | "
               f"{len(variants) - len(ok)} variants over {MAX_REL_ERR:g} rel. error", flush=True)
         rows.append({"m": m, "n": n, "k": k, **us, "variants": variants})
@@ -273,25 +247,19 @@ def caps_sweep(sms: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for flag in ("--mma-sync", "--predecode", "--caps"):
-        parser.add_argument(flag, action="store_true")
-    parser.add_argument("--json", help="raw results as JSON")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_decode_alternatives.py needs a CUDA GPU", file=sys.stderr)
+    args = bench_ops.script_args(__doc__, argv, ("--mma-sync", "--predecode", "--caps"))
+    if args is None:
         return 2
     everything = not (args.mma_sync or args.predecode or args.caps)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    raw = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    results = {}
     if args.mma_sync or everything:
-        raw["mma_sync"] = mma_sync_sweep(sms)
+        results["mma_sync"] = mma_sync_sweep(sms)
     if args.predecode or everything:
-        raw["predecode"] = predecode_sweep(sms)
+        results["predecode"] = predecode_sweep(sms)
     if args.caps or everything:
-        raw["caps"] = caps_sweep(sms)
-    if args.json:
-        Path(args.json).write_text(json.dumps(raw, indent=1))
+        results["caps"] = caps_sweep(sms)
+    bench_ops.write_raw(args.json, **results)
     return 0
 
 

@@ -52,6 +52,7 @@ import datetime
 import functools
 import json
 import logging
+import os
 import sys
 import time
 from typing import Any
@@ -70,6 +71,30 @@ MM_MS = (1, 16, 128, 1024, 8192)
 MM_SHAPES = ((8192, 8192), (28672, 8192), (8192, 28672))
 GRAPH_MAX_M = 128
 ROTATIONS = 4
+
+
+def script_args(doc: str, argv: list[str] | None, flags: tuple[str, ...] = ()) -> argparse.Namespace | None:
+    """The arguments of a GPU benchmark script documented by ``doc``: ``--json`` and ``flags``
+    (each a switch). None, after a line on stderr, where there is no CUDA GPU."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    for flag in flags:
+        parser.add_argument(flag, action="store_true")
+    parser.add_argument("--json", help="raw results as JSON")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"{os.path.basename(sys.argv[0])} needs a CUDA GPU", file=sys.stderr)
+        return None
+    return args
+
+
+def write_raw(path: str | None, **results: Any) -> None:
+    """``results`` as JSON at ``path`` (nothing where None), after the device and the torch and
+    Triton versions."""
+    if path:
+        raw = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               **results}
+        with open(path, "w") as f:
+            json.dump(raw, f, indent=1)
 
 
 def bench(fn, warmup: int = 10, rep: int = 40) -> float:

@@ -22,11 +22,9 @@ benchmarks/results/.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import importlib.util
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -116,18 +114,12 @@ def run(modules: dict[str, object]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", help="raw results as JSON")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_split_k_tail.py needs a CUDA GPU", file=sys.stderr)
+    args = bench_ops.script_args(__doc__, argv)
+    if args is None:
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         rows = run(variant_modules(Path(tmp)))
-    if args.json:
-        raw = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "rows": rows}
-        Path(args.json).write_text(json.dumps(raw, indent=1))
+    bench_ops.write_raw(args.json, rows=rows)
     return 0
 
 

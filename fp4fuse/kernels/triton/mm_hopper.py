@@ -79,7 +79,8 @@ from fp4fuse.kernels.triton.decode import (
 from fp4fuse.kernels.triton.launch import FastKernel, Relaunch, launch_hooks_set, traceable, tracing, triton_version
 from fp4fuse.kernels.triton.mm_decode import DECODE_MAX_M, empty_decode_workspace
 
-__all__ = ["ENV_DISABLE_GLUON", "HOPPER_BF16_MAX_M", "SPLIT_MIN_M", "SPLIT_MIN_WEIGHT", "fills_the_gpu", "gluon_disabled",
+__all__ = ["ENV_DISABLE_GLUON", "HOPPER_BF16_MAX_M", "SPLIT_MIN_M", "SPLIT_MIN_WEIGHT", "fills_the_gpu", "finish_tile",
+           "gluon_disabled",
            "hopper_available", "hopper_operands_ok", "hopper_serves", "hopper_split", "mm_fp4_hopper",
            "mm_fp4_hopper_halves", "serves_shape", "split_for"]
 
@@ -326,13 +327,26 @@ def _mm_hopper_kernel(xlo_desc, xhi_desc, w_desc, ws_ptr, alpha_ptr, alpha_b_ptr
         (_load_partition, (xlo_desc, xhi_desc, w_desc, xlo_bufs, xhi_bufs, w_bufs, ready, empty, off_m, off_n,
                            k_begin, k_count)),
     ], [1], [LOADER_REGISTERS])
-    acc = results[0]
+    finish_tile(results[0], alpha_ptr, alpha_b_ptr, out_ptr, part_ptr, count_ptr, tile, split, off_m, off_n, M, N,
+                PARTIAL, ALPHA_FROM_SCALES, ALPHA_DIV_RN, num_warps)
+
+
+@gluon.jit
+def finish_tile(acc, alpha_ptr, alpha_b_ptr, out_ptr, part_ptr, count_ptr, tile, split, off_m, off_n, M, N,
+                PARTIAL: gl.constexpr, ALPHA_FROM_SCALES: gl.constexpr, ALPHA_DIV_RN: gl.constexpr,
+                num_warps: gl.constexpr):
+    """The end of program ``(tile, split)`` of a grid ``(tiles, splits)`` with its fp32
+    ``acc[BLOCK_N, BLOCK_M]`` (any distributed layout) for outputs ``[off_m, +BLOCK_M) x [off_n,
+    +BLOCK_N)``: the output (not PARTIAL), or the partial and the last-arriver reduction (PARTIAL:
+    split-K, module docstring)."""
     if not PARTIAL:
         _store_output(acc, alpha_ptr, alpha_b_ptr, out_ptr, off_m, off_n, M, N, ALPHA_FROM_SCALES, ALPHA_DIV_RN,
                       num_warps)
     else:
         # fp32 partial of this split -> workspace; the last of the tile's splits to arrive sums all
         # of them in split order (the same bits whichever arrives last) and writes the output
+        BLOCK_N: gl.constexpr = acc.shape[0]
+        BLOCK_M: gl.constexpr = acc.shape[1]
         n_split = gl.num_programs(1)
         TILE: gl.constexpr = BLOCK_N * BLOCK_M
         in_tile = (gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc.type.layout))[:, None] * BLOCK_M
