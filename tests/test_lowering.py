@@ -449,6 +449,22 @@ def test_sibling_gemms_of_one_activation_share_one_launch(triton_cuda_target):
     assert not [n for n in gm.graph.nodes if n.target is fp4.mm_fp4.default]
 
 
+def test_sibling_gemms_above_the_decode_rows_dequantize_their_activation_once(triton_cuda_target):
+    """q/k/v GEMMs of 300 rows (dequantize + cuBLAS): one launch dequantizes the activation and
+    the three weights, three cuBLAS products, one launch applies the three alphas."""
+    gm = _static_graph(_qkv, *_qkv_operands(300))
+    lowering = KernelLoweringPass(FusionConfig())
+    lowering(gm.graph)
+    gm.graph.lint()
+    assert lowering.match_counts["lowering.mm_fp4_siblings"] == 1
+    launched = _kernels_launched(gm)
+    assert [name for name, _ in launched] == ["_quant_kernel", "_dequant_group_kernel", "_scale_group_kernel"]
+    assert launched[1][1]["SEGMENTS"] == 4 and launched[2][1]["SEGMENTS"] == 3 and launched[2][1]["ALPHA_FROM_SCALES"]
+    assert len(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.mm.default)) == 3
+    outputs = gm.graph.find_nodes(op="output")[0].args[0]
+    assert [tuple(out.meta["val"].shape) for out in outputs] == [(300, 96), (300, 32), (300, 32)]
+
+
 def test_a_sibling_input_computed_later_moves_before_the_shared_launch(triton_cuda_target):
     """A factor of the k GEMM's alpha is computed in the graph after the q GEMM; it is side-effect
     free, so it moves before q's place and the three share a launch."""

@@ -308,6 +308,25 @@ def test_cuda_dispatch_up_to_256_rows_and_grouped_calls():
 
 
 @pytest.mark.cuda
+def test_cuda_gluon_siblings_of_one_activation_decode_it_once():
+    """Above 256 rows, Gluon GEMMs on one activation (a layer's gate and up projections) through
+    ``mm_fp4_calls_triton``: the activation decoded once (``mm_fp4_hopper_products``), each output
+    bitwise its own ``mm_fp4_triton`` call, and a third call on another activation left alone."""
+    _require_hopper()
+    m, n, k = 1024, 8192, 1024
+    a, sa, ga, b, sb, gb = _operands(m, n, k, seed=31)
+    up, sup, gup = _operands(m, n, k, seed=37)[3:]
+    other, so, go = _operands(m, n, k, seed=41)[:3]
+    assert triton_mm.hopper_serves(m, n, k, torch.bfloat16, a.device)
+    calls = [(a, b, sa, sb, 1.0 / (ga * gb), torch.bfloat16), (a, up, sa, sup, 1.0 / (ga * gup), torch.bfloat16),
+             (other, b, so, sb, 1.0 / (go * gb), torch.bfloat16)]
+    outs = triton_mm.mm_fp4_calls_triton(calls)
+    for got, call in zip(outs, calls):
+        assert torch.equal(got, triton_mm.mm_fp4_triton(*call))
+    assert _rel_error(outs[1], *calls[1][:5]) <= _TOL[torch.bfloat16]
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("div_rn", [True, False])
 def test_cuda_alpha_from_global_scales(div_rn):
     """``GlobalScales``: the epilogue forms ``1 / (gs_a * gs_b)``; with IEEE division it is the

@@ -205,7 +205,7 @@ def _check_alpha_from_global_scales(gen: torch.Generator) -> None:
     """Every alpha epilogue given ``GlobalScales(ga, gb)`` gives the bits of alpha = 1 / (ga * gb)
     passed as a tensor (the interpreter divides IEEE either way; the PTX division's rounding is
     checked on CUDA in test_lowering.py): decode (one launch, split-K), tiled (split-K reduction
-    and direct epilogue), dequantize + cuBLAS (``_scale_kernel``)."""
+    and direct epilogue), dequantize + cuBLAS (``_scale_group_kernel``)."""
     from fp4fuse.kernels.triton.alpha import GlobalScales
     C, D = triton_mm.MMConfig, mm_decode.DecodeConfig
     m, n, k = 19, 37, 160
@@ -230,6 +230,7 @@ def case_mm() -> None:
     gen = torch.Generator().manual_seed(2)
     _check_empty_operands(gen)
     _check_alpha_from_global_scales(gen)
+    _check_shared_activation(gen)
     C = triton_mm.MMConfig
     configs = (C(16, 16, 2, 1, 4, 2), C(32, 16, 4, 2, 4, 2), C(16, 32, 2, 3, 4, 2), C(64, 16, 4, 1, 4, 2))
     for m, n, k in ((3, 5, 48), (1, 5, 16), (130, 37, 64), (17, 70, 160)):
@@ -275,6 +276,37 @@ def case_mm() -> None:
         out = triton_mm.mm_fp4_triton(a, b, sa, sb, alpha, torch.float32)
         rel = ((out.double() - ref).norm() / ref.norm()).item()
         assert rel <= 1e-5, f"dispatch {m}x{n}x{k}: rel {rel:.2e}"
+
+
+def _check_shared_activation(gen: torch.Generator) -> None:
+    """Above the decode GEMM's rows, bf16 sibling GEMMs of one activation (dequantize + cuBLAS on
+    CPU): ``mm_fp4_calls_triton`` gives each call's own bits with the activation dequantized once
+    (``dequantize_fp4_group_triton``: 1 to 6 tensors, in launches of up to 4, each the values of
+    its own ``dequantize_fp4_triton``) and the alphas applied together (``scale_by_alphas_``: each
+    the rounded fp32 product; mixed alpha forms)."""
+    m, k = 300, 48
+    a, sa, ga = _quantized(m, k, gen)
+    weights = [_quantized(n, k, gen) for n in (40, 24, 24, 8, 16)]
+    for count in range(1, 7):
+        tensors = [(a, sa), *((b, sb) for b, sb, _ in weights)][:count]
+        for got, (q, s) in zip(triton_mm.dequantize_fp4_group_triton(tensors), tensors):
+            assert torch.equal(got.float(), nvfp4.dequantize_reference(q, s)), f"dequant group of {count}"
+    from fp4fuse.kernels.triton.alpha import GlobalScales
+    xs = [(torch.randn(m, n, generator=gen) * 100).to(torch.bfloat16) for n in (40, 24, 24, 8)]
+    alphas = [1.0 / (ga * gb) for *_, gb in weights[:4]]
+    alphas[1] = GlobalScales(ga, weights[1][2])
+    got = triton_mm.scale_by_alphas_([x.clone() for x in xs], alphas)
+    for g, x, alpha in zip(got, xs, alphas):
+        value = alpha if isinstance(alpha, torch.Tensor) else 1.0 / (alpha.a * alpha.b)
+        assert _ulps_ok(g, (x.float() * value).to(torch.bfloat16), 1), "scale_by_alphas_"
+        assert torch.equal(g, triton_mm.scale_by_alpha_(x.clone(), alpha)), "scale_by_alphas_ vs scale_by_alpha_"
+    other, so, _ = _quantized(m, k, gen)
+    calls = [(a, b, sa, sb, 1.0 / (ga * gb), torch.bfloat16) for b, sb, gb in weights[:3]]
+    calls.append((other, weights[3][0], so, weights[3][1], 1.0 / (ga * weights[3][2]), torch.bfloat16))
+    for got, call in zip(triton_mm.mm_fp4_calls_triton(calls), calls):
+        assert torch.equal(got, triton_mm.mm_fp4_triton(*call)), f"shared activation {tuple(call[1].shape)}"
+        ref = nvfp4.mm_fp4_reference(*call[:5], torch.float64)
+        assert ((got.double() - ref).norm() / ref.norm()).item() <= 1e-2, "shared activation vs float64"
 
 
 def _check_decode_group(gen: torch.Generator) -> None:

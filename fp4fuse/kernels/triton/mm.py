@@ -32,11 +32,12 @@ Kernels and dispatch (``mm_fp4_triton``; measurements in benchmarks/results/):
   tiles):
   ``fp4fuse.kernels.triton.mm_hopper``, a warp-specialized Gluon kernel that decodes the weight
   straight into wgmma register fragments (:func:`hopper_serves`);
-* ``_dequant_pair_kernel`` + cuBLAS: otherwise from ``DEQUANT_MIN_M`` on with bf16 output (where the GEMM
-  becomes compute-bound and each weight tile would be decoded once per M tile), so both operands are
-  decoded once to bf16 (exact, one launch) and
-  multiplied by ``torch.mm``, then scaled by alpha in place by ``_scale_kernel`` (a second rounding
-  to bf16: ``bf16(fp32(bf16(acc)) * alpha)``). PyTorch's ``out.mul_(alpha)`` with a CUDA 0-dim
+* ``_dequant_group_kernel`` + cuBLAS: otherwise from ``DEQUANT_MIN_M`` on with bf16 output (where the
+  GEMM becomes compute-bound and each weight tile would be decoded once per M tile), so both operands
+  are decoded once to bf16 (exact, one launch) and multiplied by ``torch.mm``, then scaled by alpha
+  in place by ``_scale_group_kernel`` (a second rounding to bf16: ``bf16(fp32(bf16(acc)) * alpha)``).
+  Sibling calls on one activation (``mm_fp4_calls_triton``) dequantize it once, with all their
+  weights in the same launch, and scale all their outputs in one launch. PyTorch's ``out.mul_(alpha)`` with a CUDA 0-dim
   fp32 alpha would round alpha to bf16 first and runs a non-vectorized mixed-dtype loop at about a
   quarter of the copy bandwidth. fp16/fp32 outputs always use the tiled kernel (a bf16 cuBLAS output would lose precision).
 """
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -196,15 +198,23 @@ def _dequant_kernel(q_ptr, s_ptr, out_ptr, n_blocks, BLOCKS: tl.constexpr):
 
 
 @triton.jit
-def _dequant_pair_kernel(qa_ptr, sa_ptr, outa_ptr, na_blocks, qb_ptr, sb_ptr, outb_ptr, nb_blocks, programs_a,
-                         BLOCKS: tl.constexpr):
-    """Two ``_dequant_kernel`` launches in one: programs ``[0, programs_a)`` dequantize the first
-    tensor, the others the second."""
+def _dequant_group_kernel(q0_ptr, s0_ptr, out0_ptr, n0_blocks, q1_ptr, s1_ptr, out1_ptr, n1_blocks,
+                          q2_ptr, s2_ptr, out2_ptr, n2_blocks, q3_ptr, s3_ptr, out3_ptr, n3_blocks,
+                          end0, end1, end2, SEGMENTS: tl.constexpr, BLOCKS: tl.constexpr):
+    """``SEGMENTS`` (1 to 4) ``_dequant_kernel`` launches in one: programs ``[0, end0)`` dequantize
+    tensor 0, ``[end0, end1)`` tensor 1, ``[end1, end2)`` tensor 2, the rest tensor 3."""
     pid = tl.program_id(0)
-    if pid < programs_a:
-        _dequant_blocks(qa_ptr, sa_ptr, outa_ptr, na_blocks, pid, BLOCKS)
-    else:
-        _dequant_blocks(qb_ptr, sb_ptr, outb_ptr, nb_blocks, pid - programs_a, BLOCKS)
+    q_ptr, s_ptr, out_ptr, n_blocks, first = q0_ptr, s0_ptr, out0_ptr, n0_blocks, pid * 0
+    if SEGMENTS > 1:
+        if pid >= end0:
+            q_ptr, s_ptr, out_ptr, n_blocks, first = q1_ptr, s1_ptr, out1_ptr, n1_blocks, end0
+    if SEGMENTS > 2:
+        if pid >= end1:
+            q_ptr, s_ptr, out_ptr, n_blocks, first = q2_ptr, s2_ptr, out2_ptr, n2_blocks, end1
+    if SEGMENTS > 3:
+        if pid >= end2:
+            q_ptr, s_ptr, out_ptr, n_blocks, first = q3_ptr, s3_ptr, out3_ptr, n3_blocks, end2
+    _dequant_blocks(q_ptr, s_ptr, out_ptr, n_blocks, pid - first, BLOCKS)
 
 
 @triton.jit
@@ -235,10 +245,28 @@ def _dequant_blocks(q_ptr, s_ptr, out_ptr, n_blocks, pid, BLOCKS: tl.constexpr):
 
 
 @triton.jit
-def _scale_kernel(x_ptr, alpha_ptr, alpha_b_ptr, n_elements, BLOCK: tl.constexpr,
-                  ALPHA_FROM_SCALES: tl.constexpr = False, ALPHA_DIV_RN: tl.constexpr = False):
-    """In place: ``x = x_dtype(fp32(x) * alpha)`` (round to nearest even), flat."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _scale_group_kernel(x0_ptr, a0_ptr, ab0_ptr, n0, x1_ptr, a1_ptr, ab1_ptr, n1, x2_ptr, a2_ptr, ab2_ptr, n2,
+                        end0, end1, SEGMENTS: tl.constexpr, BLOCK: tl.constexpr,
+                        ALPHA_FROM_SCALES: tl.constexpr = False, ALPHA_DIV_RN: tl.constexpr = False):
+    """In place ``x = x_dtype(fp32(x) * alpha)`` (round to nearest even), flat, for ``SEGMENTS``
+    (1 to 3) tensors, each with its own alpha: programs ``[0, end0)`` scale tensor 0, ``[end0,
+    end1)`` tensor 1, the rest tensor 2."""
+    pid = tl.program_id(0)
+    x_ptr, alpha_ptr, alpha_b_ptr, n_elements, first = x0_ptr, a0_ptr, ab0_ptr, n0, pid * 0
+    if SEGMENTS > 1:
+        if pid >= end0:
+            x_ptr, alpha_ptr, alpha_b_ptr, n_elements, first = x1_ptr, a1_ptr, ab1_ptr, n1, end0
+    if SEGMENTS > 2:
+        if pid >= end1:
+            x_ptr, alpha_ptr, alpha_b_ptr, n_elements, first = x2_ptr, a2_ptr, ab2_ptr, n2, end1
+    _scale_block(x_ptr, alpha_ptr, alpha_b_ptr, n_elements, pid - first, BLOCK, ALPHA_FROM_SCALES, ALPHA_DIV_RN)
+
+
+@triton.jit
+def _scale_block(x_ptr, alpha_ptr, alpha_b_ptr, n_elements, pid, BLOCK: tl.constexpr,
+                 ALPHA_FROM_SCALES: tl.constexpr, ALPHA_DIV_RN: tl.constexpr):
+    """Program ``pid`` of one tensor of ``_scale_group_kernel``: ``BLOCK`` elements from ``pid * BLOCK``."""
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
     x = tl.load(x_ptr + offs, mask=mask)
     alpha = load_alpha(alpha_ptr, alpha_b_ptr, ALPHA_FROM_SCALES, ALPHA_DIV_RN)
@@ -361,19 +389,33 @@ def dequantize_fp4_triton(q: torch.Tensor, s: torch.Tensor, config: tuple[int, i
 def dequantize_fp4_pair_triton(
     a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dequantize_fp4_triton`` of two tensors in one launch (the same values: each program runs
-    ``_dequant_kernel``'s code on one tensor's blocks); contiguous operands."""
-    a16 = torch.empty((a.shape[0], a.shape[1] * 2), dtype=torch.bfloat16, device=a.device)
-    b16 = torch.empty((b.shape[0], b.shape[1] * 2), dtype=torch.bfloat16, device=b.device)
-    na, nb = a16.numel() // BLOCK_SIZE, b16.numel() // BLOCK_SIZE
-    blocks, num_warps = DEQUANT_LAUNCH
-    programs_a = triton.cdiv(na, blocks)
-    programs = programs_a + triton.cdiv(nb, blocks)
-    if programs:
-        traceable(_dequant_pair_kernel)[(programs,)](
-            a, a_scale, a16, na, b, b_scale, b16, nb, programs_a,
-            BLOCKS=blocks, num_warps=num_warps)
+    """``dequantize_fp4_triton`` of two tensors in one launch (``dequantize_fp4_group_triton``)."""
+    a16, b16 = dequantize_fp4_group_triton([(a, a_scale), (b, b_scale)])
     return a16, b16
+
+
+#: Tensors one ``_dequant_group_kernel`` launch dequantizes.
+DEQUANT_GROUP = 4
+
+
+def dequantize_fp4_group_triton(tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    """``[dequantize_fp4_triton(q, s) for q, s in tensors]``, the same values, up to
+    ``DEQUANT_GROUP`` tensors per launch (each program runs ``_dequant_kernel``'s code on one
+    tensor's blocks); contiguous operands."""
+    outs = [torch.empty((q.shape[0], q.shape[1] * 2), dtype=torch.bfloat16, device=q.device) for q, _ in tensors]
+    blocks, num_warps = DEQUANT_LAUNCH
+    for start in range(0, len(tensors), DEQUANT_GROUP):
+        segments = [(q, s, out, out.numel() // BLOCK_SIZE)
+                    for (q, s), out in zip(tensors[start:start + DEQUANT_GROUP], outs[start:start + DEQUANT_GROUP])]
+        ends = list(itertools.accumulate(triton.cdiv(n_blocks, blocks) for *_, n_blocks in segments))
+        count = len(segments)
+        segments += [segments[-1]] * (DEQUANT_GROUP - count)  # unused slots (SEGMENTS prunes them)
+        ends += [ends[-1]] * (DEQUANT_GROUP - count)
+        if ends[-1]:
+            traceable(_dequant_group_kernel)[(ends[-1],)](
+                *(arg for segment in segments for arg in segment), *ends[:-1],
+                SEGMENTS=count, BLOCKS=blocks, num_warps=num_warps)
+    return outs
 
 
 def mm_fp4_dequant_mm(
@@ -382,11 +424,20 @@ def mm_fp4_dequant_mm(
 ) -> torch.Tensor:
     """bf16 output through exact bf16 dequantization of both operands (one launch), cuBLAS and an
     in-place alpha multiply (fp32 accumulate, rounded to bf16, times alpha, rounded again)."""
-    a16, b16 = dequantize_fp4_pair_triton(a, a_scale, b, b_scale)
-    return scale_by_alpha_(torch.mm(a16, b16.t()), alpha)
+    return mm_fp4_dequant_mm_products(a, a_scale, [(b, b_scale, alpha)])[0]
 
 
-#: Elements per program of ``_scale_kernel`` (16 per thread at 4 warps: 32-byte bf16 accesses).
+def mm_fp4_dequant_mm_products(
+    a: torch.Tensor, a_scale: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor, Alpha]],
+) -> list[torch.Tensor]:
+    """``[mm_fp4_dequant_mm(a, b, a_scale, b_scale, alpha) for b, b_scale, alpha in weights]``, bit
+    for bit: the activation dequantized once with the weights (``dequantize_fp4_group_triton``), one
+    ``torch.mm`` a weight, the alphas applied in one launch (``scale_by_alphas_``)."""
+    a16, *weights16 = dequantize_fp4_group_triton([(a, a_scale), *((b, b_scale) for b, b_scale, _ in weights)])
+    return scale_by_alphas_([torch.mm(a16, b16.t()) for b16 in weights16], [alpha for *_, alpha in weights])
+
+
+#: Elements per program of ``_scale_group_kernel`` (16 per thread at 4 warps: 32-byte bf16 accesses).
 SCALE_BLOCK = 2048
 
 
@@ -394,17 +445,38 @@ def scale_by_alpha_(x: torch.Tensor, alpha: Alpha) -> torch.Tensor:
     """In place ``x = x.dtype(fp32(x) * alpha)`` (one rounding, to nearest even) and return ``x``;
     ``alpha`` a one-element fp32 device tensor (not synchronised) or ``GlobalScales`` of two,
     ``x`` contiguous bf16/fp16."""
-    if not x.is_contiguous():
-        raise ValueError(f"scale_by_alpha_: x must be contiguous; got strides {x.stride()}")
-    for t in alpha_operands(alpha):
-        if t.numel() != 1 or t.dtype != torch.float32:
-            raise ValueError(f"scale_by_alpha_: alpha (or each of its GlobalScales) must be a one-element "
-                             f"float32 tensor; got {t.dtype} {list(t.shape)}")
-    n = x.numel()
-    if n:
-        traceable(_scale_kernel)[(triton.cdiv(n, SCALE_BLOCK),)](
-            x, *alpha_operands(alpha), n, BLOCK=SCALE_BLOCK, **alpha_meta(alpha), num_warps=4)
-    return x
+    return scale_by_alphas_([x], [alpha])[0]
+
+
+#: Tensors one ``_scale_group_kernel`` launch scales.
+SCALE_GROUP = 3
+
+
+def scale_by_alphas_(xs: list[torch.Tensor], alphas: list[Alpha]) -> list[torch.Tensor]:
+    """``[scale_by_alpha_(x, alpha) for x, alpha in zip(xs, alphas)]``, the same bits, up to
+    ``SCALE_GROUP`` tensors per launch where their alphas have one form (``alpha_meta``)."""
+    for x, alpha in zip(xs, alphas):
+        if not x.is_contiguous():
+            raise ValueError(f"scale_by_alpha_: x must be contiguous; got strides {x.stride()}")
+        for t in alpha_operands(alpha):
+            if t.numel() != 1 or t.dtype != torch.float32:
+                raise ValueError(f"scale_by_alpha_: alpha (or each of its GlobalScales) must be a one-element "
+                                 f"float32 tensor; got {t.dtype} {list(t.shape)}")
+    todo = [(x, alpha) for x, alpha in zip(xs, alphas) if x.numel()]
+    while todo:
+        meta = alpha_meta(todo[0][1])
+        batch = [item for item in todo if alpha_meta(item[1]) == meta and item[0].dtype == todo[0][0].dtype]
+        batch = batch[:SCALE_GROUP]
+        todo = [item for item in todo if not any(item is b for b in batch)]
+        segments = [(x, *alpha_operands(alpha), x.numel()) for x, alpha in batch]
+        ends = list(itertools.accumulate(triton.cdiv(x.numel(), SCALE_BLOCK) for x, _ in batch))
+        count = len(segments)
+        segments += [segments[-1]] * (SCALE_GROUP - count)  # unused slots (SEGMENTS prunes them)
+        ends += [ends[-1]] * (SCALE_GROUP - count)
+        traceable(_scale_group_kernel)[(ends[-1],)](
+            *(arg for segment in segments for arg in segment), *ends[:-1],
+            SEGMENTS=count, BLOCK=SCALE_BLOCK, **meta, num_warps=4)
+    return xs
 
 
 @functools.cache
@@ -468,14 +540,28 @@ def mm_fp4_triton(
 ) -> torch.Tensor:
     """``alpha * (q_a * s_a) @ (q_b * s_b)^T`` as ``[M, N]`` ``out_dtype`` (see module docstring)."""
     m, n, k = a.shape[0], b.shape[0], a.shape[1] * 2
-    hopper = hopper_gemm(m, b, b_scale, out_dtype)
-    if hopper is not None:
+    path, hopper = _gemm_path(m, b, b_scale, out_dtype)
+    if path == "hopper":
         return hopper(a, b, a_scale, b_scale, alpha, out_dtype)
-    if m <= DECODE_MAX_M:
+    if path == "decode":
         return mm_fp4_decode(a, b, a_scale, b_scale, alpha, out_dtype)
-    if out_dtype == torch.bfloat16 and m >= DEQUANT_MIN_M:
+    if path == "dequant":
         return mm_fp4_dequant_mm(a, b, a_scale, b_scale, alpha)
     return mm_fp4_tiled(a, b, a_scale, b_scale, alpha, out_dtype, mm_config_for(m, n, k, a.device))
+
+
+def _gemm_path(m: int | torch.SymInt, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype
+               ) -> tuple[str, Callable[..., Any] | None]:
+    """Which kernel computes an ``[m, K] x b^T`` product (module docstring): ``"hopper"`` (with the
+    launch ``hopper_gemm`` returns), ``"decode"``, ``"dequant"`` or ``"tiled"``."""
+    hopper = hopper_gemm(m, b, b_scale, out_dtype)
+    if hopper is not None:
+        return "hopper", hopper
+    if m <= DECODE_MAX_M:
+        return "decode", None
+    if out_dtype == torch.bfloat16 and m >= DEQUANT_MIN_M:
+        return "dequant", None
+    return "tiled", None
 
 
 def mm_fp4_group_triton(
@@ -489,15 +575,36 @@ def mm_fp4_group_triton(
 
 def mm_fp4_calls_triton(calls: list[tuple]) -> list[torch.Tensor]:
     """``[mm_fp4_triton(*call) for call in calls]`` (each call ``mm_fp4``'s arguments in order), bit
-    for bit: the decode GEMM's products (up to ``DECODE_MAX_M`` rows, not the Hopper GEMM's) of one
-    output dtype share launches where their activations have one shape
-    (``mm_decode.mm_fp4_decode_products``); the others are one call each."""
+    for bit, in fewer launches: the decode GEMM's products of one output dtype share launches where
+    their activations have one shape (``mm_decode.mm_fp4_decode_products``); the Hopper GEMM's and
+    dequantize + cuBLAS's products of one activation (the same ``a`` and ``a_scale`` tensors) and
+    output dtype decode or dequantize it once (``mm_hopper.mm_fp4_hopper_products``,
+    ``mm_fp4_dequant_mm_products``); the others are one call each."""
     outs: list[torch.Tensor | None] = [None] * len(calls)
-    decoded = [i for i, (a, b, _, b_scale, _, out_dtype) in enumerate(calls)
-               if a.shape[0] <= DECODE_MAX_M and hopper_gemm(a.shape[0], b, b_scale, out_dtype) is None]
+    paths = [_gemm_path(a.shape[0], b, b_scale, out_dtype)[0] for a, b, _, b_scale, _, out_dtype in calls]
+    decoded = [i for i, path in enumerate(paths) if path == "decode"]
     if len({calls[i][5] for i in decoded}) == 1:
         products = [DecodeProduct(a, a_scale, b, b_scale, alpha) for a, b, a_scale, b_scale, alpha, _ in
                     (calls[i] for i in decoded)]
         for i, out in zip(decoded, mm_fp4_decode_products(products, calls[decoded[0]][5])):
             outs[i] = out
+    shared = {"hopper": lambda a, a_scale, weights, out_dtype: hopper_kernels().mm_fp4_hopper_products(
+                  a, a_scale, weights, out_dtype),
+              "dequant": lambda a, a_scale, weights, out_dtype: mm_fp4_dequant_mm_products(a, a_scale, weights)}
+    for path, products_of in shared.items():
+        for members in _one_activation([i for i, p in enumerate(paths) if p == path], calls):
+            a, _, a_scale, _, _, out_dtype = calls[members[0]]
+            weights = [(calls[i][1], calls[i][3], calls[i][4]) for i in members]
+            for i, out in zip(members, products_of(a, a_scale, weights, out_dtype)):
+                outs[i] = out
     return [out if out is not None else mm_fp4_triton(*call) for out, call in zip(outs, calls)]
+
+
+def _one_activation(indices: list[int], calls: list[tuple]) -> list[list[int]]:
+    """``indices`` of ``calls`` grouped by activation (the same ``a`` and ``a_scale`` objects) and
+    output dtype, in order; groups of two or more only."""
+    groups: dict[tuple[int, int, torch.dtype], list[int]] = {}
+    for i in indices:
+        a, _, a_scale, _, _, out_dtype = calls[i]
+        groups.setdefault((id(a), id(a_scale), out_dtype), []).append(i)
+    return [members for members in groups.values() if len(members) > 1]

@@ -82,7 +82,7 @@ from fp4fuse.kernels.triton.mm_decode import DECODE_MAX_M, empty_decode_workspac
 __all__ = ["ENV_DISABLE_GLUON", "HOPPER_BF16_MAX_M", "SPLIT_MIN_M", "SPLIT_MIN_WEIGHT", "fills_the_gpu", "finish_tile",
            "gluon_disabled",
            "hopper_available", "hopper_operands_ok", "hopper_serves", "hopper_split", "mm_fp4_hopper",
-           "mm_fp4_hopper_halves", "serves_shape", "split_for"]
+           "mm_fp4_hopper_halves", "mm_fp4_hopper_products", "serves_shape", "split_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -399,6 +399,27 @@ def mm_fp4_hopper(
     only, so the compiled graph computes what the eager call computes, bit for bit."""
     _check_operands(a, b, a_scale, b_scale, out_dtype, out, block_m, split_k)
     xlo, xhi = decode_fp4_halves(a, a_scale)
+    return _on_halves(a, a_scale, xlo, xhi, b, b_scale, alpha, out_dtype, out, block_m, split_k, max_registers)
+
+
+def mm_fp4_hopper_products(a: torch.Tensor, a_scale: torch.Tensor,
+                           weights: list[tuple[torch.Tensor, torch.Tensor, Alpha]], out_dtype: torch.dtype,
+                           ) -> list[torch.Tensor]:
+    """``[mm_fp4_hopper(a, b, a_scale, b_scale, alpha, out_dtype) for b, b_scale, alpha in weights]``,
+    bit for bit, with the activation decoded once for all of them (a layer's sibling GEMMs)."""
+    for b, b_scale, _ in weights:
+        _check_operands(a, b, a_scale, b_scale, out_dtype, None, BLOCK_M, None)
+    xlo, xhi = decode_fp4_halves(a, a_scale)
+    return [_on_halves(a, a_scale, xlo, xhi, b, b_scale, alpha, out_dtype, None, BLOCK_M, None, MAX_REGISTERS)
+            for b, b_scale, alpha in weights]
+
+
+def _on_halves(a: torch.Tensor, a_scale: torch.Tensor, xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor,
+               b_scale: torch.Tensor, alpha: Alpha, out_dtype: torch.dtype, out: torch.Tensor | None, block_m: int,
+               split_k: int | None, max_registers: int) -> torch.Tensor:
+    """``mm_fp4_hopper``'s launch on the activation ``(a, a_scale)`` decoded to ``xlo, xhi``, the
+    arguments checked (``_check_operands``): under a tracer one call of ``fp4fuse::_mm_fp4_hopper``
+    (the default launch only), else ``mm_fp4_hopper_halves``."""
     if tracing():
         if (out, block_m, split_k, max_registers) != (None, BLOCK_M, None, MAX_REGISTERS):
             raise RuntimeError("mm_fp4_hopper: a traced call takes the default launch (no out, block_m, split_k or "
