@@ -198,23 +198,36 @@ def _dequant_kernel(q_ptr, s_ptr, out_ptr, n_blocks, BLOCKS: tl.constexpr):
 
 
 @triton.jit
+def _pick(pid, end0, end1, end2, v0, v1, v2, v3, SEGMENTS: tl.constexpr):
+    """Of ``v0 .. v3``, the value of program ``pid``'s segment in a grouped launch of ``SEGMENTS``
+    (1 to 4): programs ``[0, end0)`` are segment 0's, ``[end0, end1)`` segment 1's, ``[end1, end2)``
+    segment 2's, the rest segment 3's."""
+    v = v0
+    if SEGMENTS > 1:
+        if pid >= end0:
+            v = v1
+    if SEGMENTS > 2:
+        if pid >= end1:
+            v = v2
+    if SEGMENTS > 3:
+        if pid >= end2:
+            v = v3
+    return v
+
+
+@triton.jit
 def _dequant_group_kernel(q0_ptr, s0_ptr, out0_ptr, n0_blocks, q1_ptr, s1_ptr, out1_ptr, n1_blocks,
                           q2_ptr, s2_ptr, out2_ptr, n2_blocks, q3_ptr, s3_ptr, out3_ptr, n3_blocks,
                           end0, end1, end2, SEGMENTS: tl.constexpr, BLOCKS: tl.constexpr):
     """``SEGMENTS`` (1 to 4) ``_dequant_kernel`` launches in one: programs ``[0, end0)`` dequantize
-    tensor 0, ``[end0, end1)`` tensor 1, ``[end1, end2)`` tensor 2, the rest tensor 3."""
+    tensor 0, ``[end0, end1)`` tensor 1, ``[end1, end2)`` tensor 2, the rest tensor 3 (``_pick``)."""
     pid = tl.program_id(0)
-    q_ptr, s_ptr, out_ptr, n_blocks, first = q0_ptr, s0_ptr, out0_ptr, n0_blocks, pid * 0
-    if SEGMENTS > 1:
-        if pid >= end0:
-            q_ptr, s_ptr, out_ptr, n_blocks, first = q1_ptr, s1_ptr, out1_ptr, n1_blocks, end0
-    if SEGMENTS > 2:
-        if pid >= end1:
-            q_ptr, s_ptr, out_ptr, n_blocks, first = q2_ptr, s2_ptr, out2_ptr, n2_blocks, end1
-    if SEGMENTS > 3:
-        if pid >= end2:
-            q_ptr, s_ptr, out_ptr, n_blocks, first = q3_ptr, s3_ptr, out3_ptr, n3_blocks, end2
-    _dequant_blocks(q_ptr, s_ptr, out_ptr, n_blocks, pid - first, BLOCKS)
+    first = _pick(pid, end0, end1, end2, pid * 0, end0, end1, end2, SEGMENTS)
+    _dequant_blocks(_pick(pid, end0, end1, end2, q0_ptr, q1_ptr, q2_ptr, q3_ptr, SEGMENTS),
+                    _pick(pid, end0, end1, end2, s0_ptr, s1_ptr, s2_ptr, s3_ptr, SEGMENTS),
+                    _pick(pid, end0, end1, end2, out0_ptr, out1_ptr, out2_ptr, out3_ptr, SEGMENTS),
+                    _pick(pid, end0, end1, end2, n0_blocks, n1_blocks, n2_blocks, n3_blocks, SEGMENTS),
+                    pid - first, BLOCKS)
 
 
 @triton.jit
@@ -250,16 +263,14 @@ def _scale_group_kernel(x0_ptr, a0_ptr, ab0_ptr, n0, x1_ptr, a1_ptr, ab1_ptr, n1
                         ALPHA_FROM_SCALES: tl.constexpr = False, ALPHA_DIV_RN: tl.constexpr = False):
     """In place ``x = x_dtype(fp32(x) * alpha)`` (round to nearest even), flat, for ``SEGMENTS``
     (1 to 3) tensors, each with its own alpha: programs ``[0, end0)`` scale tensor 0, ``[end0,
-    end1)`` tensor 1, the rest tensor 2."""
+    end1)`` tensor 1, the rest tensor 2 (``_pick``)."""
     pid = tl.program_id(0)
-    x_ptr, alpha_ptr, alpha_b_ptr, n_elements, first = x0_ptr, a0_ptr, ab0_ptr, n0, pid * 0
-    if SEGMENTS > 1:
-        if pid >= end0:
-            x_ptr, alpha_ptr, alpha_b_ptr, n_elements, first = x1_ptr, a1_ptr, ab1_ptr, n1, end0
-    if SEGMENTS > 2:
-        if pid >= end1:
-            x_ptr, alpha_ptr, alpha_b_ptr, n_elements, first = x2_ptr, a2_ptr, ab2_ptr, n2, end1
-    _scale_block(x_ptr, alpha_ptr, alpha_b_ptr, n_elements, pid - first, BLOCK, ALPHA_FROM_SCALES, ALPHA_DIV_RN)
+    first = _pick(pid, end0, end1, end1, pid * 0, end0, end1, end1, SEGMENTS)
+    _scale_block(_pick(pid, end0, end1, end1, x0_ptr, x1_ptr, x2_ptr, x2_ptr, SEGMENTS),
+                 _pick(pid, end0, end1, end1, a0_ptr, a1_ptr, a2_ptr, a2_ptr, SEGMENTS),
+                 _pick(pid, end0, end1, end1, ab0_ptr, ab1_ptr, ab2_ptr, ab2_ptr, SEGMENTS),
+                 _pick(pid, end0, end1, end1, n0, n1, n2, n2, SEGMENTS),
+                 pid - first, BLOCK, ALPHA_FROM_SCALES, ALPHA_DIV_RN)
 
 
 @triton.jit
