@@ -37,9 +37,10 @@ Kernels and dispatch (``mm_fp4_triton``; measurements in benchmarks/results/):
   are decoded once to bf16 (exact, one launch) and multiplied by ``torch.mm``, then scaled by alpha
   in place by ``_scale_group_kernel`` (a second rounding to bf16: ``bf16(fp32(bf16(acc)) * alpha)``).
   Sibling calls on one activation (``mm_fp4_calls_triton``) dequantize it once, with all their
-  weights in the same launch, and scale all their outputs in one launch. PyTorch's ``out.mul_(alpha)`` with a CUDA 0-dim
-  fp32 alpha would round alpha to bf16 first and runs a non-vectorized mixed-dtype loop at about a
-  quarter of the copy bandwidth. fp16/fp32 outputs always use the tiled kernel (a bf16 cuBLAS output would lose precision).
+  weights in the same launch, and scale all their outputs in one launch. PyTorch's
+  ``out.mul_(alpha)`` with a CUDA 0-dim fp32 alpha would round alpha to bf16 first and runs a
+  non-vectorized mixed-dtype loop at about a quarter of the copy bandwidth. fp16/fp32 outputs
+  always use the tiled kernel (a bf16 cuBLAS output would lose precision).
 """
 from __future__ import annotations
 
@@ -465,7 +466,8 @@ SCALE_GROUP = 3
 
 def scale_by_alphas_(xs: list[torch.Tensor], alphas: list[Alpha]) -> list[torch.Tensor]:
     """``[scale_by_alpha_(x, alpha) for x, alpha in zip(xs, alphas)]``, the same bits, up to
-    ``SCALE_GROUP`` tensors per launch where their alphas have one form (``alpha_meta``)."""
+    ``SCALE_GROUP`` tensors per launch where they have one dtype and their alphas one form
+    (``alpha_meta``)."""
     for x, alpha in zip(xs, alphas):
         if not x.is_contiguous():
             raise ValueError(f"scale_by_alpha_: x must be contiguous; got strides {x.stride()}")
