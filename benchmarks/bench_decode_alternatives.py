@@ -166,6 +166,7 @@ def _points(ms):
 
 
 def _shipped(m, n, k, a, sa, alpha, weights, x, w_t, sms) -> tuple[mm_decode.DecodeConfig, dict]:
+    """The shipped configuration of a point and its microseconds, with cuBLAS bf16's."""
     cfg = mm_decode.decode_config_for(m, n, k, sms)
     us = {"shipped": bench_ops.decode_graph_ms(a, sa, alpha, weights, cfg) * 1e3,
           "bf16": bench_ops.bench_graph([functools.partial(torch.mm, x, wt) for wt in w_t]) * 1e3}
@@ -173,6 +174,8 @@ def _shipped(m, n, k, a, sa, alpha, weights, x, w_t, sms) -> tuple[mm_decode.Dec
 
 
 def mma_sync_sweep(sms: int) -> list[dict]:
+    """``--mma-sync``: every variant of the Gluon kernel at 16 rows on SHAPES, against the shipped
+    kernel and cuBLAS bf16; each variant's error against the float64 reference."""
     launch = _gluon_kernel()
     rows = []
     for m, n, k, a, sa, alpha, weights, x, w_t in _points((16,)):
@@ -196,7 +199,8 @@ def mma_sync_sweep(sms: int) -> list[dict]:
         ok = [v for v in variants if v["rel_err"] < MAX_REL_ERR]
         best = min(ok, key=lambda v: v["us"])
         print(f"MMA_SYNC m={m} n={n:<5d} k={k:<5d} shipped {us['shipped']:5.1f} us | "
-              f"mma.sync best {best['us']:5.1f} us ({best['block_n']} rows, {best['warps']} warps, {best['step_bytes']} B, split {best['split']}; "
+              f"mma.sync best {best['us']:5.1f} us ({best['block_n']} rows, {best['warps']} warps, "
+              f"{best['step_bytes']} B, split {best['split']}; "
               f"{us['shipped'] / best['us']:.2f}x shipped) | bf16 {us['bf16']:5.1f} | "
               f"{len(variants) - len(ok)} variants over {MAX_REL_ERR:g} rel. error", flush=True)
         rows.append({"m": m, "n": n, "k": k, **us, "variants": variants})
@@ -223,6 +227,8 @@ def _against_shipped(label: str, m, n, k, a, sa, alpha, weights, x, w_t, sms, ov
 
 
 def predecode_sweep(sms: int) -> list[dict]:
+    """``--predecode``: the shipped configuration with the activation pre-decoded (its step and
+    split, 128-element steps, twice the split) at MS x SHAPES."""
     rows = []
     for point in _points(MS):
         m, n, k = point[:3]
@@ -235,6 +241,7 @@ def predecode_sweep(sms: int) -> list[dict]:
 
 
 def caps_sweep(sms: int) -> list[dict]:
+    """``--caps``: the shipped configuration under register caps, 4 stages and 1.5x its split at MS x SHAPES."""
     rows = []
     for point in _points(MS):
         m, n, k = point[:3]
