@@ -16,6 +16,7 @@ from fp4fuse.nvfp4.quantizer import (
     AmaxGroup,
     NVFP4Quantizer,
     UnknownAmaxGroupError,
+    abs_amax,
     amax_group,
     amax_group_id,
     register_amax_group,
@@ -136,6 +137,24 @@ def test_local_quantize_matches_reference_and_compiles():
     compiled = torch.compile(lambda t: (dynamic.quantize(t), static.quantize(t)), fullgraph=True)
     got_dyn, got_static = compiled(x)
     assert _same_bits(got_dyn, eager_dyn) and _same_bits(got_static, eager_static)
+
+
+@pytest.mark.parametrize("shape", [(37,), (5, 48), (3, 7, 32), (2, 3, 4, 16)])
+def test_abs_amax_is_the_largest_magnitude(shape):
+    """``abs_amax`` (row maxima first) is the largest |x| over every element, in x's dtype, for
+    1-D to 4-D tensors, eager and compiled; NaN anywhere gives NaN, -inf gives inf."""
+    gen = torch.Generator().manual_seed(len(shape))
+    x = (torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen).pow(8) * 1e3).to(torch.bfloat16)
+    want = x.double().abs().flatten().max()
+    compiled = torch.compile(abs_amax, fullgraph=True)
+    for fn in (abs_amax, compiled):
+        got = fn(x)
+        assert got.dtype == torch.bfloat16 and got.dim() == 0 and got.double() == want
+        y = x.clone()
+        y.view(-1)[len(y.view(-1)) // 2] = float("-inf")
+        assert fn(y).item() == float("inf")
+        y.view(-1)[-1] = float("nan")
+        assert torch.isnan(fn(y))
 
 
 def test_empty_input_quantizes_with_unit_scale():
