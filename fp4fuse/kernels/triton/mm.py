@@ -217,25 +217,38 @@ def _pick(pid, end0, end1, end2, v0, v1, v2, v3, SEGMENTS: tl.constexpr):
 
 
 @triton.jit
+def _grouped(end0, end1, end2, a0, b0, c0, n0, a1, b1, c1, n1, a2, b2, c2, n2, a3, b3, c3, n3,
+             SEGMENTS: tl.constexpr, BODY: tl.constexpr, BLOCK: tl.constexpr, FLAG0: tl.constexpr,
+             FLAG1: tl.constexpr):
+    """This program's part of a grouped launch (``_pick``): ``BODY(a, b, c, n, program within the
+    segment, BLOCK, FLAG0, FLAG1)`` with its segment's operands (segment i's are ``ai, bi, ci, ni``)."""
+    pid = tl.program_id(0)
+    first = _pick(pid, end0, end1, end2, pid * 0, end0, end1, end2, SEGMENTS)
+    BODY(_pick(pid, end0, end1, end2, a0, a1, a2, a3, SEGMENTS),
+         _pick(pid, end0, end1, end2, b0, b1, b2, b3, SEGMENTS),
+         _pick(pid, end0, end1, end2, c0, c1, c2, c3, SEGMENTS),
+         _pick(pid, end0, end1, end2, n0, n1, n2, n3, SEGMENTS),
+         pid - first, BLOCK, FLAG0, FLAG1)
+
+
+@triton.jit
 def _dequant_group_kernel(q0_ptr, s0_ptr, out0_ptr, n0_blocks, q1_ptr, s1_ptr, out1_ptr, n1_blocks,
                           q2_ptr, s2_ptr, out2_ptr, n2_blocks, q3_ptr, s3_ptr, out3_ptr, n3_blocks,
                           end0, end1, end2, SEGMENTS: tl.constexpr, BLOCKS: tl.constexpr):
     """``SEGMENTS`` (1 to 4) ``_dequant_kernel`` launches in one: programs ``[0, end0)`` dequantize
-    tensor 0, ``[end0, end1)`` tensor 1, ``[end1, end2)`` tensor 2, the rest tensor 3 (``_pick``)."""
-    pid = tl.program_id(0)
-    first = _pick(pid, end0, end1, end2, pid * 0, end0, end1, end2, SEGMENTS)
-    _dequant_blocks(_pick(pid, end0, end1, end2, q0_ptr, q1_ptr, q2_ptr, q3_ptr, SEGMENTS),
-                    _pick(pid, end0, end1, end2, s0_ptr, s1_ptr, s2_ptr, s3_ptr, SEGMENTS),
-                    _pick(pid, end0, end1, end2, out0_ptr, out1_ptr, out2_ptr, out3_ptr, SEGMENTS),
-                    _pick(pid, end0, end1, end2, n0_blocks, n1_blocks, n2_blocks, n3_blocks, SEGMENTS),
-                    pid - first, BLOCKS)
+    tensor 0, ``[end0, end1)`` tensor 1, ``[end1, end2)`` tensor 2, the rest tensor 3."""
+    _grouped(end0, end1, end2, q0_ptr, s0_ptr, out0_ptr, n0_blocks, q1_ptr, s1_ptr, out1_ptr, n1_blocks,
+             q2_ptr, s2_ptr, out2_ptr, n2_blocks, q3_ptr, s3_ptr, out3_ptr, n3_blocks,
+             SEGMENTS, _dequant_blocks, BLOCKS, False, False)
 
 
 @triton.jit
-def _dequant_blocks(q_ptr, s_ptr, out_ptr, n_blocks, pid, BLOCKS: tl.constexpr):
+def _dequant_blocks(q_ptr, s_ptr, out_ptr, n_blocks, pid, BLOCKS: tl.constexpr, _UNUSED0: tl.constexpr = False,
+                    _UNUSED1: tl.constexpr = False):
     """Program ``pid``'s ``BLOCKS`` 16-element blocks of ``_dequant_kernel``: the scales read as
     bytes, the bf16 output written as int32 pairs (the tensors' own dtypes arrive, so a compiled
-    graph's wrapper runs no view op per call)."""
+    graph's wrapper runs no view op per call). The two unused flags give it ``_grouped``'s body
+    signature."""
     s_ptr = s_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
     out_ptr = out_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     blk = pid.to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
@@ -264,14 +277,10 @@ def _scale_group_kernel(x0_ptr, a0_ptr, ab0_ptr, n0, x1_ptr, a1_ptr, ab1_ptr, n1
                         ALPHA_FROM_SCALES: tl.constexpr = False, ALPHA_DIV_RN: tl.constexpr = False):
     """In place ``x = x_dtype(fp32(x) * alpha)`` (round to nearest even), flat, for ``SEGMENTS``
     (1 to 3) tensors, each with its own alpha: programs ``[0, end0)`` scale tensor 0, ``[end0,
-    end1)`` tensor 1, the rest tensor 2 (``_pick``)."""
-    pid = tl.program_id(0)
-    first = _pick(pid, end0, end1, end1, pid * 0, end0, end1, end1, SEGMENTS)
-    _scale_block(_pick(pid, end0, end1, end1, x0_ptr, x1_ptr, x2_ptr, x2_ptr, SEGMENTS),
-                 _pick(pid, end0, end1, end1, a0_ptr, a1_ptr, a2_ptr, a2_ptr, SEGMENTS),
-                 _pick(pid, end0, end1, end1, ab0_ptr, ab1_ptr, ab2_ptr, ab2_ptr, SEGMENTS),
-                 _pick(pid, end0, end1, end1, n0, n1, n2, n2, SEGMENTS),
-                 pid - first, BLOCK, ALPHA_FROM_SCALES, ALPHA_DIV_RN)
+    end1)`` tensor 1, the rest tensor 2."""
+    _grouped(end0, end1, end1, x0_ptr, a0_ptr, ab0_ptr, n0, x1_ptr, a1_ptr, ab1_ptr, n1,
+             x2_ptr, a2_ptr, ab2_ptr, n2, x2_ptr, a2_ptr, ab2_ptr, n2,
+             SEGMENTS, _scale_block, BLOCK, ALPHA_FROM_SCALES, ALPHA_DIV_RN)
 
 
 @triton.jit
