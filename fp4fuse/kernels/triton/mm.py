@@ -428,15 +428,23 @@ def dequantize_fp4_group_triton(tensors: list[tuple[torch.Tensor, torch.Tensor]]
     for start in range(0, len(tensors), DEQUANT_GROUP):
         segments = [(q, s, out, out.numel() // BLOCK_SIZE)
                     for (q, s), out in zip(tensors[start:start + DEQUANT_GROUP], outs[start:start + DEQUANT_GROUP])]
-        ends = list(itertools.accumulate(triton.cdiv(n_blocks, blocks) for *_, n_blocks in segments))
-        count = len(segments)
-        segments += [segments[-1]] * (DEQUANT_GROUP - count)  # unused slots (SEGMENTS prunes them)
-        ends += [ends[-1]] * (DEQUANT_GROUP - count)
-        if ends[-1]:
-            traceable(_dequant_group_kernel)[(ends[-1],)](
-                *(arg for segment in segments for arg in segment), *ends[:-1],
-                SEGMENTS=count, BLOCKS=blocks, num_warps=num_warps)
+        _launch_grouped(_dequant_group_kernel, segments, [triton.cdiv(n, blocks) for *_, n in segments],
+                        DEQUANT_GROUP, BLOCKS=blocks, num_warps=num_warps)
     return outs
+
+
+def _launch_grouped(kernel: Any, segments: list[tuple], programs: list[int], slots: int, **meta: Any) -> None:
+    """One launch of a grouped kernel (``_grouped``) of ``slots`` segment slots: segment i's operands
+    ``segments[i]`` and ``programs[i]`` programs, the unused slots filled with copies of the last
+    segment (``SEGMENTS`` prunes them), then the slots' end programs but the last. Nothing is
+    launched where no segment has a program."""
+    count = len(segments)
+    ends = list(itertools.accumulate(programs))
+    ends += [ends[-1]] * (slots - count)
+    segments = segments + [segments[-1]] * (slots - count)
+    if ends[-1]:
+        traceable(kernel)[(ends[-1],)](*(arg for segment in segments for arg in segment), *ends[:-1],
+                                       SEGMENTS=count, **meta)
 
 
 def mm_fp4_dequant_mm(
@@ -490,14 +498,9 @@ def scale_by_alphas_(xs: list[torch.Tensor], alphas: list[Alpha]) -> list[torch.
         batch = [item for item in todo if alpha_meta(item[1]) == meta and item[0].dtype == todo[0][0].dtype]
         batch = batch[:SCALE_GROUP]
         todo = [item for item in todo if not any(item is b for b in batch)]
-        segments = [(x, *alpha_operands(alpha), x.numel()) for x, alpha in batch]
-        ends = list(itertools.accumulate(triton.cdiv(x.numel(), SCALE_BLOCK) for x, _ in batch))
-        count = len(segments)
-        segments += [segments[-1]] * (SCALE_GROUP - count)  # unused slots (SEGMENTS prunes them)
-        ends += [ends[-1]] * (SCALE_GROUP - count)
-        traceable(_scale_group_kernel)[(ends[-1],)](
-            *(arg for segment in segments for arg in segment), *ends[:-1],
-            SEGMENTS=count, BLOCK=SCALE_BLOCK, **meta, num_warps=4)
+        _launch_grouped(_scale_group_kernel, [(x, *alpha_operands(alpha), x.numel()) for x, alpha in batch],
+                        [triton.cdiv(x.numel(), SCALE_BLOCK) for x, _ in batch], SCALE_GROUP,
+                        BLOCK=SCALE_BLOCK, **meta, num_warps=4)
     return xs
 
 
