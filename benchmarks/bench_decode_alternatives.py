@@ -150,15 +150,6 @@ def _gluon_kernel():
     return launch
 
 
-def _reference(a, b, sa, sb, alpha) -> torch.Tensor:
-    """float64 ``alpha * (q_a * s_a) @ (q_b * s_b)^T`` from the format's decode table."""
-    def decoded(q, s):
-        table = nvfp4._E2M1_TABLE.to(device=q.device, dtype=torch.float64)
-        codes = torch.stack((q & 0xF, q >> 4), dim=-1).flatten(-2).long()
-        return table[codes] * s.to(torch.float64).repeat_interleave(nvfp4.BLOCK_SIZE, dim=1)
-    return (decoded(a, sa) @ decoded(b, sb).t()) * alpha.double()
-
-
 def _points(ms):
     """``(m, n, k, a, sa, alpha, weights, x, w_t)`` over SHAPES x ``ms`` (bench_ops._rotating_points)."""
     for m, n, k, x, a, sa, alpha, weights, w_t in bench_ops._rotating_points(SHAPES, ms):
@@ -180,7 +171,7 @@ def mma_sync_sweep(sms: int) -> list[dict]:
     rows = []
     for m, n, k, a, sa, alpha, weights, x, w_t in _points((16,)):
         cfg, us = _shipped(m, n, k, a, sa, alpha, weights, x, w_t, sms)
-        ref = _reference(a, weights[0][0], sa, weights[0][1], alpha)
+        ref = nvfp4.mm_fp4_reference(a, weights[0][0], sa, weights[0][1], alpha, torch.float64)
         variants = []
         for block_n, warps, step_w in itertools.product((64, 128, 256), (2, 4, 8), (16, 32)):
             if not 16 <= block_n // warps <= 64:
