@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from torch._inductor.pattern_matcher import fwd_only
 from torch._inductor.utils import run_and_get_code
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -765,3 +767,136 @@ def test_cuda_shared_split_k_counters_are_bitwise_the_graph_without_the_pass(m):
         for g, w in zip(lowered(*args), unlowered(*args)):
             _assert_same_bits_and_nans(g, w, (m, call))
     assert fusion.match_counts["lowering.split_k_counters_shared"] == 1
+
+
+# ----------------------------------------------------------------- one tensor written through two arguments
+
+
+@triton.jit
+def _store_through(out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, offs.to(tl.float32), mask=offs < n)
+
+
+@triton.jit
+def _pick_out(pid, end0, v0, v1, v2, v3):
+    v = v0
+    if pid >= end0:
+        v = v1
+    return v
+
+
+@triton.jit
+def _helper_picked_group_kernel(out0_ptr, out1_ptr, out2_ptr, out3_ptr, n, end0, end1, end2, BLOCK: tl.constexpr):
+    """Two segments' stores with the output picked by a helper that takes all four slots: the form
+    of the grouped kernels that made the compiled graph read a copy no kernel wrote (mm.py's note
+    above ``_dequant_group_kernel``)."""
+    pid = tl.program_id(0)
+    _store_through(_pick_out(pid, end0, out0_ptr, out1_ptr, out2_ptr, out3_ptr), n, BLOCK)
+
+
+@triton.jit
+def _guard_picked_group_kernel(out0_ptr, out1_ptr, out2_ptr, out3_ptr, n, end0, end1, end2,
+                               SEGMENTS: tl.constexpr, BLOCK: tl.constexpr):
+    """The same with the output picked at the kernel's top level under ``SEGMENTS`` guards."""
+    pid = tl.program_id(0)
+    out_ptr = out0_ptr
+    if SEGMENTS > 1:
+        if pid >= end0:
+            out_ptr = out1_ptr
+    if SEGMENTS > 2:
+        if pid >= end1:
+            out_ptr = out2_ptr
+    if SEGMENTS > 3:
+        if pid >= end2:
+            out_ptr = out3_ptr
+    _store_through(out_ptr, n, BLOCK)
+
+
+@triton.jit
+def _helper_picked_dequant_group_kernel(q0_ptr, s0_ptr, out0_ptr, n0_blocks, q1_ptr, s1_ptr, out1_ptr, n1_blocks,
+                                        q2_ptr, s2_ptr, out2_ptr, n2_blocks, q3_ptr, s3_ptr, out3_ptr, n3_blocks,
+                                        end0, end1, end2, SEGMENTS: tl.constexpr, BLOCKS: tl.constexpr):
+    """``mm._dequant_group_kernel``'s signature with its output picked by a helper taking all four
+    slots (only traced, never run)."""
+    pid = tl.program_id(0)
+    _store_through(_pick_out(pid, end0, out0_ptr, out1_ptr, out2_ptr, out3_ptr), n0_blocks, BLOCKS)
+
+
+def _two_segment_launch(kernel, **meta):
+    """A launcher of two 32-element segments with the unused slots 2 and 3 filled with segment 1's
+    output, as ``mm._launch_grouped`` fills them."""
+    from fp4fuse.kernels.triton.launch import traceable
+
+    def launch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out0, out1 = torch.empty_like(x), torch.empty_like(x)
+        traceable(kernel)[(2,)](out0, out1, out1, out1, x.numel(), 1, 2, 2, BLOCK=32, **meta)
+        return out0, out1
+
+    return launch
+
+
+def _graph_with_input():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    with FakeTensorMode():
+        x.meta["val"] = torch.empty(32)
+    return graph, x
+
+
+def test_a_launch_writing_one_tensor_through_two_arguments_is_refused(triton_cuda_target):
+    """torch's analysis of which arguments a launch writes counts the four slots passed into the
+    helper as written, so the slots that alias segment 1's output would each get their own copy:
+    ``insert_traced`` refuses the trace, naming the kernel and two of those arguments, and inserts
+    nothing. With the pick under constexpr guards only the two used slots are written."""
+    from fp4fuse.patterns.base import AliasedWrites, insert_traced
+
+    graph, x = _graph_with_input()
+    with pytest.raises(AliasedWrites, match=r"_helper_picked_group_kernel would write one tensor through both "
+                                            r"out1_ptr and out2_ptr"):
+        insert_traced(graph, _two_segment_launch(_helper_picked_group_kernel), [x])
+    assert [n.op for n in graph.nodes] == ["placeholder"]
+    outputs = insert_traced(graph, _two_segment_launch(_guard_picked_group_kernel, SEGMENTS=2), [x])
+    ((name, kwargs),) = _kernels_launched(torch.fx.GraphModule({}, graph))
+    (launch,) = graph.find_nodes(op="call_function", target=torch.ops.higher_order.triton_kernel_wrapper_functional)
+    assert name == "_guard_picked_group_kernel" and sorted(launch.kwargs["tensors_to_clone"]) == ["out0_ptr", "out1_ptr"]
+    assert len(outputs) == 2
+
+
+@pytest.mark.parametrize("rows", [5, 20, 100, 300])
+def test_grouped_launches_write_only_their_segments_outputs(triton_cuda_target, rows):
+    """Every lowered launch writes each tensor through one argument, and a grouped launch writes only
+    its segments' outputs, not the unused slots the launcher fills with the last segment's tensors
+    (at 300 rows: the dequantize launch of activation and weight, 2 of 4 slots, and the alpha
+    launch, 1 of 3)."""
+    _, _, gm = _dynamic_rows_graph(rows)
+    lowering = KernelLoweringPass(FusionConfig())
+    assert lowering(gm.graph) == 3, [s.reason for s in lowering.skips]
+    launches = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.triton_kernel_wrapper_functional)
+    grouped = {"_dequant_group_kernel": ("out{}_ptr", 4), "_scale_group_kernel": ("x{}_ptr", 3)}
+    seen = set()
+    for launch, (name, kwargs) in zip(launches, _kernels_launched(gm)):
+        written = launch.kwargs["tensors_to_clone"]
+        assert len({kwargs[arg] for arg in written}) == len(written), (name, written)
+        if name in grouped:
+            slot, slots = grouped[name]
+            assert sorted(written) == [slot.format(i) for i in range(kwargs["SEGMENTS"])], (name, written)
+            assert kwargs["SEGMENTS"] < slots  # the launch has unused slots to fill
+            seen.add(name)
+    assert seen == (set(grouped) if rows > 256 else set())
+
+
+def test_the_pass_keeps_the_op_call_where_a_launch_would_write_one_tensor_twice(triton_cuda_target, monkeypatch):
+    """A grouped dequantize kernel of the helper form (monkeypatched in; the form that miscompiled)
+    leaves the GEMM an op call, with the reason, instead of a graph that reads an unwritten copy."""
+    from fp4fuse.kernels.triton import mm as triton_mm
+
+    monkeypatch.setattr(triton_mm, "_dequant_group_kernel", _helper_picked_dequant_group_kernel)
+    _, _, gm = _dynamic_rows_graph(300)
+    lowering = KernelLoweringPass(FusionConfig())
+    assert lowering(gm.graph) == 2
+    assert lowering.match_counts == {"lowering.rms_norm": 1, "lowering.scaled_fp4_quant": 1}
+    (skip,) = lowering.skips
+    assert "_helper_picked_dequant_group_kernel would write one tensor through both out1_ptr and out2_ptr" in skip.reason
+    assert "the op call stays" in skip.reason
+    assert any(n.target is fp4.mm_fp4.default for n in gm.graph.nodes)

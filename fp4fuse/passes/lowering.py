@@ -76,7 +76,7 @@ from fp4fuse.ops import kernel_table
 from fp4fuse.ops.backend import Backend, backend_for
 from fp4fuse.passes.base import GraphPass
 from fp4fuse.patterns import base
-from fp4fuse.patterns.base import erase_if_unused, fake_value, hoist_before, insert_call, insert_traced
+from fp4fuse.patterns.base import AliasedWrites, erase_if_unused, fake_value, hoist_before, insert_call, insert_traced
 
 __all__ = ["KernelLoweringPass"]
 
@@ -251,8 +251,8 @@ class KernelLoweringPass(GraphPass):
         # group of them puts every quantized activation before the GEMMs that read them
         for op in _SIBLING_ORDER:
             for members, calls in self._sibling_groups({n: k for n, k in keys.items() if k[0] == op}):
-                self._lower_siblings(members, calls)
-                grouped.update(members)
+                if self._lower_siblings(members, calls):
+                    grouped.update(members)
         for node, call in lowerable.items():
             if node not in grouped:
                 self._lower_call(node, self._prepare(node, call.op, record=False))
@@ -287,7 +287,11 @@ class KernelLoweringPass(GraphPass):
     def _lower_call(self, node: fx.Node, call: _Call) -> None:
         impl = kernel_table.kernel_for(call.op, call.backend)
         with node.graph.inserting_before(node):
-            outputs = insert_traced(node.graph, lambda *tensors: impl(*call.launch_args(tensors)), call.inputs)
+            try:
+                outputs = insert_traced(node.graph, lambda *tensors: impl(*call.launch_args(tensors)), call.inputs)
+            except AliasedWrites as exc:
+                self.recorder.skipped(call.op, node, f"{exc}; the op call stays")
+                return
         self._replace(node, outputs)
         self._record(call)
 
@@ -350,9 +354,11 @@ class KernelLoweringPass(GraphPass):
                 return False
         return True
 
-    def _lower_siblings(self, members: list[fx.Node], calls: list[_Call]) -> None:
+    def _lower_siblings(self, members: list[fx.Node], calls: list[_Call]) -> bool:
         """One traced call of the op's sibling kernel for ``members`` (at the first one's place);
-        an input several members read is one input of the trace (the kernel sees one tensor)."""
+        an input several members read is one input of the trace (the kernel sees one tensor).
+        False (with the reason recorded; each member is then lowered on its own) where a launch of
+        the trace would write one tensor through two arguments (``base.refuse_aliased_writes``)."""
         impl = kernel_table.sibling_kernel_for(calls[0].op, calls[0].backend)
         inputs = list(dict.fromkeys(n for call in calls for n in call.inputs))
         index = {n: i for i, n in enumerate(inputs)}
@@ -362,13 +368,18 @@ class KernelLoweringPass(GraphPass):
 
         graph = members[0].graph
         with graph.inserting_before(members[0]):
-            outputs = insert_traced(graph, launches, inputs)
+            try:
+                outputs = insert_traced(graph, launches, inputs)
+            except AliasedWrites as exc:
+                self.recorder.skipped(f"{calls[0].op}_siblings", members[0], f"{exc}; each call is lowered on its own")
+                return False
         for node, call in zip(members, calls):
             count = len(pytree.tree_leaves(fake_value(node)))
             self._replace(node, outputs[:count])
             outputs = outputs[count:]
             self._record(call)
         self.recorder.matched(f"{calls[0].op}_siblings")
+        return True
 
     def _share_split_k_counters(self, graph: fx.Graph) -> None:
         """One zero fill of split-K counters for the whole graph instead of one per GEMM launch.

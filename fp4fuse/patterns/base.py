@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 import torch
 import torch.fx as fx
 from torch._functorch.aot_autograd import aot_function, make_boxed_func
+from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table, triton_kernel_wrapper_functional
 from torch._inductor import pattern_matcher as pm
 from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.fx_passes.post_grad import remove_noop_ops, view_to_reshape
@@ -43,10 +44,10 @@ if TYPE_CHECKING:
     from fp4fuse.config import FusionConfig
 
 __all__ = [
-    "CollectiveKind", "FunctionalCollective", "GraphRewrite", "MatchRecorder", "QuantCall", "VIEW_OPS",
+    "AliasedWrites", "CollectiveKind", "FunctionalCollective", "GraphRewrite", "MatchRecorder", "QuantCall", "VIEW_OPS",
     "ReplacementPattern", "Skip", "aot_trace", "decode_collective", "erase_if_unused", "insert_traced",
     "fake_value", "find_collectives", "get_arg", "hoist_before", "insert_call", "is_call", "is_size_computation",
-    "registration_mode", "replacement_point", "shapes_known_equal", "threshold_reason", "token_count_reason",
+    "refuse_aliased_writes", "registration_mode", "replacement_point", "shapes_known_equal", "threshold_reason", "token_count_reason",
 ]
 
 aten = torch.ops.aten
@@ -411,14 +412,50 @@ def aot_trace(fn: Callable[..., Any], args: Sequence[Any], **_: Any) -> fx.Graph
     return gm
 
 
+class AliasedWrites(ValueError):
+    """A traced Triton launch writes one tensor through two of its arguments (``insert_traced``)."""
+
+
+def _storage_of(node: Any) -> Any:
+    """What identifies the memory ``node`` (a traced launch's argument) holds: its fake value's
+    storage where it has one, else the node itself."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if isinstance(val, torch.Tensor):
+        return torch.multiprocessing.reductions.StorageWeakRef(val.untyped_storage())
+    return node
+
+
+def refuse_aliased_writes(graph: fx.Graph) -> None:
+    """Raise :class:`AliasedWrites` where a Triton launch of ``graph`` (``triton_kernel_wrapper_functional``)
+    writes one tensor, or views of one storage, through two arguments. Functionalization gives every
+    written argument a copy of its own and the graph reads one of them afterwards, which the kernel
+    may never have written: a wrong result, silently. (torch's analysis of which arguments a kernel
+    writes counts a pointer passed into a helper function as written, whether or not it is.)"""
+    for node in graph.find_nodes(op="call_function", target=triton_kernel_wrapper_functional):
+        kwargs = node.kwargs["kwargs"]
+        written: dict[Any, str] = {}
+        for name in node.kwargs["tensors_to_clone"]:
+            key = _storage_of(kwargs[name])
+            if key in written:
+                kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+                kernel_name = getattr(getattr(kernel, "fn", kernel), "__name__", str(kernel))
+                raise AliasedWrites(
+                    f"{kernel_name} would write one tensor through both {written[key]} and {name} (torch "
+                    "gives each written argument its own copy, so the graph could read one the kernel "
+                    "never wrote)")
+            written[key] = name
+
+
 def insert_traced(graph: fx.Graph, fn: Callable[..., Any], inputs: Sequence[fx.Node]) -> list[fx.Node]:
     """Trace ``fn`` on the fake values of ``inputs`` (:func:`aot_trace`: decomposed, lowerable
     ops only) and insert its nodes at ``graph``'s insertion point, each with its fake value
     (computed in the inputs' fake mode, factory ops included); returns the nodes of ``fn``'s
-    outputs (a flat list)."""
+    outputs (a flat list). Raises :class:`AliasedWrites` (:func:`refuse_aliased_writes`), before
+    inserting anything, where a Triton launch of the trace writes one tensor through two arguments."""
     vals = [fake_value(n) for n in inputs]
     fake_mode = torch._guards.detect_fake_mode(vals)
     traced = aot_trace(fn, vals)
+    refuse_aliased_writes(traced.graph)
     env: dict[fx.Node, fx.Node] = dict(zip(traced.graph.find_nodes(op="placeholder"), inputs))
     outputs: list[fx.Node] = []
     for node in traced.graph.nodes:

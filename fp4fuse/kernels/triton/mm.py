@@ -198,37 +198,15 @@ def _dequant_kernel(q_ptr, s_ptr, out_ptr, n_blocks, BLOCKS: tl.constexpr):
     _dequant_blocks(q_ptr, s_ptr, out_ptr, n_blocks, tl.program_id(0), BLOCKS)
 
 
-@triton.jit
-def _pick(pid, end0, end1, end2, v0, v1, v2, v3, SEGMENTS: tl.constexpr):
-    """Of ``v0 .. v3``, the value of program ``pid``'s segment in a grouped launch of ``SEGMENTS``
-    (1 to 4): programs ``[0, end0)`` are segment 0's, ``[end0, end1)`` segment 1's, ``[end1, end2)``
-    segment 2's, the rest segment 3's."""
-    v = v0
-    if SEGMENTS > 1:
-        if pid >= end0:
-            v = v1
-    if SEGMENTS > 2:
-        if pid >= end1:
-            v = v2
-    if SEGMENTS > 3:
-        if pid >= end2:
-            v = v3
-    return v
-
-
-@triton.jit
-def _grouped(end0, end1, end2, a0, b0, c0, n0, a1, b1, c1, n1, a2, b2, c2, n2, a3, b3, c3, n3,
-             SEGMENTS: tl.constexpr, BODY: tl.constexpr, BLOCK: tl.constexpr, FLAG0: tl.constexpr,
-             FLAG1: tl.constexpr):
-    """This program's part of a grouped launch (``_pick``): ``BODY(a, b, c, n, program within the
-    segment, BLOCK, FLAG0, FLAG1)`` with its segment's operands (segment i's are ``ai, bi, ci, ni``)."""
-    pid = tl.program_id(0)
-    first = _pick(pid, end0, end1, end2, pid * 0, end0, end1, end2, SEGMENTS)
-    BODY(_pick(pid, end0, end1, end2, a0, a1, a2, a3, SEGMENTS),
-         _pick(pid, end0, end1, end2, b0, b1, b2, b3, SEGMENTS),
-         _pick(pid, end0, end1, end2, c0, c1, c2, c3, SEGMENTS),
-         _pick(pid, end0, end1, end2, n0, n1, n2, n3, SEGMENTS),
-         pid - first, BLOCK, FLAG0, FLAG1)
+# The grouped kernels pick their segment's operands at their top level, under ``SEGMENTS`` guards,
+# and pass only the picked pointers to the per-block body. Their launcher (``_launch_grouped``)
+# fills unused slots with the last segment's tensors, and torch's analysis of which arguments a
+# traced launch writes (Triton IR, helpers not inlined) counts every pointer passed into a helper
+# as written. A selection helper taking all four output pointers made the slots that alias one
+# output "written" three times; functionalization gave each its own copy, and the compiled graph
+# read a copy the kernel never wrote. Under the guards the unused slots are pruned before the
+# analysis, and ``patterns.base.insert_traced`` refuses a launch that writes one tensor through
+# two arguments.
 
 
 @triton.jit
@@ -237,18 +215,25 @@ def _dequant_group_kernel(q0_ptr, s0_ptr, out0_ptr, n0_blocks, q1_ptr, s1_ptr, o
                           end0, end1, end2, SEGMENTS: tl.constexpr, BLOCKS: tl.constexpr):
     """``SEGMENTS`` (1 to 4) ``_dequant_kernel`` launches in one: programs ``[0, end0)`` dequantize
     tensor 0, ``[end0, end1)`` tensor 1, ``[end1, end2)`` tensor 2, the rest tensor 3."""
-    _grouped(end0, end1, end2, q0_ptr, s0_ptr, out0_ptr, n0_blocks, q1_ptr, s1_ptr, out1_ptr, n1_blocks,
-             q2_ptr, s2_ptr, out2_ptr, n2_blocks, q3_ptr, s3_ptr, out3_ptr, n3_blocks,
-             SEGMENTS, _dequant_blocks, BLOCKS, False, False)
+    pid = tl.program_id(0)
+    q_ptr, s_ptr, out_ptr, n_blocks, first = q0_ptr, s0_ptr, out0_ptr, n0_blocks, pid * 0
+    if SEGMENTS > 1:
+        if pid >= end0:
+            q_ptr, s_ptr, out_ptr, n_blocks, first = q1_ptr, s1_ptr, out1_ptr, n1_blocks, end0
+    if SEGMENTS > 2:
+        if pid >= end1:
+            q_ptr, s_ptr, out_ptr, n_blocks, first = q2_ptr, s2_ptr, out2_ptr, n2_blocks, end1
+    if SEGMENTS > 3:
+        if pid >= end2:
+            q_ptr, s_ptr, out_ptr, n_blocks, first = q3_ptr, s3_ptr, out3_ptr, n3_blocks, end2
+    _dequant_blocks(q_ptr, s_ptr, out_ptr, n_blocks, pid - first, BLOCKS)
 
 
 @triton.jit
-def _dequant_blocks(q_ptr, s_ptr, out_ptr, n_blocks, pid, BLOCKS: tl.constexpr, _UNUSED0: tl.constexpr = False,
-                    _UNUSED1: tl.constexpr = False):
+def _dequant_blocks(q_ptr, s_ptr, out_ptr, n_blocks, pid, BLOCKS: tl.constexpr):
     """Program ``pid``'s ``BLOCKS`` 16-element blocks of ``_dequant_kernel``: the scales read as
     bytes, the bf16 output written as int32 pairs (the tensors' own dtypes arrive, so a compiled
-    graph's wrapper runs no view op per call). The two unused flags give it ``_grouped``'s body
-    signature."""
+    graph's wrapper runs no view op per call)."""
     s_ptr = s_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
     out_ptr = out_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     blk = pid.to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
@@ -278,9 +263,15 @@ def _scale_group_kernel(x0_ptr, a0_ptr, ab0_ptr, n0, x1_ptr, a1_ptr, ab1_ptr, n1
     """In place ``x = x_dtype(fp32(x) * alpha)`` (round to nearest even), flat, for ``SEGMENTS``
     (1 to 3) tensors, each with its own alpha: programs ``[0, end0)`` scale tensor 0, ``[end0,
     end1)`` tensor 1, the rest tensor 2."""
-    _grouped(end0, end1, end1, x0_ptr, a0_ptr, ab0_ptr, n0, x1_ptr, a1_ptr, ab1_ptr, n1,
-             x2_ptr, a2_ptr, ab2_ptr, n2, x2_ptr, a2_ptr, ab2_ptr, n2,
-             SEGMENTS, _scale_block, BLOCK, ALPHA_FROM_SCALES, ALPHA_DIV_RN)
+    pid = tl.program_id(0)
+    x_ptr, alpha_ptr, alpha_b_ptr, n_elements, first = x0_ptr, a0_ptr, ab0_ptr, n0, pid * 0
+    if SEGMENTS > 1:
+        if pid >= end0:
+            x_ptr, alpha_ptr, alpha_b_ptr, n_elements, first = x1_ptr, a1_ptr, ab1_ptr, n1, end0
+    if SEGMENTS > 2:
+        if pid >= end1:
+            x_ptr, alpha_ptr, alpha_b_ptr, n_elements, first = x2_ptr, a2_ptr, ab2_ptr, n2, end1
+    _scale_block(x_ptr, alpha_ptr, alpha_b_ptr, n_elements, pid - first, BLOCK, ALPHA_FROM_SCALES, ALPHA_DIV_RN)
 
 
 @triton.jit
@@ -434,9 +425,10 @@ def dequantize_fp4_group_triton(tensors: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def _launch_grouped(kernel: Any, segments: list[tuple], programs: list[int], slots: int, **meta: Any) -> None:
-    """One launch of a grouped kernel (``_grouped``) of ``slots`` segment slots: segment i's operands
-    ``segments[i]`` and ``programs[i]`` programs, the unused slots filled with copies of the last
-    segment (``SEGMENTS`` prunes them), then the slots' end programs but the last. Nothing is
+    """One launch of a grouped kernel (``_dequant_group_kernel``, ``_scale_group_kernel``) of
+    ``slots`` segment slots: segment i's operands ``segments[i]`` and ``programs[i]`` programs, the
+    unused slots filled with the last segment's tensors themselves (the kernel's ``SEGMENTS`` guards
+    prune them: the note above the kernels), then the slots' end programs but the last. Nothing is
     launched where no segment has a program."""
     count = len(segments)
     ends = list(itertools.accumulate(programs))
