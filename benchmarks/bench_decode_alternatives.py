@@ -1,11 +1,11 @@
 """Alternatives to the shipped decode GEMM at 16-64 rows, timed against it in one process.
 
-    PYTHONPATH=. python benchmarks/bench_decode_alternatives.py [--mma-sync] [--predecode] [--caps]
+    PYTHONPATH=. python benchmarks/bench_decode_alternatives.py [--mma-sync] [--predecode] [--caps] [--l2]
         [--json raw.json]
 
 The shipped kernel (``fp4fuse.kernels.triton.mm_decode``, ``decode_config_for``) decodes the weight
 into wgmma register fragments and the activation, in every program, into shared memory. Each flag
-times one alternative against it (no flag: all three):
+times one alternative against it (no flag: all four):
 
 * ``--mma-sync``: a Gluon kernel on ``mma.sync`` (m16n8k16) without shared memory: every thread
   loads its own operand bytes from global memory as int32 words straight into its MMA fragments'
@@ -19,6 +19,11 @@ times one alternative against it (no flag: all three):
   (``DecodeConfig.predecode``, the 65-256-row path), at 16-64 rows.
 * ``--caps``: the shipped configuration under register caps that fit more programs per
   multiprocessor (104, 96, 80: spills), with 4 stages, and with 1.5x its split.
+* ``--l2``: whether the kernel waits on HBM. The shipped configuration with its weight cold in L2
+  (4 rotating copies), hot (one copy every call), and prefetched into L2 by a fire-and-forget
+  kernel (``prefetch.global.L2`` on every 128-byte line) launched before a ~10 us spin, as a graph
+  could issue it ahead of a GEMM while latency-bound kernels run (the spin's own time subtracted);
+  cuBLAS bf16 cold and hot. At 16, 64 and 128 rows on the shapes that fit in L2.
 
 CUDA-graph replays over 4 rotating weight copies (``bench_ops``), microseconds, with cuBLAS bf16 on
 the same shape. Outputs: the mma.sync kernel against the float64 reference (it sums K in another
@@ -34,6 +39,7 @@ import sys
 
 import torch
 import triton
+import triton.language as tl
 
 import bench_ops  # benchmarks/, this script's folder
 from fp4fuse.kernels.triton import mm_decode
@@ -244,11 +250,61 @@ def caps_sweep(sms: int) -> list[dict]:
     return rows
 
 
+@triton.jit
+def _prefetch_lines(ptr, n_bytes, LINES: tl.constexpr):
+    """Ask L2 for ``LINES`` 128-byte lines of ``ptr``'s ``n_bytes`` from this program's first; returns
+    at once (nothing waits for the data)."""
+    offs = tl.minimum((tl.program_id(0) * LINES + tl.arange(0, LINES)).to(tl.int64) * 128, n_bytes - 1)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptr + offs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+def _prefetch(t: torch.Tensor) -> None:
+    n_bytes = t.numel() * t.element_size()
+    _prefetch_lines[(triton.cdiv(n_bytes, 128 * 256),)](t, n_bytes, LINES=256, num_warps=8)
+
+
+#: ``torch.cuda._sleep`` cycles standing for the kernels a graph runs between a prefetch and its GEMM.
+SPIN_CYCLES = 20000
+
+
+def l2_sweep(sms: int) -> list[dict]:
+    """``--l2``: the shipped configuration with its weight cold, hot and prefetched into L2 (module
+    docstring), and cuBLAS bf16 cold and hot, at 16, 64 and 128 rows."""
+    spin = bench_ops.bench_graph([functools.partial(torch.cuda._sleep, SPIN_CYCLES)]) * 1e3
+    rows = []
+    for m, n, k, a, sa, alpha, weights, x, w_t in bench_ops._rotating_points(SHAPES[:5], (16, 64, 128)):
+        alpha = alpha.reshape(1)
+        cfg = mm_decode.decode_config_for(m, n, k, sms)
+        ws = mm_decode.empty_decode_workspace(*mm_decode.decode_workspace_numel(m, n, k, cfg), a.device)
+
+        def gemm(w, prefetch=False, spin_first=False):
+            if prefetch:
+                _prefetch(w[0])
+                _prefetch(w[1])
+            if spin_first:
+                torch.cuda._sleep(SPIN_CYCLES)
+            mm_decode.mm_fp4_decode(a, w[0], sa, w[1], alpha, torch.bfloat16, cfg, ws)
+
+        def us(fns):
+            return bench_ops.bench_graph(fns) * 1e3
+
+        row = {"cold": us([functools.partial(gemm, w) for w in weights]),
+               "hot": us([functools.partial(gemm, weights[0])] * len(weights)),
+               "spin_cold": us([functools.partial(gemm, w, spin_first=True) for w in weights]) - spin,
+               "spin_prefetched": us([functools.partial(gemm, w, True, True) for w in weights]) - spin,
+               "bf16_cold": us([functools.partial(torch.mm, x, wt) for wt in w_t]),
+               "bf16_hot": us([functools.partial(torch.mm, x, w_t[0])] * len(w_t))}
+        print(f"L2 m={m:<3d} n={n:<5d} k={k:<5d} " + " ".join(f"{kk}={v:.1f}" for kk, v in row.items()), flush=True)
+        rows.append({"m": m, "n": n, "k": k, "config": dataclasses.asdict(cfg), "spin_us": spin, "us": row})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = bench_ops.script_args(__doc__, argv, ("--mma-sync", "--predecode", "--caps"))
+    args = bench_ops.script_args(__doc__, argv, ("--mma-sync", "--predecode", "--caps", "--l2"))
     if args is None:
         return 2
-    everything = not (args.mma_sync or args.predecode or args.caps)
+    everything = not (args.mma_sync or args.predecode or args.caps or args.l2)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = {}
     if args.mma_sync or everything:
@@ -257,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         results["predecode"] = predecode_sweep(sms)
     if args.caps or everything:
         results["caps"] = caps_sweep(sms)
+    if args.l2 or everything:
+        results["l2"] = l2_sweep(sms)
     bench_ops.write_raw(args.json, **results)
     return 0
 
