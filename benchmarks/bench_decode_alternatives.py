@@ -156,9 +156,9 @@ def _gluon_kernel():
     return launch
 
 
-def _points(ms):
-    """``(m, n, k, a, sa, alpha, weights, x, w_t)`` over SHAPES x ``ms`` (bench_ops._rotating_points)."""
-    for m, n, k, x, a, sa, alpha, weights, w_t in bench_ops._rotating_points(SHAPES, ms):
+def _points(ms, shapes=SHAPES):
+    """``(m, n, k, a, sa, alpha, weights, x, w_t)`` over ``shapes`` x ``ms`` (bench_ops._rotating_points)."""
+    for m, n, k, x, a, sa, alpha, weights, w_t in bench_ops._rotating_points(shapes, ms):
         yield m, n, k, a, sa, alpha.reshape(1), weights, x, w_t
 
 
@@ -273,8 +273,7 @@ def l2_sweep(sms: int) -> list[dict]:
     docstring), and cuBLAS bf16 cold and hot, at 16, 64 and 128 rows."""
     spin = bench_ops.bench_graph([functools.partial(torch.cuda._sleep, SPIN_CYCLES)]) * 1e3
     rows = []
-    for m, n, k, a, sa, alpha, weights, x, w_t in bench_ops._rotating_points(SHAPES[:5], (16, 64, 128)):
-        alpha = alpha.reshape(1)
+    for m, n, k, a, sa, alpha, weights, x, w_t in _points((16, 64, 128), SHAPES[:5]):
         cfg = mm_decode.decode_config_for(m, n, k, sms)
         ws = mm_decode.empty_decode_workspace(*mm_decode.decode_workspace_numel(m, n, k, cfg), a.device)
 
