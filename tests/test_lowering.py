@@ -900,3 +900,75 @@ def test_the_pass_keeps_the_op_call_where_a_launch_would_write_one_tensor_twice(
     assert "_helper_picked_dequant_group_kernel would write one tensor through both out1_ptr and out2_ptr" in skip.reason
     assert "the op call stays" in skip.reason
     assert any(n.target is fp4.mm_fp4.default for n in gm.graph.nodes)
+
+
+def _every_lowerable_op(x, r, w, gs, ga, b1, s1, g1, b2, s2, g2, b3, s3, g3):
+    """Each lowerable op once, the single GEMM with both output dtypes, and q/k/v-like and
+    gate/up-like siblings on one quantized activation."""
+    normed = fp4.rms_norm(x, w, 1e-6)
+    normed2, summed = fp4.fused_add_rms_norm(x, r, w, 1e-6)
+    q1, s_1 = fp4.rms_norm_fp4_quant(x, w, 1e-6, gs)
+    q2, s_2, summed2 = fp4.fused_add_rms_norm_fp4_quant(x, r, w, 1e-6, gs)
+    a, sa = fp4.scaled_fp4_quant(normed2, ga)
+    single = (fp4.mm_fp4(q1, b1, s_1, s1, torch.reciprocal(gs * g1), torch.bfloat16),
+              fp4.mm_fp4(q2, b1, s_2, s1, torch.reciprocal(gs * g1), torch.float32))
+    siblings3 = tuple(fp4.mm_fp4(a, b, sa, sb, torch.reciprocal(ga * gb), torch.bfloat16)
+                      for b, sb, gb in ((b1, s1, g1), (b2, s2, g2), (b3, s3, g3)))
+    a2, sa2 = fp4.scaled_fp4_quant(normed, ga)
+    siblings2 = tuple(fp4.mm_fp4(a2, b, sa2, sb, torch.reciprocal(ga * gb), torch.bfloat16)
+                      for b, sb, gb in ((b1, s1, g1), (b2, s2, g2)))
+    return single + siblings3 + siblings2 + (summed, summed2)
+
+
+def _every_lowerable_op_operands(rows: int, k: int) -> list[tuple]:
+    scale = ((1,), torch.float32)
+    act = ((rows, k), torch.bfloat16)
+    weights = [x for n in (96, 40, 40) for x in (((n, k // 2), torch.uint8), ((n, k // 16), torch.float8_e4m3fn), scale)]
+    return [act, act, ((k,), torch.bfloat16), scale, scale, *weights]
+
+
+def _written_by(name: str, meta: dict) -> set[str]:
+    """The arguments a launch of kernel ``name`` with constexprs ``meta`` must report as written (the
+    outputs its launcher reads back), and only those: torch's analysis decides which tensors the
+    lowered graph copies before the launch and which copies it reads after."""
+    segments = range(meta.get("SEGMENTS") or 1)
+    partial = {"part_ptr", "count_ptr"}
+    residual = {"res_out_ptr"} if meta.get("HAS_RESIDUAL") else set()
+    table = {
+        "_quant_kernel": {"q_ptr", "s_ptr"},
+        "_quant_group_kernel": {f"{p}{i}_ptr" for i in segments for p in "qs"},
+        "_rms_norm_kernel": {"out_ptr"} | residual | ({"amax_ptr"} if meta.get("AMAX") else set()),
+        "_norm_quant_kernel": {"q_ptr", "s_ptr"} | residual,
+        "_mm_decode_kernel": {"out_ptr"} | (partial if meta.get("PARTIAL") else set()),
+        "_mm_decode_group_kernel": {f"out{i}_ptr" for i in segments} | partial,
+        "_predecode_kernel": {f"{p}{i}_ptr" for i in segments for p in ("lo", "hi")},
+        "_dequant_group_kernel": {f"out{i}_ptr" for i in segments},
+        "_scale_group_kernel": {f"x{i}_ptr" for i in segments},
+        "_decode_halves_kernel": {"lo_ptr", "hi_ptr"},
+        "_mm_fp4_kernel": {"out_ptr"},
+    }
+    return table[name]
+
+
+@pytest.mark.parametrize("rows,k", [(5, 64), (5, 4096), (20, 64), (50, 64), (100, 64), (200, 64), (300, 64)])
+def test_every_lowered_launch_is_analysed_as_writing_exactly_its_outputs(triton_cuda_target, rows, k):
+    """The lowered graph's correctness rests on torch's analysis of which arguments a launch writes:
+    a written argument it misses is not copied (and may be a buffer Inductor reuses), one it adds
+    gets a copy of its own that the graph may read. Over every lowerable op, both output dtypes,
+    siblings of three and two, every row range (5 x 4096: the decode GEMM's split K), each launch
+    must be reported as writing exactly what its launcher reads back."""
+    gm = _static_graph(_every_lowerable_op, *_every_lowerable_op_operands(rows, k))
+    lowering = KernelLoweringPass(FusionConfig())
+    lowering(gm.graph)
+    assert not lowering.skips, [s.reason for s in lowering.skips]
+    assert not [n for n in gm.graph.nodes if str(n.target).startswith("fp4fuse.")]
+    launches = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.triton_kernel_wrapper_functional)
+    names = set()
+    for launch, (name, kwargs) in zip(launches, _kernels_launched(gm)):
+        assert set(launch.kwargs["tensors_to_clone"]) == _written_by(name, kwargs), (name, launch.kwargs["tensors_to_clone"])
+        names.add((name, bool(kwargs.get("PARTIAL"))))
+    kernels = {name for name, _ in names}
+    assert {"_quant_kernel", "_rms_norm_kernel", "_norm_quant_kernel"} <= kernels
+    assert ("_dequant_group_kernel" in kernels) == (rows > 256)
+    assert ("_predecode_kernel" in kernels) == (64 < rows <= 256)
+    assert (("_mm_decode_kernel", True) in names) == (k == 4096)
