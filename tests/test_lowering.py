@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import fp4fuse
 from fp4fuse.config import FusionConfig
 from fp4fuse.nvfp4 import format as nvfp4
+from fp4fuse.nvfp4.quantizer import NVFP4Quantizer
 from fp4fuse.passes.lowering import KernelLoweringPass
 
 fp4 = torch.ops.fp4fuse
@@ -917,7 +918,9 @@ def _every_lowerable_op(x, r, w, gs, ga, b1, s1, g1, b2, s2, g2, b3, s3, g3):
     a2, sa2 = fp4.scaled_fp4_quant(normed, ga)
     siblings2 = tuple(fp4.mm_fp4(a2, b, sa2, sb, torch.reciprocal(ga * gb), torch.bfloat16)
                       for b, sb, gb in ((b1, s1, g1), (b2, s2, g2)))
-    return single + siblings3 + siblings2 + (summed, summed2)
+    a3, sa3, g_dyn = NVFP4Quantizer().quantize(summed)  # a dynamic scale
+    dynamic = fp4.mm_fp4(a3, b3, sa3, s3, torch.reciprocal(g_dyn * g3), torch.bfloat16)
+    return single + siblings3 + siblings2 + (dynamic, summed, summed2)
 
 
 def _every_lowerable_op_operands(rows: int, k: int) -> list[tuple]:
@@ -936,6 +939,7 @@ def _written_by(name: str, meta: dict) -> set[str]:
     residual = {"res_out_ptr"} if meta.get("HAS_RESIDUAL") else set()
     table = {
         "_quant_kernel": {"q_ptr", "s_ptr"},
+        "_quant_of_maxima_kernel": {"gs_ptr", "q_ptr", "s_ptr"},
         "_quant_group_kernel": {f"{p}{i}_ptr" for i in segments for p in "qs"},
         "_rms_norm_kernel": {"out_ptr"} | residual | ({"amax_ptr"} if meta.get("AMAX") else set()),
         "_norm_quant_kernel": {"q_ptr", "s_ptr"} | residual,
@@ -971,4 +975,5 @@ def test_every_lowered_launch_is_analysed_as_writing_exactly_its_outputs(triton_
     assert {"_quant_kernel", "_rms_norm_kernel", "_norm_quant_kernel"} <= kernels
     assert ("_dequant_group_kernel" in kernels) == (rows > 256)
     assert ("_predecode_kernel" in kernels) == (64 < rows <= 256)
+    assert ("_quant_of_maxima_kernel" in kernels) == (rows <= 256)  # the dynamic scale's, in its launch
     assert (("_mm_decode_kernel", True) in names) == (k == 4096)

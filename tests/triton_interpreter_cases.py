@@ -128,6 +128,44 @@ def case_quant() -> None:
         q, s = triton_quant.scaled_fp4_quant_triton(tiny, gs, division=div)
         assert torch.equal(q, rq) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), f"tiny values {div.name}"
     _check_quant_group(gen)
+    _check_quant_of_maxima(gen)
+
+
+def _check_quant_of_maxima(gen: torch.Generator) -> None:
+    """``scaled_fp4_quant_of_maxima_triton``: the global scale computed in the launch from the row
+    maxima of |x| (2-D and 3-D inputs, maxima as one row or a [B, S] grid, more than one block of
+    maxima) is bitwise the quantizer's eager scale (``quantizer.group_amax`` +
+    ``format.global_scale_from_amax``), and so are the codes and block scales; also with a NaN, an
+    inf and all zeros (scale NaN, NaN, 1). The interpreter divides IEEE under both ``div_rn``."""
+    from fp4fuse.nvfp4.quantizer import NVFP4Quantizer
+
+    for shape, dtype in (((5, 48), torch.bfloat16), ((2, 3, 80), torch.float16), ((37, 32), torch.float32),
+                         ((300, 16), torch.bfloat16)):
+        for case in ("random", "nan", "inf", "zeros"):
+            x = _rand_blocks(int(np.prod(shape[:-1])), shape[-1], gen).reshape(shape).to(dtype)
+            if case == "nan":
+                x.view(-1, shape[-1])[1, 3] = float("nan")
+            elif case == "inf":
+                x.view(-1, shape[-1])[-1, 0] = float("-inf")
+            elif case == "zeros":
+                x.zero_()
+            maxima = x.abs().amax(dim=-1)
+            if maxima.numel() > triton_quant.MAX_MAXIMA:
+                maxima = maxima.reshape(-1, 2).amax(dim=-1)  # the same maximum from 150 partial ones
+            rq, rs, rgs = NVFP4Quantizer().quantize(x.reshape(-1, shape[-1]))
+            for div_rn in (True, False):
+                q, s, gs = triton_quant.scaled_fp4_quant_of_maxima_triton(x.reshape(-1, shape[-1]), maxima, div_rn)
+                where = f"quant of maxima {shape} {dtype} {case} div_rn={div_rn}"
+                assert torch.equal(gs.view(torch.int32), rgs.view(torch.int32)), f"{where}: {gs} vs {rgs}"
+                assert torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), where + ": scales differ"
+                assert torch.equal(q, rq), where + ": codes differ"
+    for bad in (torch.zeros(0), torch.ones(triton_quant.MAX_MAXIMA + 1)):
+        try:
+            triton_quant.scaled_fp4_quant_of_maxima_triton(torch.ones(2, 16), bad, True)
+        except ValueError as exc:
+            assert "maxima has" in str(exc)
+        else:
+            raise AssertionError(f"quant of maxima accepted {bad.numel()} maxima")
 
 
 def _check_quant_group(gen: torch.Generator) -> None:

@@ -75,6 +75,7 @@ from fp4fuse.distributed.groups import group_rank_of, group_size_of
 from fp4fuse.ops import kernel_table
 from fp4fuse.ops.backend import Backend, backend_for
 from fp4fuse.passes.base import GraphPass
+from fp4fuse.passes.dynamic_scale import scale_of_maxima
 from fp4fuse.patterns import base
 from fp4fuse.patterns.base import AliasedWrites, erase_if_unused, fake_value, hoist_before, insert_call, insert_traced
 
@@ -285,6 +286,8 @@ class KernelLoweringPass(GraphPass):
         return call
 
     def _lower_call(self, node: fx.Node, call: _Call) -> None:
+        if call.op == "scaled_fp4_quant" and self._lower_quant_of_maxima(node, call):
+            return
         impl = kernel_table.kernel_for(call.op, call.backend)
         with node.graph.inserting_before(node):
             try:
@@ -294,6 +297,39 @@ class KernelLoweringPass(GraphPass):
                 return
         self._replace(node, outputs)
         self._record(call)
+
+    def _lower_quant_of_maxima(self, node: fx.Node, call: _Call) -> bool:
+        """A ``scaled_fp4_quant(x, gs)`` whose ``gs`` is the dynamic global scale of partial maxima
+        ``T`` of ``|x|`` (``dynamic_scale.scale_of_maxima``) with at most ``quant.MAX_MAXIMA``
+        elements (a decode-sized activation's row maxima; a symbolic count is guarded): one launch
+        computes gs from ``T`` and quantizes (``quant.scaled_fp4_quant_of_maxima_triton``), the
+        scale's other readers (the GEMM's alpha) read the gs it writes, and the scale's nodes --
+        Inductor's kernel for them -- go. False, with nothing changed, for any other call."""
+        from fp4fuse.kernels.triton.quant import MAX_MAXIMA, scaled_fp4_quant_of_maxima_triton
+
+        x, gs = call.args
+        match = scale_of_maxima(gs) if isinstance(gs, fx.Node) else None
+        if match is None or _dynamic_size_reason([fake_value(match.maxima)]) is not None:
+            return False
+        if not fake_value(match.maxima).numel() <= MAX_MAXIMA:
+            return False
+        point = min([node, *gs.users])
+        if not (isinstance(x, fx.Node) and x < point):
+            return False
+        div_rn = call.div_rn
+        with node.graph.inserting_before(point):
+            try:
+                q, s, scale = insert_traced(
+                    node.graph, lambda xt, t: scaled_fp4_quant_of_maxima_triton(xt, t, div_rn), [x, match.maxima])
+            except AliasedWrites as exc:
+                self.recorder.skipped("global_scale_of_maxima", node, f"{exc}; the scale keeps its own kernel")
+                return False
+        gs.replace_all_uses_with(scale)
+        self._replace(node, [q, s])
+        erase_if_unused(match.nodes)
+        self.recorder.matched(call.op)
+        self.recorder.matched("global_scale_of_maxima")
+        return True
 
     def _record(self, call: _Call) -> None:
         """Count a lowered call; erase its alpha's product and reciprocal if it folded them and

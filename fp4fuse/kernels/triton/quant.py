@@ -83,8 +83,9 @@ from fp4fuse.nvfp4.format import BLOCK_SIZE
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "MAX_QUANT_GROUP", "QuantDivision", "quant_launch_config", "quant_sass_counts", "scaled_fp4_quant_calls_triton",
-    "scaled_fp4_quant_group_triton", "scaled_fp4_quant_triton",
+    "MAX_MAXIMA", "MAX_QUANT_GROUP", "QuantDivision", "quant_launch_config", "quant_sass_counts",
+    "scaled_fp4_quant_calls_triton", "scaled_fp4_quant_group_triton", "scaled_fp4_quant_of_maxima_triton",
+    "scaled_fp4_quant_triton",
 ]
 
 
@@ -488,7 +489,45 @@ def _quant_kernel(
 ):
     """Program p quantizes chunks p, p + P, ... of BLOCKS blocks (P programs; with P = n_chunks,
     one chunk each): ``_quant_chunks``."""
-    _quant_chunks(x_ptr, gs_ptr, q_ptr, s_ptr, n_blocks, n_chunks, IN_KIND, DIVISION, BLOCKS, ON_CUDA)
+    _quant_chunks(x_ptr, tl.load(gs_ptr), q_ptr, s_ptr, n_blocks, n_chunks, IN_KIND, DIVISION, BLOCKS, ON_CUDA)
+
+
+@triton.jit
+def _global_scale_of_maxima(m_ptr, n_maxima, DIV_RN: tl.constexpr, BLOCK: tl.constexpr):
+    """The dynamic global scale of a tensor whose ``n_maxima`` partial maxima of ``|x|`` (>= 0 or NaN,
+    in x's dtype) are at ``m_ptr``: the operations, in order, of the graph that
+    ``fp4fuse.nvfp4.quantizer.group_amax`` (without a group) and ``nvfp4.format.global_scale_from_amax``
+    give and Inductor generates for it: ``a = fp32(max)`` (NaN if one is), ``v = inf if a is NaN else
+    a``, ``gs = where(isfinite(v), where(v == 0, 1, (1 / v) * 2688), NaN)`` -- ``2688 / v`` is
+    ``reciprocal(v) * 2688`` in the graph, the division IEEE (``DIV_RN``) or Triton's ``/``, as
+    Inductor's (``fp4fuse.kernels.triton.alpha``)."""
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_maxima, BLOCK):
+        v = tl.load(m_ptr + start + offs, mask=start + offs < n_maxima, other=0.0).to(tl.float32)
+        acc = _max_nan(acc, v)
+    a = tl.reduce(acc, 0, _max_nan)
+    v = tl.where(a != a, float("inf"), a)
+    finite = (v == v) & (tl.abs(v) != float("inf"))
+    if DIV_RN:
+        recip = tl.div_rn(1.0, v)
+    else:
+        recip = 1.0 / v
+    return tl.where(finite, tl.where(v == 0.0, 1.0, recip * 2688.0), float("nan"))
+
+
+@triton.jit
+def _quant_of_maxima_kernel(
+    x_ptr, m_ptr, n_maxima, gs_ptr, q_ptr, s_ptr, n_blocks, n_chunks,
+    IN_KIND: tl.constexpr, DIVISION: tl.constexpr, BLOCKS: tl.constexpr, ON_CUDA: tl.constexpr,
+    DIV_RN: tl.constexpr, MAXIMA_BLOCK: tl.constexpr,
+):
+    """``_quant_kernel`` with the global scale computed by every program from the partial maxima of
+    ``|x|`` (``_global_scale_of_maxima``) instead of read; program 0 also writes it to ``gs_ptr``."""
+    gs = _global_scale_of_maxima(m_ptr, n_maxima, DIV_RN, MAXIMA_BLOCK)
+    if tl.program_id(0) == 0:
+        tl.store(gs_ptr, gs)
+    _quant_chunks(x_ptr, gs, q_ptr, s_ptr, n_blocks, n_chunks, IN_KIND, DIVISION, BLOCKS, ON_CUDA)
 
 
 @triton.jit
@@ -507,15 +546,16 @@ def _quant_group_kernel(
     if SEGMENTS == 3:
         if segment == 2:
             gs_ptr, q_ptr, s_ptr = gs2_ptr, q2_ptr, s2_ptr
-    _quant_chunks(x_ptr, gs_ptr, q_ptr, s_ptr, n_blocks, n_chunks, IN_KIND, DIVISION, BLOCKS, ON_CUDA)
+    _quant_chunks(x_ptr, tl.load(gs_ptr), q_ptr, s_ptr, n_blocks, n_chunks, IN_KIND, DIVISION, BLOCKS, ON_CUDA)
 
 
 @triton.jit
 def _quant_chunks(
-    x_ptr, gs_ptr, q_ptr, s_ptr, n_blocks, n_chunks,
+    x_ptr, gs, q_ptr, s_ptr, n_blocks, n_chunks,
     IN_KIND: tl.constexpr, DIVISION: tl.constexpr, BLOCKS: tl.constexpr, ON_CUDA: tl.constexpr,
 ):
-    """Program ``program_id(0)`` of ``num_programs(0)`` quantizes its chunks of BLOCKS blocks.
+    """Program ``program_id(0)`` of ``num_programs(0)`` quantizes its chunks of BLOCKS blocks with the
+    global scale ``gs`` (fp32).
     Out-of-range rows of the last chunk re-read the last block (no masked loads) and store
     nothing. The pointers come in the tensors' own dtypes (a compiled graph's wrapper then runs no
     view op per call) and are read as: x int32 words (16-bit inputs, 4-byte aligned) or fp32, q
@@ -528,7 +568,6 @@ def _quant_chunks(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     rows = tl.arange(0, BLOCKS)
-    gs = tl.load(gs_ptr)
     for chunk in range(pid, n_chunks, nprog):
         blk = chunk * BLOCKS + rows
         in_range = blk < n_blocks
@@ -632,6 +671,36 @@ def scaled_fp4_quant_triton(
     grid, args, meta = _launch_args(x, global_scale, q, s, division, config)
     traceable(_quant_kernel)[grid](*args, **meta)
     return q, s
+
+
+#: Most partial maxima ``scaled_fp4_quant_of_maxima_triton`` takes: every program reduces all of
+#: them (a graph's row maxima of a decode-sized activation).
+MAX_MAXIMA = 256
+
+
+def scaled_fp4_quant_of_maxima_triton(
+    x: torch.Tensor, maxima: torch.Tensor, div_rn: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, s, gs)``: ``scaled_fp4_quant_triton(x, gs)`` with ``gs`` the dynamic global scale of ``x``
+    computed in the same launch from ``maxima``, partial maxima of ``|x|`` (any shape, at most
+    ``MAX_MAXIMA`` elements, each >= 0 or NaN; a graph's row maxima), with the operations and the
+    division (``div_rn``) of the graph it replaces (``_global_scale_of_maxima``); gs fp32 ``[1]``.
+    One launch instead of Inductor's kernel for the scale and the quantization's (fp4fuse's kernel
+    lowering, ``fp4fuse.passes.lowering``)."""
+    if maxima.numel() > MAX_MAXIMA or maxima.numel() == 0:
+        raise ValueError(f"scaled_fp4_quant_of_maxima_triton: maxima has {maxima.numel()} elements; "
+                         f"1 to {MAX_MAXIMA} are supported")
+    m, k = x.shape
+    if m * k == 0:
+        raise ValueError(f"scaled_fp4_quant_of_maxima_triton: x is {m}x{k}; it must not be empty")
+    q = torch.empty((m, k // 2), dtype=torch.uint8, device=x.device)
+    s = torch.empty((m, k // BLOCK_SIZE), dtype=torch.float8_e4m3fn, device=x.device)
+    gs = torch.empty(1, dtype=torch.float32, device=x.device)
+    grid, (x_c, _, _, _, n_blocks, n_chunks), meta = _launch_args(x, gs, q, s, DEFAULT_DIVISION, None)
+    traceable(_quant_of_maxima_kernel)[grid](
+        x_c, maxima.reshape(-1), maxima.numel(), gs, q, s, n_blocks, n_chunks,
+        DIV_RN=div_rn, MAXIMA_BLOCK=MAX_MAXIMA, **meta)
+    return q, s, gs
 
 
 #: Quantizations one ``_quant_group_kernel`` launch computes at most.
