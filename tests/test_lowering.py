@@ -977,3 +977,102 @@ def test_every_lowered_launch_is_analysed_as_writing_exactly_its_outputs(triton_
     assert ("_predecode_kernel" in kernels) == (64 < rows <= 256)
     assert ("_quant_of_maxima_kernel" in kernels) == (rows <= 256)  # the dynamic scale's, in its launch
     assert (("_mm_decode_kernel", True) in names) == (k == 4096)
+
+
+def _dynamic_linear(x, w, b, sb, gb):
+    """An NVFP4 linear with a dynamic activation scale (fp4fuse's quantizer) on ``silu(x) * w`` (w a row)."""
+    q, s, gs = NVFP4Quantizer().quantize(torch.nn.functional.silu(x) * w)
+    return fp4.mm_fp4(q, b, s, sb, torch.reciprocal(gs * gb), torch.bfloat16)
+
+
+def _dynamic_linear_operands(rows: int, k: int = 64, n: int = 40) -> list[tuple]:
+    return [((rows, k), torch.bfloat16), ((k,), torch.bfloat16), ((n, k // 2), torch.uint8),
+            ((n, k // 16), torch.float8_e4m3fn), ((1,), torch.float32)]
+
+
+@pytest.mark.parametrize("rows", [16, 256, 257])
+def test_a_dynamic_scale_is_computed_in_the_quantization_launch(triton_cuda_target, rows):
+    """Up to 256 rows the scale's nodes (Inductor's kernel for them) go: the quantization launch reads
+    the row maxima, and the GEMM's epilogue reads the scale that launch writes. Above, the scale stays."""
+    gm = _static_graph(_dynamic_linear, *_dynamic_linear_operands(rows))
+    lowering = KernelLoweringPass(FusionConfig())
+    lowering(gm.graph)
+    gm.graph.lint()
+    folded = rows <= 256
+    assert lowering.match_counts == {"lowering.scaled_fp4_quant": 1, "lowering.mm_fp4": 1,
+                                     "lowering.alpha_from_global_scales": 1,
+                                     **({"lowering.global_scale_of_maxima": 1} if folded else {})}
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert (torch.ops.aten.reciprocal.default in targets) != folded and (torch.ops.aten.isnan.default in targets) != folded
+    launches = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.triton_kernel_wrapper_functional)
+    kernels = dict(zip([name for name, _ in _kernels_launched(gm)], launches))
+    if not folded:
+        assert "_quant_kernel" in kernels and "_quant_of_maxima_kernel" not in kernels
+        return
+    quant = kernels["_quant_of_maxima_kernel"]
+    maxima = quant.kwargs["kwargs"]["m_ptr"]
+    while maxima.target is torch.ops.aten.reshape.default:
+        maxima = maxima.args[0]
+    assert maxima.target is torch.ops.aten.amax.default and maxima.args[1] == [-1]
+    gemm = next(node for name, node in kernels.items() if name.startswith("_mm_decode"))
+    alpha = gemm.kwargs["kwargs"]["alpha_ptr"]
+    assert alpha.args == (quant, "gs_ptr")
+
+
+def test_a_dynamic_scale_with_a_dynamic_row_count_is_guarded_to_256_rows(triton_cuda_target):
+    """A dynamic batch: computing the scale in the launch guards the row count to at most 256 (the
+    decode GEMM's own top range, so no new recompile boundary)."""
+    def quantize(x, w):
+        return NVFP4Quantizer().quantize(torch.nn.functional.silu(x) * w)  # the scale is an output too
+
+    for rows, guard in ((20, "s <= 256"), (300, "s > 256")):
+        shape_env, symbol, gm = _dynamic_rows_trace(quantize, _dynamic_linear_operands(rows)[:2])
+        lowering = KernelLoweringPass(FusionConfig())
+        lowering(gm.graph)
+        assert lowering.match_counts.get("lowering.global_scale_of_maxima", 0) == int(rows <= 256)
+        assert guard in {str(g.expr).replace(symbol, "s") for g in shape_env.guards}
+
+
+def test_sibling_gemms_read_the_scale_the_quantization_launch_writes(triton_cuda_target):
+    """q/k/v on one dynamically quantized activation: one quantization launch computes the scale,
+    the grouped GEMM launch folds it into each segment's alpha."""
+    def qkv(x, w, bq, sq, gq, bk, sk, gk, bv, sv, gv):
+        q, s, gs = NVFP4Quantizer().quantize(x * w)
+        return tuple(fp4.mm_fp4(q, b, s, sb, torch.reciprocal(gs * gb), torch.bfloat16)
+                     for b, sb, gb in ((bq, sq, gq), (bk, sk, gk), (bv, sv, gv)))
+
+    scale = ((1,), torch.float32)
+    weights = [x for n in (96, 32, 32) for x in (((n, 32), torch.uint8), ((n, 4), torch.float8_e4m3fn), scale)]
+    gm = _static_graph(qkv, ((6, 64), torch.bfloat16), ((6, 64), torch.bfloat16), *weights)
+    lowering = KernelLoweringPass(FusionConfig())
+    lowering(gm.graph)
+    gm.graph.lint()
+    assert lowering.match_counts["lowering.global_scale_of_maxima"] == 1
+    assert lowering.match_counts["lowering.mm_fp4_siblings"] == 1
+    launches = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.triton_kernel_wrapper_functional)
+    named = dict(zip([name for name, _ in _kernels_launched(gm)], launches))
+    quant, gemm = named["_quant_of_maxima_kernel"], named["_mm_decode_group_kernel"]
+    assert [gemm.kwargs["kwargs"][f"al{i}_ptr"].args for i in range(3)] == [(quant, "gs_ptr")] * 3
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows,case", [(16, "random"), (5, "zeros"), (16, "nan"), (200, "random"), (300, "random")])
+def test_cuda_a_dynamic_scale_in_the_launch_is_bitwise_the_graph_without_the_pass(rows, case):
+    """The scale computed in the quantization launch has the bits of Inductor's kernel for it (the
+    same operations and division), so the linear's output does too: at 16 and 200 rows (folded;
+    all-zero input: scale 1; a NaN: scale NaN) and 300 (not folded)."""
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 208, generator=gen) * 3).to("cuda", torch.bfloat16)
+    w = torch.rand(208, generator=gen).to("cuda", torch.bfloat16)
+    if case == "zeros":
+        x.zero_()
+    elif case == "nan":
+        x[3, 7] = float("nan")
+    b, sb, gb = _quantized(96, 208, gen, "cuda")
+    torch._dynamo.reset()
+    plain = torch.compile(_dynamic_linear, fullgraph=True)(x, w, b, sb, gb)
+    torch._dynamo.reset()
+    fusion = fp4fuse.FusionPass(FusionConfig())
+    lowered = torch.compile(_dynamic_linear, fullgraph=True, options={"post_grad_custom_post_pass": fusion})(x, w, b, sb, gb)
+    assert fusion.match_counts.get("lowering.global_scale_of_maxima", 0) == int(rows <= 256)
+    assert torch.equal(plain.view(torch.int16), lowered.view(torch.int16))
