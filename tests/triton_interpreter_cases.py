@@ -159,6 +159,13 @@ def _check_quant_of_maxima(gen: torch.Generator) -> None:
                 assert torch.equal(gs.view(torch.int32), rgs.view(torch.int32)), f"{where}: {gs} vs {rgs}"
                 assert torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), where + ": scales differ"
                 assert torch.equal(q, rq), where + ": codes differ"
+    # whatever the maxima are (the graph's amax of them is exact): all negative, a -inf among them
+    for maxima in (-torch.rand(7, generator=gen) - 0.5, torch.tensor([-3.0, float("-inf"), -0.25])):
+        amax = maxima.amax().reshape(1)
+        want = nvfp4.global_scale_from_amax(torch.where(torch.isnan(amax), torch.full_like(amax, float("inf")), amax))
+        for div_rn in (True, False):
+            _, _, gs = triton_quant.scaled_fp4_quant_of_maxima_triton(torch.ones(2, 16), maxima, div_rn)
+            assert torch.equal(gs.view(torch.int32), want.view(torch.int32)), f"negative maxima: {gs} vs {want}"
     for bad in (torch.zeros(0), torch.ones(triton_quant.MAX_MAXIMA + 1)):
         try:
             triton_quant.scaled_fp4_quant_of_maxima_triton(torch.ones(2, 16), bad, True)

@@ -10,7 +10,7 @@ sees it (torch 2.11 to 2.13)::
                where(eq(v, 0), full([1], 1), mul(reciprocal(v), 2688.0)),
                full([1], nan))
 
-``T`` is ``|x|``'s row maxima where the quantizer takes them first (``quantizer.abs_amax``). Inductor
+``T`` may be any tensor; the quantizer's is ``|x|``'s row maxima (``quantizer.abs_amax``). Inductor
 computes ``gs`` in a kernel of its own before the quantization; ``fp4fuse.passes.lowering`` gives
 the quantization's launch ``T`` instead (``quant.scaled_fp4_quant_of_maxima_triton``), which
 computes the same operations in the same order. Other forms of the scale are not matched (the

@@ -24,6 +24,16 @@ gets ``x`` and ``y`` instead, and its epilogue computes the same product and rec
 division Inductor would have generated (``fp4fuse.kernels.triton.alpha``): one kernel fewer per
 linear, bit for bit.
 
+A ``scaled_fp4_quant`` whose global scale is the dynamic scale of fp4fuse's quantizer, computed in
+the graph from partial maxima of ``|x|`` (``fp4fuse.passes.dynamic_scale``), gets those maxima
+instead, up to ``quant.MAX_MAXIMA`` of them: its launch computes the scale with the graph's
+operations and division and writes it for the scale's other readers (the GEMM's alpha), and
+Inductor's kernel for the scale goes, bit for bit::
+
+    before:  gs = where(isfinite(v), where(v == 0, 1, reciprocal(v) * 2688), nan)    # Inductor's kernel
+             q, s = fp4fuse.scaled_fp4_quant(x, gs)                                   # v from amax(T)
+    after:   q, s, gs = <quantization launch>(x, T)
+
 Calls on one input are lowered together, at the first one's place, through the op's sibling
 kernel (``kernel_table.sibling_kernel_for``), each output with the bits of its own launch:
 

@@ -494,17 +494,17 @@ def _quant_kernel(
 
 @triton.jit
 def _global_scale_of_maxima(m_ptr, n_maxima, DIV_RN: tl.constexpr, BLOCK: tl.constexpr):
-    """The dynamic global scale of a tensor whose ``n_maxima`` partial maxima of ``|x|`` (>= 0 or NaN,
-    in x's dtype) are at ``m_ptr``: the operations, in order, of the graph that
+    """The dynamic global scale of a tensor whose ``n_maxima`` partial maxima of ``|x|`` are at
+    ``m_ptr`` (any values: their maximum is exact whatever they are): the operations, in order, of the graph that
     ``fp4fuse.nvfp4.quantizer.group_amax`` (without a group) and ``nvfp4.format.global_scale_from_amax``
     give and Inductor generates for it: ``a = fp32(max)`` (NaN if one is), ``v = inf if a is NaN else
     a``, ``gs = where(isfinite(v), where(v == 0, 1, (1 / v) * 2688), NaN)`` -- ``2688 / v`` is
     ``reciprocal(v) * 2688`` in the graph, the division IEEE (``DIV_RN``) or Triton's ``/``, as
     Inductor's (``fp4fuse.kernels.triton.alpha``)."""
     offs = tl.arange(0, BLOCK)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    acc = tl.full([BLOCK], float("-inf"), tl.float32)
     for start in range(0, n_maxima, BLOCK):
-        v = tl.load(m_ptr + start + offs, mask=start + offs < n_maxima, other=0.0).to(tl.float32)
+        v = tl.load(m_ptr + start + offs, mask=start + offs < n_maxima, other=float("-inf")).to(tl.float32)
         acc = _max_nan(acc, v)
     a = tl.reduce(acc, 0, _max_nan)
     v = tl.where(a != a, float("inf"), a)
@@ -683,7 +683,7 @@ def scaled_fp4_quant_of_maxima_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q, s, gs)``: ``scaled_fp4_quant_triton(x, gs)`` with ``gs`` the dynamic global scale of ``x``
     computed in the same launch from ``maxima``, partial maxima of ``|x|`` (any shape, at most
-    ``MAX_MAXIMA`` elements, each >= 0 or NaN; a graph's row maxima), with the operations and the
+    ``MAX_MAXIMA`` elements; a graph's row maxima), with the operations and the
     division (``div_rn``) of the graph it replaces (``_global_scale_of_maxima``); gs fp32 ``[1]``.
     One launch instead of Inductor's kernel for the scale and the quantization's (fp4fuse's kernel
     lowering, ``fp4fuse.passes.lowering``)."""
