@@ -904,8 +904,8 @@ def test_the_pass_keeps_the_op_call_where_a_launch_would_write_one_tensor_twice(
 
 
 def _every_lowerable_op(x, r, w, gs, ga, b1, s1, g1, b2, s2, g2, b3, s3, g3):
-    """Each lowerable op once, the single GEMM with both output dtypes, and q/k/v-like and
-    gate/up-like siblings on one quantized activation."""
+    """Each lowerable op once, the single GEMM with both output dtypes, q/k/v-like and gate/up-like
+    siblings on one quantized activation, and a linear with a dynamic scale."""
     normed = fp4.rms_norm(x, w, 1e-6)
     normed2, summed = fp4.fused_add_rms_norm(x, r, w, 1e-6)
     q1, s_1 = fp4.rms_norm_fp4_quant(x, w, 1e-6, gs)
@@ -959,8 +959,8 @@ def test_every_lowered_launch_is_analysed_as_writing_exactly_its_outputs(triton_
     """The lowered graph's correctness rests on torch's analysis of which arguments a launch writes:
     a written argument it misses is not copied (and may be a buffer Inductor reuses), one it adds
     gets a copy of its own that the graph may read. Over every lowerable op, both output dtypes,
-    siblings of three and two, every row range (5 x 4096: the decode GEMM's split K), each launch
-    must be reported as writing exactly what its launcher reads back."""
+    siblings of three and two, a dynamic scale, every row range (5 x 4096: the decode GEMM's split
+    K), each launch must be reported as writing exactly what its launcher reads back."""
     gm = _static_graph(_every_lowerable_op, *_every_lowerable_op_operands(rows, k))
     lowering = KernelLoweringPass(FusionConfig())
     lowering(gm.graph)
