@@ -115,6 +115,38 @@ def test_uuid_stable_and_config_sensitive():
     assert len({base, *others}) == 6
 
 
+def _module_of(module: str, name: str) -> str:
+    """The module ``from module import name`` reads: ``module.name`` where that is a submodule."""
+    import importlib.util
+
+    try:
+        return f"{module}.{name}" if importlib.util.find_spec(f"{module}.{name}") else module
+    except ModuleNotFoundError:  # module is not a package
+        return module
+
+
+def test_every_pass_hashes_the_rewrite_modules_it_imports():
+    """A pass's uuid (Inductor's FX-cache key) covers every fp4fuse pattern or pass module its own
+    module imports: those decide the graphs it writes, and one left out would let the cache serve a
+    graph a changed matcher would not write (the lowering's ``dynamic_scale`` matcher, say)."""
+    import ast
+    import importlib
+
+    for graph_pass in FusionPass(FusionConfig(enable_async_tp=True, enable_bf16_async_tp=True)).passes:
+        module = importlib.import_module(type(graph_pass).__module__)
+        tree = ast.parse(Path(module.__file__).read_text())
+        imported = set()
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(("fp4fuse.passes", "fp4fuse.patterns")):
+                for alias in node.names:
+                    imported.add(_module_of(node.module, alias.name))
+        files = set(map(Path, graph_pass.source_files()))
+        for name in imported:
+            path = Path(importlib.util.find_spec(name).origin)
+            if path.name != "__init__.py":
+                assert path in files, f"{graph_pass.name}: {name} is not in its uuid's sources"
+
+
 def test_uuid_is_composed_of_each_pass_uuid_over_its_patterns_and_ops(tmp_path, monkeypatch):
     fusion = FusionPass(FusionConfig(enable_async_tp=True))
     files = {p.name: set(map(Path, p.source_files())) for p in fusion.passes}

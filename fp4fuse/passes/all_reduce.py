@@ -33,6 +33,7 @@ from fp4fuse.distributed.groups import group_size_of
 from fp4fuse.distributed.symm_mem import all_reduce as symm_all_reduce
 from fp4fuse.ops import all_reduce_ops
 from fp4fuse.passes.base import GraphPass
+from fp4fuse.patterns import base
 from fp4fuse.patterns.base import (
     CollectiveKind, FunctionalCollective, erase_if_unused, fake_value, find_collectives, insert_call,
 )
@@ -69,7 +70,7 @@ class SymmAllReducePass(GraphPass):
 
     name = "all_reduce"
     reads_process_groups = True
-    source_modules = (all_reduce_ops, symm_all_reduce)
+    source_modules = (all_reduce_ops, symm_all_reduce, base)
 
     def __call__(self, graph: fx.Graph) -> int:
         self.recorder.reset()

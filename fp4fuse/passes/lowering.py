@@ -85,6 +85,7 @@ from fp4fuse.distributed.groups import group_rank_of, group_size_of
 from fp4fuse.ops import kernel_table
 from fp4fuse.ops.backend import Backend, backend_for
 from fp4fuse.passes.base import GraphPass
+from fp4fuse.passes import dynamic_scale
 from fp4fuse.passes.dynamic_scale import scale_of_maxima
 from fp4fuse.patterns import base
 from fp4fuse.patterns.base import AliasedWrites, erase_if_unused, fake_value, hoist_before, insert_call, insert_traced
@@ -233,7 +234,7 @@ class KernelLoweringPass(GraphPass):
 
     name = "lowering"
     reads_process_groups = True
-    source_modules = (kernel_table, base)
+    source_modules = (kernel_table, base, dynamic_scale)
 
     def source_files(self) -> list[str]:
         files = super().source_files()

@@ -50,9 +50,10 @@ from torch._inductor import pattern_matcher as pm
 from fp4fuse.config import FusionConfig
 from fp4fuse.distributed.groups import resolve_group
 from fp4fuse.ops import fp4_ops, norm_ops, rank_check, sp_ops
+from fp4fuse.passes import cleanup
 from fp4fuse.passes.base import GraphPass
 from fp4fuse.passes.cleanup import fold_noop_views, read_sizes_from_graph_inputs
-from fp4fuse.patterns import base, collectives, quant_before_gather, rank_uniform, sequence_parallel
+from fp4fuse.patterns import base, collectives, quant_before_gather, rank_uniform, sequence_parallel, thresholds
 from fp4fuse.patterns.base import CollectiveKind, erase_if_unused, fake_value, find_collectives, get_arg, is_call
 from fp4fuse.patterns.quant_before_gather import QuantBeforeGather
 from fp4fuse.patterns.rank_uniform import RankCheckSite, RankUniformity
@@ -107,7 +108,7 @@ class SequenceParallelismPass(GraphPass):
     name = "sequence_parallel"
     reads_process_groups = True
     source_modules = (sequence_parallel, quant_before_gather, rank_uniform, collectives, base, sp_ops, norm_ops,
-                      fp4_ops, rank_check)
+                      fp4_ops, rank_check, cleanup, thresholds)
 
     def __init__(self, config: FusionConfig) -> None:
         super().__init__(config)
