@@ -28,7 +28,8 @@ def _output_nodes(gm) -> list[torch.fx.Node]:
 
 
 def _row_maxima_node(gm) -> torch.fx.Node:
-    (node,) = [n for n in gm.graph.find_nodes(op="call_function", target=aten.amax.default) if list(n.args[1:2]) == [[-1]]]
+    amaxes = gm.graph.find_nodes(op="call_function", target=aten.amax.default)
+    (node,) = [n for n in amaxes if list(n.args[1:2]) == [[-1]]]
     return node
 
 

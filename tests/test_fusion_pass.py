@@ -137,7 +137,8 @@ def test_every_pass_hashes_the_rewrite_modules_it_imports():
         tree = ast.parse(Path(module.__file__).read_text())
         imported = set()
         for node in tree.body:
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(("fp4fuse.passes", "fp4fuse.patterns")):
+            rewrites = ("fp4fuse.passes", "fp4fuse.patterns")
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(rewrites):
                 for alias in node.names:
                     imported.add(_module_of(node.module, alias.name))
         files = set(map(Path, graph_pass.source_files()))

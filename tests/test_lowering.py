@@ -860,7 +860,8 @@ def test_a_launch_writing_one_tensor_through_two_arguments_is_refused(triton_cud
     outputs = insert_traced(graph, _two_segment_launch(_guard_picked_group_kernel, SEGMENTS=2), [x])
     ((name, kwargs),) = _kernels_launched(torch.fx.GraphModule({}, graph))
     (launch,) = graph.find_nodes(op="call_function", target=torch.ops.higher_order.triton_kernel_wrapper_functional)
-    assert name == "_guard_picked_group_kernel" and sorted(launch.kwargs["tensors_to_clone"]) == ["out0_ptr", "out1_ptr"]
+    assert name == "_guard_picked_group_kernel"
+    assert sorted(launch.kwargs["tensors_to_clone"]) == ["out0_ptr", "out1_ptr"]
     assert len(outputs) == 2
 
 
@@ -898,7 +899,8 @@ def test_the_pass_keeps_the_op_call_where_a_launch_would_write_one_tensor_twice(
     assert lowering(gm.graph) == 2
     assert lowering.match_counts == {"lowering.rms_norm": 1, "lowering.scaled_fp4_quant": 1}
     (skip,) = lowering.skips
-    assert "_helper_picked_dequant_group_kernel would write one tensor through both out1_ptr and out2_ptr" in skip.reason
+    assert ("_helper_picked_dequant_group_kernel would write one tensor through both out1_ptr and out2_ptr"
+            in skip.reason)
     assert "the op call stays" in skip.reason
     assert any(n.target is fp4.mm_fp4.default for n in gm.graph.nodes)
 
@@ -926,7 +928,8 @@ def _every_lowerable_op(x, r, w, gs, ga, b1, s1, g1, b2, s2, g2, b3, s3, g3):
 def _every_lowerable_op_operands(rows: int, k: int) -> list[tuple]:
     scale = ((1,), torch.float32)
     act = ((rows, k), torch.bfloat16)
-    weights = [x for n in (96, 40, 40) for x in (((n, k // 2), torch.uint8), ((n, k // 16), torch.float8_e4m3fn), scale)]
+    weights = [x for n in (96, 40, 40)
+               for x in (((n, k // 2), torch.uint8), ((n, k // 16), torch.float8_e4m3fn), scale)]
     return [act, act, ((k,), torch.bfloat16), scale, scale, *weights]
 
 
@@ -969,7 +972,8 @@ def test_every_lowered_launch_is_analysed_as_writing_exactly_its_outputs(triton_
     launches = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.triton_kernel_wrapper_functional)
     names = set()
     for launch, (name, kwargs) in zip(launches, _kernels_launched(gm)):
-        assert set(launch.kwargs["tensors_to_clone"]) == _written_by(name, kwargs), (name, launch.kwargs["tensors_to_clone"])
+        written = launch.kwargs["tensors_to_clone"]
+        assert set(written) == _written_by(name, kwargs), (name, written)
         names.add((name, bool(kwargs.get("PARTIAL"))))
     kernels = {name for name, _ in names}
     assert {"_quant_kernel", "_rms_norm_kernel", "_norm_quant_kernel"} <= kernels
@@ -1003,7 +1007,8 @@ def test_a_dynamic_scale_is_computed_in_the_quantization_launch(triton_cuda_targ
                                      "lowering.alpha_from_global_scales": 1,
                                      **({"lowering.global_scale_of_maxima": 1} if folded else {})}
     targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
-    assert (torch.ops.aten.reciprocal.default in targets) != folded and (torch.ops.aten.isnan.default in targets) != folded
+    assert (torch.ops.aten.reciprocal.default in targets) != folded
+    assert (torch.ops.aten.isnan.default in targets) != folded
     launches = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.triton_kernel_wrapper_functional)
     kernels = dict(zip([name for name, _ in _kernels_launched(gm)], launches))
     if not folded:
@@ -1073,6 +1078,7 @@ def test_cuda_a_dynamic_scale_in_the_launch_is_bitwise_the_graph_without_the_pas
     plain = torch.compile(_dynamic_linear, fullgraph=True)(x, w, b, sb, gb)
     torch._dynamo.reset()
     fusion = fp4fuse.FusionPass(FusionConfig())
-    lowered = torch.compile(_dynamic_linear, fullgraph=True, options={"post_grad_custom_post_pass": fusion})(x, w, b, sb, gb)
+    compiled = torch.compile(_dynamic_linear, fullgraph=True, options={"post_grad_custom_post_pass": fusion})
+    lowered = compiled(x, w, b, sb, gb)
     assert fusion.match_counts.get("lowering.global_scale_of_maxima", 0) == int(rows <= 256)
     assert torch.equal(plain.view(torch.int16), lowered.view(torch.int16))

@@ -47,7 +47,8 @@ __all__ = [
     "AliasedWrites", "CollectiveKind", "FunctionalCollective", "GraphRewrite", "MatchRecorder", "QuantCall", "VIEW_OPS",
     "ReplacementPattern", "Skip", "aot_trace", "decode_collective", "erase_if_unused", "insert_traced",
     "fake_value", "find_collectives", "get_arg", "hoist_before", "insert_call", "is_call", "is_size_computation",
-    "refuse_aliased_writes", "registration_mode", "replacement_point", "shapes_known_equal", "threshold_reason", "token_count_reason",
+    "refuse_aliased_writes", "registration_mode", "replacement_point", "shapes_known_equal", "threshold_reason",
+    "token_count_reason",
 ]
 
 aten = torch.ops.aten

@@ -495,9 +495,9 @@ def _quant_kernel(
 @triton.jit
 def _global_scale_of_maxima(m_ptr, n_maxima, DIV_RN: tl.constexpr, BLOCK: tl.constexpr):
     """The dynamic global scale of a tensor whose ``n_maxima`` partial maxima of ``|x|`` are at
-    ``m_ptr`` (any values: their maximum is exact whatever they are): the operations, in order, of the graph that
-    ``fp4fuse.nvfp4.quantizer.group_amax`` (without a group) and ``nvfp4.format.global_scale_from_amax``
-    give and Inductor generates for it: ``a = fp32(max)`` (NaN if one is), ``v = inf if a is NaN else
+    ``m_ptr`` (any values: their maximum is exact whatever they are). The operations, in order, of
+    the graph that ``fp4fuse.nvfp4.quantizer.group_amax`` (without a group) and
+    ``nvfp4.format.global_scale_from_amax`` give and Inductor generates for it: ``a = fp32(max)`` (NaN if one is), ``v = inf if a is NaN else
     a``, ``gs = where(isfinite(v), where(v == 0, 1, (1 / v) * 2688), NaN)`` -- ``2688 / v`` is
     ``reciprocal(v) * 2688`` in the graph, the division IEEE (``DIV_RN``) or Triton's ``/``, as
     Inductor's (``fp4fuse.kernels.triton.alpha``)."""
