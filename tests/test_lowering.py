@@ -858,7 +858,7 @@ def test_a_launch_writing_one_tensor_through_two_arguments_is_refused(triton_cud
         insert_traced(graph, _two_segment_launch(_helper_picked_group_kernel), [x])
     assert [n.op for n in graph.nodes] == ["placeholder"]
     outputs = insert_traced(graph, _two_segment_launch(_guard_picked_group_kernel, SEGMENTS=2), [x])
-    ((name, kwargs),) = _kernels_launched(torch.fx.GraphModule({}, graph))
+    ((name, _),) = _kernels_launched(torch.fx.GraphModule({}, graph))
     (launch,) = graph.find_nodes(op="call_function", target=torch.ops.higher_order.triton_kernel_wrapper_functional)
     assert name == "_guard_picked_group_kernel"
     assert sorted(launch.kwargs["tensors_to_clone"]) == ["out0_ptr", "out1_ptr"]
