@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from fp4fuse.nvfp4.format import E2M1_MAX, E4M3_MAX
-from fp4fuse.patterns.base import fake_value, is_call
+from fp4fuse.patterns.base import fake_value, get_arg, is_call
 
 __all__ = ["ScaleOfMaxima", "scale_of_maxima"]
 
@@ -69,9 +69,10 @@ def _unary(node: Any, target: Callable[..., Any]) -> fx.Node | None:
     return node.args[0] if is_call(node, target) and len(node.args) == 1 and isinstance(node.args[0], fx.Node) else None
 
 
-def _operands(node: Any, target: Callable[..., Any] | tuple) -> tuple[Any, Any] | None:
+def _operands(node: Any, target: Callable[..., Any] | tuple, arity: int = 2) -> tuple[Any, ...] | None:
+    """The ``arity`` positional operands of ``target(...)`` (one of ``target`` where a tuple), else None."""
     targets = target if isinstance(target, tuple) else (target,)
-    return tuple(node.args) if is_call(node, *targets) and len(node.args) == 2 and not node.kwargs else None
+    return tuple(node.args) if is_call(node, *targets) and len(node.args) == arity and not node.kwargs else None
 
 
 def _isfinite_of(cond: Any, v: fx.Node, seen: list[fx.Node]) -> bool:
@@ -95,18 +96,13 @@ def _amax_of(a: Any, seen: list[fx.Node]) -> fx.Node | None:
     if not (isinstance(val, torch.Tensor) and val.dtype == torch.float32 and val.numel() == 1):
         return None
     node = a
-    while True:
-        if is_call(node, *_RESHAPES) or (is_call(node, prims.convert_element_type.default)
-                                          and node.args[1] == torch.float32):
-            seen.append(node)
-            node = node.args[0]
-            continue
-        break
+    while is_call(node, *_RESHAPES) or (is_call(node, prims.convert_element_type.default)
+                                         and node.args[1] == torch.float32):
+        seen.append(node)
+        node = node.args[0]
     if not is_call(node, aten.amax.default) or not isinstance(node.args[0], fx.Node):
         return None
-    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", [])
-    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-    if list(dims) or keepdim:
+    if list(get_arg(node, 1, "dim", [])) or get_arg(node, 2, "keepdim", False):
         return None
     seen.append(node)
     return node.args[0]
@@ -117,11 +113,11 @@ def scale_of_maxima(gs: fx.Node) -> ScaleOfMaxima | None:
     of it that something else reads too)."""
     seen: list[fx.Node] = [gs]
     constants: list[fx.Node] = []
-    outer = gs.args if is_call(gs, aten.where.self) and len(gs.args) == 3 else None
+    outer = _operands(gs, aten.where.self, 3)
     if outer is None or not _full(outer[2], math.nan, constants):
         return None
     cond, inner = outer[0], outer[1]
-    inner_args = inner.args if is_call(inner, aten.where.self) and len(inner.args) == 3 else None
+    inner_args = _operands(inner, aten.where.self, 3)
     if inner_args is None or not _full(inner_args[1], 1.0, constants):
         return None
     seen.append(inner)
@@ -139,7 +135,7 @@ def scale_of_maxima(gs: fx.Node) -> ScaleOfMaxima | None:
     if _unary(recip, aten.reciprocal.default) is not v or not _isfinite_of(cond, v, seen):
         return None
     seen += [zero, scaled, recip]
-    v_args = v.args if is_call(v, aten.where.self) and len(v.args) == 3 else None
+    v_args = _operands(v, aten.where.self, 3)
     if v_args is None or not _full(v_args[1], math.inf, constants):
         return None
     a = v_args[2]

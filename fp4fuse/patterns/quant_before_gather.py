@@ -43,7 +43,8 @@ from fp4fuse.config import FusionConfig
 from fp4fuse.distributed import groups
 from fp4fuse.nvfp4.quantizer import abs_amax
 from fp4fuse.patterns.base import (
-    GraphRewrite, QuantCall, erase_if_unused, fake_value, insert_call, insert_traced, is_call, token_count_reason,
+    GraphRewrite, QuantCall, erase_if_unused, fake_value, get_arg, insert_call, insert_traced, is_call,
+    token_count_reason,
 )
 from fp4fuse.patterns.thresholds import sp_min_tokens
 from fp4fuse.patterns.collectives import GatheredTensor, decode_gathered, external_users
@@ -61,8 +62,8 @@ def _amax_dims(node: fx.Node) -> list[int] | None:
     reduces; None for anything else."""
     if not is_call(node, aten.amax):
         return None
-    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", [])
-    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    dims = get_arg(node, 1, "dim", [])
+    keepdim = get_arg(node, 2, "keepdim", False)
     ndim = fake_value(node.args[0]).dim()
     return None if keepdim else sorted({d % ndim for d in dims} if dims else range(ndim))
 
