@@ -556,8 +556,14 @@ def mm_fp4_triton(
     alpha: Alpha, out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """``alpha * (q_a * s_a) @ (q_b * s_b)^T`` as ``[M, N]`` ``out_dtype`` (see module docstring)."""
+    return _mm_on_path(_gemm_path(a.shape[0], b, b_scale, out_dtype), a, b, a_scale, b_scale, alpha, out_dtype)
+
+
+def _mm_on_path(route: tuple[str, Callable[..., Any] | None], a: torch.Tensor, b: torch.Tensor,
+                a_scale: torch.Tensor, b_scale: torch.Tensor, alpha: Alpha, out_dtype: torch.dtype) -> torch.Tensor:
+    """``mm_fp4_triton`` on the kernel ``route`` (``_gemm_path``'s answer for these operands) names."""
     m, n, k = a.shape[0], b.shape[0], a.shape[1] * 2
-    path, hopper = _gemm_path(m, b, b_scale, out_dtype)
+    path, hopper = route
     if path == "hopper":
         return hopper(a, b, a_scale, b_scale, alpha, out_dtype)
     if path == "decode":
@@ -598,7 +604,8 @@ def mm_fp4_calls_triton(calls: list[tuple]) -> list[torch.Tensor]:
     output dtype decode or dequantize it once (``mm_hopper.mm_fp4_hopper_products``,
     ``mm_fp4_dequant_mm_products``); the others are one call each."""
     outs: list[torch.Tensor | None] = [None] * len(calls)
-    paths = [_gemm_path(a.shape[0], b, b_scale, out_dtype)[0] for a, b, _, b_scale, _, out_dtype in calls]
+    routes = [_gemm_path(a.shape[0], b, b_scale, out_dtype) for a, b, _, b_scale, _, out_dtype in calls]
+    paths = [path for path, _ in routes]
     decoded = [i for i, path in enumerate(paths) if path == "decode"]
     if len({calls[i][5] for i in decoded}) == 1:
         products = [DecodeProduct(a, a_scale, b, b_scale, alpha) for a, b, a_scale, b_scale, alpha, _ in
@@ -614,7 +621,7 @@ def mm_fp4_calls_triton(calls: list[tuple]) -> list[torch.Tensor]:
             weights = [(calls[i][1], calls[i][3], calls[i][4]) for i in members]
             for i, out in zip(members, products_of(a, a_scale, weights, out_dtype)):
                 outs[i] = out
-    return [out if out is not None else mm_fp4_triton(*call) for out, call in zip(outs, calls)]
+    return [out if out is not None else _mm_on_path(route, *call) for out, route, call in zip(outs, routes, calls)]
 
 
 def _one_activation(indices: list[int], calls: list[tuple]) -> list[list[int]]:
