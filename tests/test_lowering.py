@@ -203,18 +203,36 @@ def _dynamic_rows_graph(rows_hint: int, n: int = 48, k: int = 64):
     return shape_env, str(rows.node.expr), gm
 
 
+@pytest.fixture
+def predecoded_mid_rows(monkeypatch):
+    """65-128 rows of the tests' small weights pre-decoded, as larger weights are
+    (``mm_decode.MID_INKERNEL_MAX_WEIGHT`` 0; ``mid_inkernel_config`` serves them otherwise), so that
+    both paths of that range are lowered at 100 rows."""
+    from fp4fuse.kernels.triton import mm_decode
+
+    monkeypatch.setattr(mm_decode, "MID_INKERNEL_MAX_WEIGHT", 0)
+    mm_decode.decode_config_for.cache_clear()
+    yield
+    mm_decode.decode_config_for.cache_clear()
+
+
 @pytest.mark.parametrize("rows_hint,guards,gemm", [
     (5, {"s <= 256", "s <= 16"}, "decode"),
     (20, {"s <= 256", "s > 16", "s <= 32"}, "decode"),
+    (100, {"s <= 256", "s > 16", "s > 32", "s > 64", "s <= 128"}, "decode"),
     (100, {"s <= 256", "s > 16", "s > 32", "s > 64", "s <= 128"}, "predecode"),
     (300, {"s > 256", "4*s <= 2146435072"}, "dequantize + cuBLAS"),
 ])
-def test_dynamic_row_count_is_lowered_under_the_guards_of_its_range(triton_cuda_target, rows_hint, guards, gemm):
+def test_dynamic_row_count_is_lowered_under_the_guards_of_its_range(triton_cuda_target, request, rows_hint, guards,
+                                                                     gemm):
     """A dynamic batch is lowered: the launchers' choices on the row count become guards on the
     range of its size hint (``mm_decode.config_rows``: the graph then serves only counts that make
     the same choices; others recompile), and the grids and allocations stay symbolic. The norm
     chooses nothing by rows; the quantization only checks its int32 block index (``4*s``: blocks
-    of 16 in 64 columns), implied by the GEMM's guards up to 256 rows."""
+    of 16 in 64 columns), implied by the GEMM's guards up to 256 rows. At 100 rows both paths of the
+    range: the activation decoded in the GEMM (small weights) and pre-decoded."""
+    if gemm == "predecode":
+        request.getfixturevalue("predecoded_mid_rows")
     shape_env, symbol, gm = _dynamic_rows_graph(rows_hint)
     lowering = KernelLoweringPass(FusionConfig())
     assert lowering(gm.graph) == 3, [s.reason for s in lowering.skips]
@@ -530,14 +548,18 @@ def _qkv_static_operands(rows: int, k: int = 64, ns: tuple[int, ...] = (96, 32, 
         x for n in ns for x in (((n, k // 2), torch.uint8), ((n, k // 16), torch.float8_e4m3fn), scale, scale)]
 
 
-@pytest.mark.parametrize("rows,gemm", [(6, "_mm_decode_group_kernel"), (100, "_mm_decode_group_kernel"),
-                                       (300, None)])
-def test_static_scale_siblings_share_a_quantization_launch_and_a_gemm_launch(triton_cuda_target, rows, gemm):
+@pytest.mark.parametrize("rows,gemm,predecoded", [(6, "_mm_decode_group_kernel", False),
+                                                  (100, "_mm_decode_group_kernel", False),
+                                                  (100, "_mm_decode_group_kernel", True), (300, None, False)])
+def test_static_scale_siblings_share_a_quantization_launch_and_a_gemm_launch(triton_cuda_target, request, rows, gemm,
+                                                                           predecoded):
     """Static activation scales: the three quantizations of one input (each its own scale) become one
     launch of the grouped quantization kernel at the first one's place, and the three GEMMs one
-    grouped decode launch reading one activation per segment (at 100 rows the three pre-decoded in
-    one launch);
+    grouped decode launch reading one activation per segment (at 100 rows, where pre-decoded, the
+    three pre-decoded in one launch);
     above the decode GEMM's rows each GEMM keeps its own launches."""
+    if predecoded:
+        request.getfixturevalue("predecoded_mid_rows")
     gm = _static_graph(_qkv_static, *_qkv_static_operands(rows))
     lowering = KernelLoweringPass(FusionConfig())
     lowering(gm.graph)
@@ -570,8 +592,8 @@ def test_static_scale_siblings_share_a_quantization_launch_and_a_gemm_launch(tri
     assert name == gemm and kwargs["SEGMENTS"] == 3
     activations = [kwargs[f"a{i}_ptr"] for i in range(3)] + [kwargs[f"as{i}_ptr"] for i in range(3)]
     assert len(set(activations)) == 6  # each segment reads its own activation
-    # pre-decoded at 100 rows: the three activations in one launch
-    assert [kw["SEGMENTS"] for kw in predecodes] == ([3] if rows > 64 else [])
+    # pre-decoded: the three activations in one launch
+    assert [kw["SEGMENTS"] for kw in predecodes] == ([3] if predecoded else [])
     reader = predecodes[0] if predecodes else kwargs
     codes, scales = ("q{}_ptr", "s{}_ptr") if predecodes else ("a{}_ptr", "as{}_ptr")
     for i in range(3):
@@ -639,15 +661,18 @@ def test_cuda_sibling_gemms_are_bitwise_the_graph_without_the_pass(m):
     assert fusion.match_counts["lowering.mm_fp4_siblings"] == 1
 
 
-@pytest.mark.parametrize("rows_hint,guards", [
-    (20, {"4*s <= 2146435072", "s <= 256", "s > 16", "s <= 32"}),
-    (100, {"4*s <= 2146435072", "s <= 256", "s > 16", "s > 32", "s > 64", "s <= 128"}),
+@pytest.mark.parametrize("rows_hint,guards,predecoded", [
+    (20, {"4*s <= 2146435072", "s <= 256", "s > 16", "s <= 32"}, False),
+    (100, {"4*s <= 2146435072", "s <= 256", "s > 16", "s > 32", "s > 64", "s <= 128"}, False),
+    (100, {"4*s <= 2146435072", "s <= 256", "s > 16", "s > 32", "s > 64", "s <= 128"}, True),
 ])
-def test_static_scale_siblings_with_a_dynamic_row_count(triton_cuda_target, rows_hint, guards):
+def test_static_scale_siblings_with_a_dynamic_row_count(triton_cuda_target, request, rows_hint, guards, predecoded):
     """A dynamic batch with static scales: the grouped quantization and the grouped GEMM (its
-    activations pre-decoded in one launch at 100 rows) are traced with the symbolic row count under
+    activations, where pre-decoded, in one launch) are traced with the symbolic row count under
     the guards of its range -- those one GEMM of that range adds -- and the quantization's int32
     block-index bound (lowered first, before the GEMM's range implies it)."""
+    if predecoded:
+        request.getfixturevalue("predecoded_mid_rows")
     shape_env, symbol, gm = _dynamic_rows_trace(_qkv_static, _qkv_static_operands(rows_hint))
     lowering = KernelLoweringPass(FusionConfig())
     lowering(gm.graph)
@@ -659,7 +684,7 @@ def test_static_scale_siblings_with_a_dynamic_row_count(triton_cuda_target, rows
     assert all(isinstance(n.kwargs["grid"][0][0], torch.fx.Node) for n in launches)  # symbolic grids
     names = [name for name, _ in _kernels_launched(gm)]
     assert names.count("_quant_group_kernel") == 1 and names.count("_mm_decode_group_kernel") == 1
-    assert names.count("_predecode_kernel") == (1 if rows_hint > 64 else 0)
+    assert names.count("_predecode_kernel") == (1 if predecoded else 0)
 
 
 @pytest.mark.cuda
@@ -957,13 +982,18 @@ def _written_by(name: str, meta: dict) -> set[str]:
     return table[name]
 
 
-@pytest.mark.parametrize("rows,k", [(5, 64), (5, 4096), (20, 64), (50, 64), (100, 64), (200, 64), (300, 64)])
-def test_every_lowered_launch_is_analysed_as_writing_exactly_its_outputs(triton_cuda_target, rows, k):
+@pytest.mark.parametrize("rows,k,predecoded", [(5, 64, False), (5, 4096, False), (20, 64, False), (50, 64, False),
+                                               (100, 64, False), (100, 64, True), (200, 64, True), (300, 64, False)])
+def test_every_lowered_launch_is_analysed_as_writing_exactly_its_outputs(triton_cuda_target, request, rows, k,
+                                                                          predecoded):
     """The lowered graph's correctness rests on torch's analysis of which arguments a launch writes:
     a written argument it misses is not copied (and may be a buffer Inductor reuses), one it adds
     gets a copy of its own that the graph may read. Over every lowerable op, both output dtypes,
     siblings of three and two, a dynamic scale, every row range (5 x 4096: the decode GEMM's split
-    K), each launch must be reported as writing exactly what its launcher reads back."""
+    K; at 100 rows the activation decoded in the GEMM and pre-decoded), each launch must be reported
+    as writing exactly what its launcher reads back."""
+    if predecoded and rows <= 128:
+        request.getfixturevalue("predecoded_mid_rows")
     gm = _static_graph(_every_lowerable_op, *_every_lowerable_op_operands(rows, k))
     lowering = KernelLoweringPass(FusionConfig())
     lowering(gm.graph)
@@ -978,7 +1008,7 @@ def test_every_lowered_launch_is_analysed_as_writing_exactly_its_outputs(triton_
     kernels = {name for name, _ in names}
     assert {"_quant_kernel", "_rms_norm_kernel", "_norm_quant_kernel"} <= kernels
     assert ("_dequant_group_kernel" in kernels) == (rows > 256)
-    assert ("_predecode_kernel" in kernels) == (64 < rows <= 256)
+    assert ("_predecode_kernel" in kernels) == predecoded
     assert ("_quant_of_maxima_kernel" in kernels) == (rows <= 256)  # the dynamic scale's, in its launch
     assert (("_mm_decode_kernel", True) in names) == (k == 4096)
 

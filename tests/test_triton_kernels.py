@@ -204,6 +204,33 @@ def test_decode_rule_at_33_to_64_rows_takes_two_32_row_tiles_on_small_launches()
     assert mm_decode.decode_config_for(16, 2048, k).block_k == 128  # the narrow step
 
 
+def test_decode_rule_at_65_to_128_rows_decodes_small_launches_in_the_kernel():
+    """65-128 rows: two 64-row tiles with the activation decoded in the kernel where the launch's
+    weights hold at most 2**23 elements (Llama-3-8B's TP=2 q, k/v and o shards alone); the
+    pre-decoded 128 x 64 tile on larger launches (the grouped q/k/v launch of 2**23.6 elements, the
+    3072 x 4096 q/k/v shard, gate/up, down) and from 129 rows on every size."""
+    from fp4fuse.kernels.triton import mm_decode
+
+    def tile(cfg):
+        return cfg.block_m, cfg.block_n, cfg.block_k, cfg.predecode
+
+    in_kernel, pre_decoded = (64, 64, 256, False), (128, 64, 128, True)
+    for m in (65, 100, 128):
+        for n, k in ((2048, 4096), (512, 4096), (4096, 2048), (48, 64)):
+            assert tile(mm_decode.decode_config_for(m, n, k)) == in_kernel, (m, n, k)
+        for n, k in ((3072, 4096), (14336, 4096), (4096, 7168), (8192, 8192)):
+            assert tile(mm_decode.decode_config_for(m, n, k)) == pre_decoded, (m, n, k)
+        qkv = mm_decode.group_configs(m, [2048, 512, 512], 4096, 132)
+        assert qkv is not None and {tile(c) for c in qkv} == {pre_decoded}, m
+    for m in (129, 200, 256):
+        assert tile(mm_decode.decode_config_for(m, 512, 4096)) == pre_decoded, m
+    # the split fills 2 programs per multiprocessor with at least 4 K steps of 256 each: the o shard
+    # (4096 x 2048) has 2 x 64 tiles and 8 K steps -> min(2 * 132 / 128, 8 / 4) = 2; the q shard
+    # 2 x 32 tiles and 16 K steps -> min(264 / 64, 16 / 4) = 4
+    assert mm_decode.decode_config_for(100, 4096, 2048).split_k == 2
+    assert mm_decode.decode_config_for(100, 2048, 4096).split_k == 4
+
+
 def test_quant_launch_rule_for_cuda_caps_its_programs_and_guards_no_dynamic_batch(monkeypatch):
     """The CUDA launch of the quantization: one program per 256-block chunk up to 16 programs per
     multiprocessor, then several chunks a program; for a traced launch with a dynamic batch the
@@ -437,7 +464,8 @@ def test_cuda_quant_sass_counts(division, dtype):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 8192), (3, 423, 208), (16, 8192, 512), (64, 1000, 1024),
-                                   (130, 37, 1024), (257, 300, 48), (1000, 64, 256), (2048, 256, 512)])
+                                   (100, 37, 1024), (130, 37, 1024), (257, 300, 48), (1000, 64, 256),
+                                   (2048, 256, 512)])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cuda_mm_fp4_matches_float64(m, n, k, out_dtype):
     _require_triton_backend()
@@ -455,13 +483,15 @@ def test_cuda_mm_fp4_matches_float64(m, n, k, out_dtype):
 @pytest.mark.cuda
 @pytest.mark.parametrize("m,n,k", [(1, 3072, 4096), (3, 423, 208), (16, 8192, 1040), (17, 200, 48),
                                    (64, 1000, 1024), (45, 2056, 1040), (128, 4096, 7168), (5, 4104, 8208),
-                                   (20, 2056, 8208)])
+                                   (20, 2056, 8208), (100, 2056, 1040), (128, 4096, 2048)])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cuda_mm_fp4_decode_matches_float64(m, n, k, out_dtype):
     """The one-launch decode GEMM (default config and a 3-way split that does not divide the K
     steps) against float64; bitwise repeatable; counters back to zero; a NaN scale poisons its row.
     5 x 4104 x 8208 and 20 x 2056 x 8208: the default's 256-element K steps
-    (mm_decode.wide_step_config) with a partial last step and a partial weight tile."""
+    (mm_decode.wide_step_config) with a partial last step and a partial weight tile; 100 x 2056 x
+    1040 and 128 x 4096 x 2048: the in-kernel decode of 65-128 rows on small weights
+    (mm_decode.mid_inkernel_config), with and without a partial last step."""
     _require_triton_backend()
     from fp4fuse.kernels.triton import mm_decode
     gen = torch.Generator(device="cuda").manual_seed(m * 31 + n + k)

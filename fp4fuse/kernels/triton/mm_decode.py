@@ -6,8 +6,8 @@ block scales ``[M, K/16]`` / ``[N, K/16]``, alpha a one-element fp32 device tens
 kernel (never synchronised to the host) or the two global scales it is computed from
 (``fp4fuse.kernels.triton.alpha``), ``out = alpha * (q_a * s_a) @ (q_b * s_b)^T`` in
 bf16/fp16/fp32. Inputs are validated by the op layer (contiguous, dtypes, ``K % 16 == 0``). Used up to
-``DECODE_MAX_M`` rows: one launch up to ``INKERNEL_DECODE_MAX_M`` rows, two above (the activation is
-pre-decoded once).
+``DECODE_MAX_M`` rows: one launch up to ``INKERNEL_DECODE_MAX_M`` rows (``MID_INKERNEL_MAX_M`` on small
+weights), two above (the activation is pre-decoded once).
 
 Numerics: both operands are decoded in registers to fp16 ``e2m1 * 2**-14 * s`` (exact; the
 decoders of ``fp4fuse.kernels.triton.mm``), products are exact in fp32 and the MMAs accumulate in fp32;
@@ -37,7 +37,9 @@ Kernel design (``_mm_decode_kernel``):
   launch. Above, every weight tile's program would decode the whole activation again, so
   ``_predecode_kernel`` writes it once as fp16 planes in the same permuted order (``PREDECODED``:
   the GEMM loads them as the MMA's B operand); the products and their order are unchanged, so the
-  result is bitwise the in-kernel decode's.
+  result is bitwise the in-kernel decode's. On small weights (``mid_inkernel_config``) the fp16
+  planes, 4x the bytes of the codes and read again by every weight tile, cost more than decoding the
+  codes again, and the in-kernel decode serves up to ``MID_INKERNEL_MAX_M`` rows.
 * Loads of 1 or 2 bytes per thread are not pipelined by Triton (cp.async moves 4, 8 or 16 bytes):
   they stay synchronous in the K loop, and in ``wide_step_config``'s 16-row tile the activation's
   block scales (16 x 16 bytes a 256-element step, 2 per thread) were the kernel's largest stall
@@ -98,6 +100,7 @@ __all__ = [
     "finish_tile",
     "group_configs",
     "leaves_counters_zero",
+    "mid_inkernel_config",
     "mm_fp4_decode",
     "mm_fp4_decode_group",
     "mm_fp4_decode_products",
@@ -442,7 +445,8 @@ MIN_STEPS_PER_SPLIT = 4
 #: Largest M that ``fp4fuse.kernels.triton.mm.mm_fp4_triton`` sends to this kernel: up to
 #: ``INKERNEL_DECODE_MAX_M`` rows with the activation decoded in every program, above with it
 #: pre-decoded once (``predecode_activation``) and 128 x 64 tiles (``benchmarks/bench_ops.py
-#: --mid-sweep``; results in benchmarks/results/).
+#: --mid-sweep``; results in benchmarks/results/), except small launches up to
+#: ``MID_INKERNEL_MAX_M`` rows (``mid_inkernel_config``).
 DECODE_MAX_M = 256
 INKERNEL_DECODE_MAX_M = 64
 MAX_SPLIT = 16
@@ -456,6 +460,16 @@ WIDE_STEP_MAX_M = 32
 WIDE_STEP_MIN_WEIGHT = 1 << 24
 WIDE_STEP_MAX_WEIGHT_TWO_TILES = 1 << 25
 WIDE_STEP_PROGRAMS_PER_SM = 4
+#: 65-128 activation rows on launches whose weights hold at most this many elements (Llama-3-8B's
+#: TP=2 q, k, v and o shards, and smaller ones) take ``mid_inkernel_config``: the activation decoded
+#: in the kernel in two 64-row tiles, not pre-decoded. There the pre-decoded fp16 activation (4x the
+#: bytes of its codes), read again by every 64-row weight tile, costs more than decoding it again
+#: (``benchmarks/results/2026-11-27-small-shards-mid-rows-h100.md``).
+MID_INKERNEL_MAX_WEIGHT = 1 << 23
+MID_INKERNEL_MAX_M = 128
+#: Programs per multiprocessor ``mid_inkernel_config``'s split-K aims at (184 registers a thread,
+#: ptxas sm_90, Triton 3.6: two fit).
+MID_INKERNEL_PROGRAMS_PER_SM = 2
 #: Register cap of ``wide_step_config``'s tiles: 4 programs of 4 warps per multiprocessor. Without
 #: it the 16-row tile with word-loaded activation scales takes 144 registers (3 programs); capped
 #: it takes 128 without spilling (ptxas, sm_90, Triton 3.6).
@@ -464,7 +478,7 @@ WIDE_STEP_MAX_REGISTERS = 128
 
 #: Top row counts of the ranges over which ``decode_config_for`` gives one configuration (for any
 #: N, K: the 16-, 32- and 64-row tiles cover their range in one tile row, the 32-row tile 33-64 rows
-#: in two, the pre-decoded 128-row tiles in one and two).
+#: in two, the 64-row tile 65-128 rows in two, the pre-decoded 128-row tiles in one and two).
 DECODE_ROW_RANGES = (16, WIDE_STEP_MAX_M, INKERNEL_DECODE_MAX_M, 128, DECODE_MAX_M)
 
 
@@ -498,23 +512,43 @@ def decode_config_for(m: int, n: int, k: int, num_sms: int = 132, launch_weight:
     ``INKERNEL_DECODE_MAX_M`` rows where the launch's weights (``launch_weight``: all the products a
     grouped launch computes, default ``n * k``) hold fewer than ``WIDE_STEP_MAX_WEIGHT_TWO_TILES``
     elements; ``narrow_step_config`` on other products up to ``INKERNEL_DECODE_MAX_M`` rows;
-    and above, the activation pre-decoded (``predecode``, since every weight tile's program would
-    decode it again) with tiles of 128 activation rows x 64 weight rows, 4 warps, split-K bringing
-    the grid to ``PREDECODE_PROGRAMS_PER_SM`` programs per multiprocessor: the best or within 3% of
-    the best of 7 tiles at M = 128 and 256 on five Llama-3-8B / 8192^2 shapes, 1.4-2.1x faster than
-    the tiled kernel and dequantize + cuBLAS there (benchmarks/results/).
+    ``mid_inkernel_config`` from ``INKERNEL_DECODE_MAX_M + 1`` to ``MID_INKERNEL_MAX_M`` rows where the
+    launch's weights hold at most ``MID_INKERNEL_MAX_WEIGHT`` elements; and on other products above
+    ``INKERNEL_DECODE_MAX_M`` rows, the activation pre-decoded (``predecode``, since every weight tile's
+    program would decode it again) with tiles of 128 activation rows x 64 weight rows, 4 warps, split-K
+    bringing the grid to ``PREDECODE_PROGRAMS_PER_SM`` programs per multiprocessor: the best or within
+    3% of the best of 7 tiles at M = 128 and 256 on five Llama-3-8B / 8192^2 shapes, 1.4-2.1x faster
+    than the tiled kernel and dequantize + cuBLAS there (benchmarks/results/).
 
     No autotuning at run time: a serving engine sees many M. Memoized (a pure function of its
     arguments; the configuration is frozen): an eager decode step is host-bound."""
+    weight = n * k if launch_weight is None else launch_weight
+    if INKERNEL_DECODE_MAX_M < m <= MID_INKERNEL_MAX_M and weight <= MID_INKERNEL_MAX_WEIGHT:
+        return mid_inkernel_config(n, k, num_sms)
     if m > INKERNEL_DECODE_MAX_M:
         split = filling_split(triton.cdiv(m, 128) * triton.cdiv(n, 64), k, num_sms, PREDECODE_PROGRAMS_PER_SM)
         return DecodeConfig(block_m=128, block_n=64, block_k=128, split_k=split, num_warps=4, num_stages=3,
                             predecode=True)
     if m <= WIDE_STEP_MAX_M and (m > 16 or n * k >= WIDE_STEP_MIN_WEIGHT):
         return wide_step_config(m, n, k, num_sms)
-    if m > WIDE_STEP_MAX_M and (n * k if launch_weight is None else launch_weight) < WIDE_STEP_MAX_WEIGHT_TWO_TILES:
+    if m > WIDE_STEP_MAX_M and weight < WIDE_STEP_MAX_WEIGHT_TWO_TILES:
         return wide_step_config(m, n, k, num_sms)
     return narrow_step_config(m, n, k, num_sms)
+
+
+def mid_inkernel_config(n: int, k: int, num_sms: int = 132) -> DecodeConfig:
+    """65-128 activation rows (``MID_INKERNEL_MAX_M``) of small launches: two tiles of 64 activation rows x
+    64 weight rows, the activation decoded in the kernel, 256 K elements a step, 4 warps, 3 stages,
+    split-K bringing the two tiles' grid to ``MID_INKERNEL_PROGRAMS_PER_SM`` programs per multiprocessor.
+
+    How it was chosen: CUDA-graph replays on an H100 (benchmarks/results/2026-11-27-small-shards-mid-rows-h100.md)
+    of the pre-decoded 128 x 64 tile (the rule above 64 rows before), 128 x 128 pre-decoded, and the
+    in-kernel 32 x 64, 64 x 64 (this), 64 x 128 and 32 x 128 tiles at 96, 128 and 256 rows. On weights
+    of up to 2**23 elements (Llama-3-8B's TP=2 q, k/v, o shards) this one was 1.12-1.26x faster than the
+    pre-decoded tile at 96 and 128 rows and never slower; on the 3072 x 4096 q/k/v launch and larger
+    weights, and at 256 rows, the pre-decoded tile stayed the best or within 1%."""
+    split = filling_split(2 * triton.cdiv(n, 64), k, num_sms, MID_INKERNEL_PROGRAMS_PER_SM, block_k=256)
+    return DecodeConfig(block_m=64, block_n=64, block_k=256, split_k=split, num_warps=4, num_stages=3)
 
 
 def wide_step_config(m: int, n: int, k: int, num_sms: int = 132) -> DecodeConfig:

@@ -1,0 +1,100 @@
+"""The decode GEMM at 65-256 activation rows on small weights: its tiles against the pre-decoded one.
+
+    PYTHONPATH=. python benchmarks/bench_mid_rows.py [--json raw.json]
+
+Above 64 rows the decode GEMM (``fp4fuse.kernels.triton.mm_decode``) pre-decodes the activation once
+into fp16 planes and runs 128 activation rows x 64 weight rows a program; on weights of up to
+``MID_INKERNEL_MAX_WEIGHT`` elements it decodes the activation in the kernel at 65-128 rows instead
+(``mid_inkernel_config``). This script times, at 96, 128 and 256 rows on Llama-3-8B's TP=2 shards
+(q, k/v, the fused q/k/v, o, gate/up, down) and 8192^2, in one process:
+
+* ``shipped``: ``decode_config_for``;
+* ``pre-decoded``: the 128 x 64 pre-decoded tile with split-K filling 1, 2 (the rule before, and
+  above 128 rows) and 3 programs per multiprocessor, and the 128 x 128 one (8 warps);
+* the in-kernel decode at 32 x 64 and 64 x 64 (256-element steps), 64 x 128 and 32 x 128 (128);
+* cuBLAS bf16 on the same shape.
+
+CUDA-graph replays over rotating weight copies (``bench_ops._rotating_points``,
+``bench_ops.decode_graph_ms``), microseconds. Each candidate's output is checked against the
+first's (a different split sums K in another order: relative error, not bits). Results in
+benchmarks/results/.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+
+import torch
+import triton
+
+import bench_ops  # benchmarks/, this script's folder
+from fp4fuse.kernels.triton import mm_decode
+
+SHAPES = ((2048, 4096), (512, 4096), (3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168), (8192, 8192))
+MS = (96, 128, 256)
+#: Relative error (max |out - ref| / max |ref|) between two correct bf16 outputs of other split orders.
+MAX_REL_DIFF = 1e-2
+
+
+def _candidates(m: int, n: int, k: int, sms: int) -> dict[str, mm_decode.DecodeConfig]:
+    """Name -> configuration: the shipped one first."""
+    config = mm_decode.DecodeConfig
+
+    def split(block_m: int, block_n: int, per_sm: int, block_k: int = 128) -> int:
+        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+        return mm_decode.filling_split(tiles, k, sms, per_sm, block_k=block_k)
+
+    out = {"shipped": mm_decode.decode_config_for(mm_decode.config_rows(m), n, k, sms)}
+    for per_sm in (1, 2, 3):
+        out[f"128x64 pre-decoded /{per_sm}"] = config(128, 64, 128, split(128, 64, per_sm), 4, 3, predecode=True)
+    for per_sm in (1, 2):
+        out[f"128x128 pre-decoded /{per_sm}"] = config(128, 128, 128, split(128, 128, per_sm), 8, 3, predecode=True)
+    out["32x64x256 /4"] = config(32, 64, 256, split(32, 64, 4, 256), 4, 3, max_registers=128)
+    for per_sm in (2, 4):
+        out[f"64x64x256 /{per_sm}"] = config(64, 64, 256, split(64, 64, per_sm, 256), 4, 3)
+    out["64x128x128 /3"] = config(64, 128, 128, split(64, 128, 3), 4, 3)
+    out["32x128x128 /3"] = config(32, 128, 128, split(32, 128, 3), 4, 3, max_registers=128)
+    return out
+
+
+def _describe(cfg: mm_decode.DecodeConfig) -> str:
+    return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.split_k} w{cfg.num_warps}"
+            + (" p" if cfg.predecode else ""))
+
+
+def sweep(sms: int) -> list[dict]:
+    rows = []
+    for m, n, k, x, a, sa, alpha, weights, w_t in bench_ops._rotating_points(SHAPES, MS):
+        alpha = alpha.reshape(1)
+        b, sb = weights[0][0], weights[0][1]
+        us = {"bf16": bench_ops.bench_graph([functools.partial(torch.mm, x, wt) for wt in w_t]) * 1e3}
+        configs, ref = {}, None
+        for name, cfg in _candidates(m, n, k, sms).items():
+            out = mm_decode.mm_fp4_decode(a, b, sa, sb, alpha, torch.bfloat16, cfg).double()
+            ref = out if ref is None else ref
+            diff = ((out - ref).abs().max() / ref.abs().max()).item()
+            if diff > MAX_REL_DIFF:
+                raise AssertionError(f"m={m} n={n} k={k} {name}: relative difference {diff:.2e} from the shipped output")
+            us[name] = bench_ops.decode_graph_ms(a, sa, alpha, weights, cfg) * 1e3
+            configs[name] = dataclasses.asdict(cfg)
+        best = min((name for name in us if name != "bf16"), key=us.get)
+        shipped = mm_decode.DecodeConfig(**configs["shipped"])
+        print(f"M={m:<3d} {n:>5d}x{k:<5d} bf16 {us['bf16']:5.1f} | shipped {us['shipped']:5.1f} [{_describe(shipped)}] | "
+              f"best {best} {us[best]:5.1f} | " + " ".join(f"{name}={v:.1f}" for name, v in us.items()
+                                                           if name not in ("bf16", "shipped")), flush=True)
+        rows.append({"m": m, "n": n, "k": k, "us": us, "configs": configs})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = bench_ops.script_args(__doc__, argv)
+    if args is None:
+        return 2
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bench_ops.write_raw(args.json, mid_rows=sweep(sms))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
