@@ -206,7 +206,7 @@ def _dynamic_rows_graph(rows_hint: int, n: int = 48, k: int = 64):
 @pytest.fixture
 def predecoded_mid_rows(monkeypatch):
     """65-128 rows of the tests' small weights pre-decoded, as larger weights are
-    (``mm_decode.MID_INKERNEL_MAX_WEIGHT`` 0; ``mid_inkernel_config`` serves them otherwise), so that
+    (``mm_decode.MID_INKERNEL_MAX_WEIGHT`` 0; the in-kernel decode serves them otherwise), so that
     both paths of that range are lowered at 100 rows."""
     from fp4fuse.kernels.triton import mm_decode
 

@@ -164,23 +164,34 @@ def test_decode_configuration_is_constant_over_each_row_range(n, k, num_sms):
     range that configuration."""
     from fp4fuse.kernels.triton import mm_decode
 
-    for launch_weight in (None, 3 * n * k, 1 << 26):  # alone, and as one product of grouped launches
-        low = 1
-        for top in mm_decode.DECODE_ROW_RANGES:
-            expected = mm_decode.decode_config_for(top, n, k, num_sms, launch_weight=launch_weight)
-            changed = [m for m in range(low, top + 1)
-                       if mm_decode.decode_config_for(m, n, k, num_sms, launch_weight=launch_weight) != expected]
-            assert not changed, (top, launch_weight, changed[:5])
-            low = top + 1
-        assert low == mm_decode.DECODE_MAX_M + 1
+    low = 1
+    for top in mm_decode.DECODE_ROW_RANGES:
+        expected = mm_decode.decode_config_for(top, n, k, num_sms)
+        changed = [m for m in range(low, top + 1) if mm_decode.decode_config_for(m, n, k, num_sms) != expected]
+        assert not changed, (top, changed[:5])
+        low = top + 1
+    assert low == mm_decode.DECODE_MAX_M + 1
+
+
+@pytest.mark.parametrize("ns,k", [((2048, 512, 512), 4096), ((7168, 7168), 4096), ((1024, 256, 256), 4096),
+                                  ((3584, 3584), 4096), ((4096, 1024, 1024), 4096), ((14336, 14336), 4096)])
+def test_grouped_launches_keep_each_products_own_configuration(ns, k):
+    """A grouped decode launch runs each product under the configuration its own launch would take
+    (split included), at every row count: otherwise grouping sibling GEMMs (the kernel lowering's
+    q/k/v and gate/up) would change their bits against the graph without the pass. Llama-3-8B's
+    q/k/v and gate/up shards at TP=2 and 4, and TP=1's."""
+    from fp4fuse.kernels.triton import mm_decode
+
+    for m in range(1, mm_decode.DECODE_MAX_M + 1):
+        own = [mm_decode.decode_config_for(mm_decode.config_rows(m), n, k, 132) for n in ns]
+        assert mm_decode.group_configs(m, list(ns), k, 132) in (own, None), m
 
 
 def test_decode_rule_at_33_to_64_rows_takes_two_32_row_tiles_on_small_launches():
-    """33-64 rows: two 32-row tiles of 256-element K steps where the launch's weights hold fewer
-    than 2**25 elements (Llama-3-8B's TP=2 shards, alone or as the grouped q/k/v launch); the
-    64 x 128 tile of 128-element steps on larger ones (a gate/up pair of 7168 x 4096 shards, whose
-    launch holds 2**25.8). 17-32 rows keep the 32-row tile at every size, and 16 rows the
-    narrow step on these small weights."""
+    """33-64 rows: two 32-row tiles of 256-element K steps on weights of fewer than 2**25 elements
+    (Llama-3-8B's TP=2 shards, alone and in the grouped q/k/v and gate/up launches); the 64 x 128
+    tile of 128-element steps on larger ones. 17-32 rows keep the 32-row tile at every size, and 16
+    rows the narrow step on these small weights."""
     from fp4fuse.kernels.triton import mm_decode
 
     def tile(cfg):
@@ -196,7 +207,7 @@ def test_decode_rule_at_33_to_64_rows_takes_two_32_row_tiles_on_small_launches()
         qkv = mm_decode.group_configs(m, [2048, 512, 512], k, 132)
         assert qkv is not None and {tile(c) for c in qkv} == {(32, 64, 256)}, m
         gate_up = mm_decode.group_configs(m, [7168, 7168], k, 132)
-        assert gate_up is not None and {tile(c) for c in gate_up} == {(64, 128, 128)}, m
+        assert gate_up is not None and {tile(c) for c in gate_up} == {(32, 64, 256)}, m
     # the split fills 4 programs per multiprocessor with at least 4 K steps each: the 2048-row q shard
     # at 64 rows has 2 x 32 tiles and 16 K steps of 256 -> min(4 * 132 / 64, 16 / 4) = 4
     assert mm_decode.decode_config_for(64, 2048, k).split_k == 4
@@ -205,30 +216,32 @@ def test_decode_rule_at_33_to_64_rows_takes_two_32_row_tiles_on_small_launches()
 
 
 def test_decode_rule_at_65_to_128_rows_decodes_small_launches_in_the_kernel():
-    """65-128 rows: two 64-row tiles with the activation decoded in the kernel where the launch's
-    weights hold at most 2**23 elements (Llama-3-8B's TP=2 q, k/v and o shards alone); the
-    pre-decoded 128 x 64 tile on larger launches (the grouped q/k/v launch of 2**23.6 elements, the
-    3072 x 4096 q/k/v shard, gate/up, down) and from 129 rows on every size."""
+    """65-128 rows: four 32-row tiles with the activation decoded in the kernel on weights of at most
+    2**23 elements (Llama-3-8B's TP=2 q, k/v and o shards, alone and in the grouped q/k/v launch);
+    the pre-decoded 128 x 64 tile on larger ones (the 3072 x 4096 fused q/k/v shard, gate/up, down)
+    and from 129 rows on every size."""
     from fp4fuse.kernels.triton import mm_decode
 
     def tile(cfg):
         return cfg.block_m, cfg.block_n, cfg.block_k, cfg.predecode
 
-    in_kernel, pre_decoded = (64, 64, 256, False), (128, 64, 128, True)
+    in_kernel, pre_decoded = (32, 64, 256, False), (128, 64, 128, True)
     for m in (65, 100, 128):
         for n, k in ((2048, 4096), (512, 4096), (4096, 2048), (48, 64)):
             assert tile(mm_decode.decode_config_for(m, n, k)) == in_kernel, (m, n, k)
         for n, k in ((3072, 4096), (14336, 4096), (4096, 7168), (8192, 8192)):
             assert tile(mm_decode.decode_config_for(m, n, k)) == pre_decoded, (m, n, k)
         qkv = mm_decode.group_configs(m, [2048, 512, 512], 4096, 132)
-        assert qkv is not None and {tile(c) for c in qkv} == {pre_decoded}, m
+        assert qkv is not None and {tile(c) for c in qkv} == {in_kernel}, m
+        gate_up = mm_decode.group_configs(m, [7168, 7168], 4096, 132)
+        assert gate_up is not None and {tile(c) for c in gate_up} == {pre_decoded}, m
     for m in (129, 200, 256):
         assert tile(mm_decode.decode_config_for(m, 512, 4096)) == pre_decoded, m
-    # the split fills 2 programs per multiprocessor with at least 4 K steps of 256 each: the o shard
-    # (4096 x 2048) has 2 x 64 tiles and 8 K steps -> min(2 * 132 / 128, 8 / 4) = 2; the q shard
-    # 2 x 32 tiles and 16 K steps -> min(264 / 64, 16 / 4) = 4
+    # the split fills 4 programs per multiprocessor with at least 4 K steps of 256 each, counted at the
+    # range's 128 rows: the o shard (4096 x 2048) has 4 x 64 tiles and 8 K steps -> min(4 * 132 / 256,
+    # 8 / 4) = 2; the k/v shard 4 x 8 tiles and 16 K steps -> min(528 / 32, 16 / 4) = 4
     assert mm_decode.decode_config_for(100, 4096, 2048).split_k == 2
-    assert mm_decode.decode_config_for(100, 2048, 4096).split_k == 4
+    assert mm_decode.decode_config_for(65, 512, 4096).split_k == 4
 
 
 def test_quant_launch_rule_for_cuda_caps_its_programs_and_guards_no_dynamic_batch(monkeypatch):
@@ -490,8 +503,8 @@ def test_cuda_mm_fp4_decode_matches_float64(m, n, k, out_dtype):
     steps) against float64; bitwise repeatable; counters back to zero; a NaN scale poisons its row.
     5 x 4104 x 8208 and 20 x 2056 x 8208: the default's 256-element K steps
     (mm_decode.wide_step_config) with a partial last step and a partial weight tile; 100 x 2056 x
-    1040 and 128 x 4096 x 2048: the in-kernel decode of 65-128 rows on small weights
-    (mm_decode.mid_inkernel_config), with and without a partial last step."""
+    1040 and 128 x 4096 x 2048: the in-kernel decode of 65-128 rows on small weights (four 32-row
+    tiles, mm_decode.wide_step_config), with and without a partial last step."""
     _require_triton_backend()
     from fp4fuse.kernels.triton import mm_decode
     gen = torch.Generator(device="cuda").manual_seed(m * 31 + n + k)

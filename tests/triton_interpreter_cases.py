@@ -468,14 +468,14 @@ def case_mm_decode() -> None:
                 rel = ((out.double() - ref).norm() / ref.norm()).item()
                 assert out.dtype == out_dtype and out.shape == (m, n), f"decode {m}x{n}x{k} {cfg}: shape"
                 assert rel <= tol, f"decode {m}x{n}x{k} {cfg} {out_dtype}: rel {rel:.2e}"
-    # 65-128 rows of a small weight: the default decodes the activation in the kernel, in two 64-row
-    # tiles (mm_decode.mid_inkernel_config), here with a partial last K step and a partial token tile
+    # 65-128 rows of a small weight: the default decodes the activation in the kernel, in four 32-row
+    # tiles (mm_decode.wide_step_config), here with a partial last K step and a partial token tile
     for m, n, k in ((100, 70, 1040), (65, 37, 272)):
         a, sa, ga = _quantized(m, k, gen)
         b, sb, gb = _quantized(n, k, gen)
         alpha = 1.0 / (ga * gb)
         cfg = mm_decode.decode_config_for(m, n, k, 132)
-        assert (cfg.block_m, cfg.predecode) == (64, False), f"decode {m}x{n}x{k}: default {cfg}"
+        assert (cfg.block_m, cfg.predecode) == (32, False), f"decode {m}x{n}x{k}: default {cfg}"
         ref = nvfp4.mm_fp4_reference(a, b, sa, sb, alpha, torch.float64)
         out = mm_decode.mm_fp4_decode(a, b, sa, sb, alpha, torch.float32)
         rel = ((out.double() - ref).norm() / ref.norm()).item()

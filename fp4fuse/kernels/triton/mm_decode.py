@@ -37,9 +37,9 @@ Kernel design (``_mm_decode_kernel``):
   launch. Above, every weight tile's program would decode the whole activation again, so
   ``_predecode_kernel`` writes it once as fp16 planes in the same permuted order (``PREDECODED``:
   the GEMM loads them as the MMA's B operand); the products and their order are unchanged, so the
-  result is bitwise the in-kernel decode's. On small weights (``mid_inkernel_config``) the fp16
-  planes, 4x the bytes of the codes and read again by every weight tile, cost more than decoding the
-  codes again, and the in-kernel decode serves up to ``MID_INKERNEL_MAX_M`` rows.
+  result is bitwise the in-kernel decode's. On small weights the fp16 planes, 4x the bytes of the
+  codes and read again by every weight tile, cost more than decoding the codes again, and the
+  in-kernel decode serves up to ``MID_INKERNEL_MAX_M`` rows (``wide_step_config``).
 * Loads of 1 or 2 bytes per thread are not pipelined by Triton (cp.async moves 4, 8 or 16 bytes):
   they stay synchronous in the K loop, and in ``wide_step_config``'s 16-row tile the activation's
   block scales (16 x 16 bytes a 256-element step, 2 per thread) were the kernel's largest stall
@@ -100,7 +100,6 @@ __all__ = [
     "finish_tile",
     "group_configs",
     "leaves_counters_zero",
-    "mid_inkernel_config",
     "mm_fp4_decode",
     "mm_fp4_decode_group",
     "mm_fp4_decode_products",
@@ -446,7 +445,7 @@ MIN_STEPS_PER_SPLIT = 4
 #: ``INKERNEL_DECODE_MAX_M`` rows with the activation decoded in every program, above with it
 #: pre-decoded once (``predecode_activation``) and 128 x 64 tiles (``benchmarks/bench_ops.py
 #: --mid-sweep``; results in benchmarks/results/), except small launches up to
-#: ``MID_INKERNEL_MAX_M`` rows (``mid_inkernel_config``).
+#: ``MID_INKERNEL_MAX_M`` rows (``wide_step_config``).
 DECODE_MAX_M = 256
 INKERNEL_DECODE_MAX_M = 64
 MAX_SPLIT = 16
@@ -454,22 +453,18 @@ MAX_SPLIT = 16
 PREDECODE_PROGRAMS_PER_SM = 2
 #: ``wide_step_config`` serves up to this many activation rows (up to 16 only on weights of at
 #: least ``WIDE_STEP_MIN_WEIGHT`` elements), with split-K aiming at this many programs per
-#: multiprocessor; and, in two 32-row tiles, ``WIDE_STEP_MAX_M + 1`` to ``INKERNEL_DECODE_MAX_M``
-#: rows on launches whose weights hold fewer than ``WIDE_STEP_MAX_WEIGHT_TWO_TILES`` elements.
+#: multiprocessor; in two 32-row tiles ``WIDE_STEP_MAX_M + 1`` to ``INKERNEL_DECODE_MAX_M`` rows on
+#: weights of fewer than ``WIDE_STEP_MAX_WEIGHT_TWO_TILES`` elements; and in four,
+#: ``INKERNEL_DECODE_MAX_M + 1`` to ``MID_INKERNEL_MAX_M`` rows on weights of at most
+#: ``MID_INKERNEL_MAX_WEIGHT`` elements (Llama-3-8B's TP=2 q, k, v and o shards, and smaller ones),
+#: where the pre-decoded fp16 activation (4x the bytes of its codes), read again by every weight
+#: tile, costs more than decoding the codes again (benchmarks/results/2026-11-27-small-shards-mid-rows-h100.md).
 WIDE_STEP_MAX_M = 32
 WIDE_STEP_MIN_WEIGHT = 1 << 24
 WIDE_STEP_MAX_WEIGHT_TWO_TILES = 1 << 25
 WIDE_STEP_PROGRAMS_PER_SM = 4
-#: 65-128 activation rows on launches whose weights hold at most this many elements (Llama-3-8B's
-#: TP=2 q, k, v and o shards, and smaller ones) take ``mid_inkernel_config``: the activation decoded
-#: in the kernel in two 64-row tiles, not pre-decoded. There the pre-decoded fp16 activation (4x the
-#: bytes of its codes), read again by every 64-row weight tile, costs more than decoding it again
-#: (``benchmarks/results/2026-11-27-small-shards-mid-rows-h100.md``).
 MID_INKERNEL_MAX_WEIGHT = 1 << 23
 MID_INKERNEL_MAX_M = 128
-#: Programs per multiprocessor ``mid_inkernel_config``'s split-K aims at (184 registers a thread,
-#: ptxas sm_90, Triton 3.6: two fit).
-MID_INKERNEL_PROGRAMS_PER_SM = 2
 #: Register cap of ``wide_step_config``'s tiles: 4 programs of 4 warps per multiprocessor. Without
 #: it the 16-row tile with word-loaded activation scales takes 144 registers (3 programs); capped
 #: it takes 128 without spilling (ptxas, sm_90, Triton 3.6).
@@ -478,8 +473,13 @@ WIDE_STEP_MAX_REGISTERS = 128
 
 #: Top row counts of the ranges over which ``decode_config_for`` gives one configuration (for any
 #: N, K: the 16-, 32- and 64-row tiles cover their range in one tile row, the 32-row tile 33-64 rows
-#: in two, the 64-row tile 65-128 rows in two, the pre-decoded 128-row tiles in one and two).
-DECODE_ROW_RANGES = (16, WIDE_STEP_MAX_M, INKERNEL_DECODE_MAX_M, 128, DECODE_MAX_M)
+#: in two and 65-128 rows in four, the pre-decoded 128-row tiles in one and two).
+DECODE_ROW_RANGES = (16, WIDE_STEP_MAX_M, INKERNEL_DECODE_MAX_M, MID_INKERNEL_MAX_M, DECODE_MAX_M)
+
+
+def _range_top(m: int) -> int:
+    """The top of ``DECODE_ROW_RANGES``' range holding ``m`` rows (``DECODE_MAX_M`` above)."""
+    return next((top for top in DECODE_ROW_RANGES if m <= top), DECODE_MAX_M)
 
 
 def config_rows(m: int | torch.SymInt) -> int:
@@ -505,26 +505,29 @@ def filling_split(tiles: int, k: int, num_sms: int, programs_per_sm: int, block_
 
 
 @functools.lru_cache(maxsize=4096)
-def decode_config_for(m: int, n: int, k: int, num_sms: int = 132, launch_weight: int | None = None) -> DecodeConfig:
+def decode_config_for(m: int, n: int, k: int, num_sms: int = 132) -> DecodeConfig:
     """Launch configuration for an ``[m, k] x [n, k]^T`` product on ``num_sms`` multiprocessors:
     ``wide_step_config`` from 17 to ``WIDE_STEP_MAX_M`` rows, up to 16 rows on weights of
-    ``WIDE_STEP_MIN_WEIGHT`` elements or more, and from ``WIDE_STEP_MAX_M + 1`` to
-    ``INKERNEL_DECODE_MAX_M`` rows where the launch's weights (``launch_weight``: all the products a
-    grouped launch computes, default ``n * k``) hold fewer than ``WIDE_STEP_MAX_WEIGHT_TWO_TILES``
-    elements; ``narrow_step_config`` on other products up to ``INKERNEL_DECODE_MAX_M`` rows;
-    ``mid_inkernel_config`` from ``INKERNEL_DECODE_MAX_M + 1`` to ``MID_INKERNEL_MAX_M`` rows where the
-    launch's weights hold at most ``MID_INKERNEL_MAX_WEIGHT`` elements; and on other products above
-    ``INKERNEL_DECODE_MAX_M`` rows, the activation pre-decoded (``predecode``, since every weight tile's
-    program would decode it again) with tiles of 128 activation rows x 64 weight rows, 4 warps, split-K
-    bringing the grid to ``PREDECODE_PROGRAMS_PER_SM`` programs per multiprocessor: the best or within
-    3% of the best of 7 tiles at M = 128 and 256 on five Llama-3-8B / 8192^2 shapes, 1.4-2.1x faster
-    than the tiled kernel and dequantize + cuBLAS there (benchmarks/results/).
+    ``WIDE_STEP_MIN_WEIGHT`` elements or more, from ``WIDE_STEP_MAX_M + 1`` to ``INKERNEL_DECODE_MAX_M``
+    rows on weights of fewer than ``WIDE_STEP_MAX_WEIGHT_TWO_TILES`` elements and from
+    ``INKERNEL_DECODE_MAX_M + 1`` to ``MID_INKERNEL_MAX_M`` rows on weights of at most
+    ``MID_INKERNEL_MAX_WEIGHT``; ``narrow_step_config`` on other products up to ``INKERNEL_DECODE_MAX_M``
+    rows; and on other products above, the activation pre-decoded (``predecode``, since every weight
+    tile's program would decode it again) with tiles of 128 activation rows x 64 weight rows, 4 warps,
+    split-K bringing the grid to ``PREDECODE_PROGRAMS_PER_SM`` programs per multiprocessor: the best or
+    within 3% of the best of 7 tiles at M = 128 and 256 on five Llama-3-8B / 8192^2 shapes, 1.4-2.1x
+    faster than the tiled kernel and dequantize + cuBLAS there (benchmarks/results/).
+
+    The configuration depends on the product alone, never on the products a launch groups it with
+    (``group_configs``): a grouped launch then computes each product's output bitwise as its own
+    launch would, so a graph whose sibling GEMMs are lowered into one launch keeps the bits of the
+    graph without the pass.
 
     No autotuning at run time: a serving engine sees many M. Memoized (a pure function of its
     arguments; the configuration is frozen): an eager decode step is host-bound."""
-    weight = n * k if launch_weight is None else launch_weight
+    weight = n * k
     if INKERNEL_DECODE_MAX_M < m <= MID_INKERNEL_MAX_M and weight <= MID_INKERNEL_MAX_WEIGHT:
-        return mid_inkernel_config(n, k, num_sms)
+        return wide_step_config(m, n, k, num_sms)
     if m > INKERNEL_DECODE_MAX_M:
         split = filling_split(triton.cdiv(m, 128) * triton.cdiv(n, 64), k, num_sms, PREDECODE_PROGRAMS_PER_SM)
         return DecodeConfig(block_m=128, block_n=64, block_k=128, split_k=split, num_warps=4, num_stages=3,
@@ -536,26 +539,12 @@ def decode_config_for(m: int, n: int, k: int, num_sms: int = 132, launch_weight:
     return narrow_step_config(m, n, k, num_sms)
 
 
-def mid_inkernel_config(n: int, k: int, num_sms: int = 132) -> DecodeConfig:
-    """65-128 activation rows (``MID_INKERNEL_MAX_M``) of small launches: two tiles of 64 activation rows x
-    64 weight rows, the activation decoded in the kernel, 256 K elements a step, 4 warps, 3 stages,
-    split-K bringing the two tiles' grid to ``MID_INKERNEL_PROGRAMS_PER_SM`` programs per multiprocessor.
-
-    How it was chosen: CUDA-graph replays on an H100 (benchmarks/results/2026-11-27-small-shards-mid-rows-h100.md)
-    of the pre-decoded 128 x 64 tile (the rule above 64 rows before), 128 x 128 pre-decoded, and the
-    in-kernel 32 x 64, 64 x 64 (this), 64 x 128 and 32 x 128 tiles at 96, 128 and 256 rows. On weights
-    of up to 2**23 elements (Llama-3-8B's TP=2 q, k/v, o shards) this one was 1.12-1.26x faster than the
-    pre-decoded tile at 96 and 128 rows and never slower; on the 3072 x 4096 q/k/v launch and larger
-    weights, and at 256 rows, the pre-decoded tile stayed the best or within 1%."""
-    split = filling_split(2 * triton.cdiv(n, 64), k, num_sms, MID_INKERNEL_PROGRAMS_PER_SM, block_k=256)
-    return DecodeConfig(block_m=64, block_n=64, block_k=256, split_k=split, num_warps=4, num_stages=3)
-
-
 def wide_step_config(m: int, n: int, k: int, num_sms: int = 132) -> DecodeConfig:
     """Tiles of 16 (up to 16 rows) or 32 activation rows (above: one tile row up to
-    ``WIDE_STEP_MAX_M`` rows, two up to ``INKERNEL_DECODE_MAX_M``) x 64 weight rows, 256 K elements a
-    step (128 code bytes of a weight row per load), 4 warps, 3 stages, split-K bringing the grid to
-    ``WIDE_STEP_PROGRAMS_PER_SM`` programs per multiprocessor.
+    ``WIDE_STEP_MAX_M`` rows, two up to ``INKERNEL_DECODE_MAX_M``, four up to ``MID_INKERNEL_MAX_M``) x 64
+    weight rows, 256 K elements a step (128 code bytes of a weight row per load), 4 warps, 3 stages,
+    split-K bringing the grid to ``WIDE_STEP_PROGRAMS_PER_SM`` programs per multiprocessor (counted at
+    the top of ``m``'s row range, so that every count of the range gets this configuration).
 
     How it was chosen: CUDA-graph replays on an H100 (``benchmarks/bench_ops.py --wide-step-sweep``,
     benchmarks/results/) of this tile at split 1..8 against ``narrow_step_config`` on the TP=1 and
@@ -565,9 +554,13 @@ def wide_step_config(m: int, n: int, k: int, num_sms: int = 132) -> DecodeConfig
     an H200 against the 64 x 128 narrow tile, benchmarks/results/2026-11-26-split-k-tail-e2e-2xh200.md):
     faster on every measured launch whose weights hold fewer than ``WIDE_STEP_MAX_WEIGHT_TWO_TILES``
     elements (Llama-3-8B's TP=2 shards, alone and as the grouped q/k/v launch), slower on every
-    larger one."""
+    larger one; as the products of the grouped gate/up launch (2 x 7168 x 4096) faster than the
+    narrow tile too (H100, benchmarks/results/2026-11-27-small-shards-mid-rows-h100.md). At 65-128
+    rows in four (the same H100 runs, against the pre-decoded 128 x 64 tile and four other tiles):
+    1.1-1.6x faster on the q, k/v and o shards alone and 1.14-1.27x as the grouped q/k/v launch,
+    slower on the 3072 x 4096 q/k/v shard and larger weights."""
     block_m = 16 if m <= 16 else 32
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, 64)
+    tiles = triton.cdiv(_range_top(m), block_m) * triton.cdiv(n, 64)
     split = filling_split(tiles, k, num_sms, WIDE_STEP_PROGRAMS_PER_SM, block_k=256)
     return DecodeConfig(block_m=block_m, block_n=64, block_k=256, split_k=split, num_warps=4, num_stages=3,
                         max_registers=WIDE_STEP_MAX_REGISTERS, scale_words=block_m == 16)
@@ -698,10 +691,9 @@ def _agree_but_for_split(cfgs: list[DecodeConfig]) -> bool:
 
 
 def group_configs(m: int | torch.SymInt, ns: list[int], k: int, num_sms: int) -> list[DecodeConfig] | None:
-    """Each product's ``decode_config_for`` where all but their split counts agree (one launch can
-    then run them all, each with its own split), else None. The 33-64-row rule sees the launch's
-    total weight (``launch_weight``): a grouped launch fills the GPU like one product of that size."""
-    cfgs = [decode_config_for(config_rows(m), n, k, num_sms, launch_weight=sum(ns) * k) for n in ns]
+    """Each product's own ``decode_config_for`` where all but their split counts agree (one launch can
+    then run them all, each with its own split: each output bitwise its own launch's), else None."""
+    cfgs = [decode_config_for(config_rows(m), n, k, num_sms) for n in ns]
     return cfgs if _agree_but_for_split(cfgs) else None
 
 
