@@ -557,7 +557,7 @@ def wide_step_config(m: int, n: int, k: int, num_sms: int = 132) -> DecodeConfig
     larger one; as the products of the grouped gate/up launch (2 x 7168 x 4096) faster than the
     narrow tile too (H100, benchmarks/results/2026-11-27-small-shards-mid-rows-h100.md). At 65-128
     rows in four (the same H100 runs, against the pre-decoded 128 x 64 tile and four other tiles):
-    1.1-1.6x faster on the q, k/v and o shards alone and 1.14-1.27x as the grouped q/k/v launch,
+    1.02-1.61x faster on the q, k/v and o shards alone and 1.14-1.27x as the grouped q/k/v launch,
     slower on the 3072 x 4096 q/k/v shard and larger weights."""
     block_m = 16 if m <= 16 else 32
     tiles = triton.cdiv(_range_top(m), block_m) * triton.cdiv(n, 64)
