@@ -43,13 +43,19 @@ MS = (96, 128, 256)
 MAX_REL_DIFF = 1e-2
 
 
-def _candidates(m: int, n: int, k: int, sms: int) -> dict[str, mm_decode.DecodeConfig]:
-    """Name -> configuration: the shipped one first."""
-    config = mm_decode.DecodeConfig
-
+def _splitter(m: int, n: int, k: int, sms: int):
+    """``split(block_m, block_n, per_sm, block_k=128)``: the split-K count filling ``per_sm`` programs per
+    multiprocessor with ``[block_m, block_n]`` tiles of an ``[m, k] x [n, k]^T`` product."""
     def split(block_m: int, block_n: int, per_sm: int, block_k: int = 128) -> int:
         tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
         return mm_decode.filling_split(tiles, k, sms, per_sm, block_k=block_k)
+    return split
+
+
+def _candidates(m: int, n: int, k: int, sms: int) -> dict[str, mm_decode.DecodeConfig]:
+    """Name -> configuration: the shipped one first."""
+    config = mm_decode.DecodeConfig
+    split = _splitter(m, n, k, sms)
 
     out = {"shipped": mm_decode.decode_config_for(mm_decode.config_rows(m), n, k, sms)}
     for per_sm in (1, 2, 3):
@@ -102,10 +108,7 @@ GROUP_MS = (40, 64, 96, 128)
 def _group_tiles(m: int, n: int, k: int, sms: int) -> dict[str, mm_decode.DecodeConfig]:
     """Name -> one product's configuration under each tile a group's products may share."""
     config = mm_decode.DecodeConfig
-
-    def split(block_m: int, block_n: int, per_sm: int, block_k: int = 128) -> int:
-        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-        return mm_decode.filling_split(tiles, k, sms, per_sm, block_k=block_k)
+    split = _splitter(m, n, k, sms)
 
     return {"32x64x256": config(32, 64, 256, split(32, 64, 4, 256), 4, 3, max_registers=128),
             "64x64x256": config(64, 64, 256, split(64, 64, 2, 256), 4, 3),

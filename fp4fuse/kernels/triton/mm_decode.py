@@ -532,7 +532,7 @@ def decode_config_for(m: int, n: int, k: int, num_sms: int = 132) -> DecodeConfi
         split = filling_split(triton.cdiv(m, 128) * triton.cdiv(n, 64), k, num_sms, PREDECODE_PROGRAMS_PER_SM)
         return DecodeConfig(block_m=128, block_n=64, block_k=128, split_k=split, num_warps=4, num_stages=3,
                             predecode=True)
-    if m <= WIDE_STEP_MAX_M and (m > 16 or n * k >= WIDE_STEP_MIN_WEIGHT):
+    if m <= WIDE_STEP_MAX_M and (m > 16 or weight >= WIDE_STEP_MIN_WEIGHT):
         return wide_step_config(m, n, k, num_sms)
     if m > WIDE_STEP_MAX_M and weight < WIDE_STEP_MAX_WEIGHT_TWO_TILES:
         return wide_step_config(m, n, k, num_sms)
