@@ -477,9 +477,13 @@ WIDE_STEP_MAX_REGISTERS = 128
 DECODE_ROW_RANGES = (16, WIDE_STEP_MAX_M, INKERNEL_DECODE_MAX_M, MID_INKERNEL_MAX_M, DECODE_MAX_M)
 
 
-def _range_top(m: int) -> int:
-    """The top of ``DECODE_ROW_RANGES``' range holding ``m`` rows (``DECODE_MAX_M`` above)."""
-    return next((top for top in DECODE_ROW_RANGES if m <= top), DECODE_MAX_M)
+def _range_top(m: int | torch.SymInt) -> int:
+    """The top of ``DECODE_ROW_RANGES``' range holding ``m`` rows (a symbolic ``m`` is guarded by the
+    comparisons); more than ``DECODE_MAX_M`` rows raise."""
+    for top in DECODE_ROW_RANGES:
+        if m <= top:
+            return top
+    raise ValueError(f"mm_fp4_decode: {m} activation rows; the decode GEMM serves at most {DECODE_MAX_M}")
 
 
 def config_rows(m: int | torch.SymInt) -> int:
@@ -489,12 +493,7 @@ def config_rows(m: int | torch.SymInt) -> int:
     the same configuration, so the traced launch is the one the eager op makes at every count the
     compiled graph runs at. Comparing a symbolic count guards it: torch.compile decides by the size
     hint and records the guard, and a count in another range recompiles."""
-    if isinstance(m, int):
-        return m
-    for top in DECODE_ROW_RANGES:
-        if m <= top:
-            return top
-    raise ValueError(f"mm_fp4_decode: {m} activation rows; the decode GEMM serves at most {DECODE_MAX_M}")
+    return m if isinstance(m, int) else _range_top(m)
 
 
 def filling_split(tiles: int, k: int, num_sms: int, programs_per_sm: int, block_k: int = 128) -> int:
