@@ -301,11 +301,10 @@ class KernelLoweringPass(GraphPass):
             return
         impl = kernel_table.kernel_for(call.op, call.backend)
         with node.graph.inserting_before(node):
-            try:
-                outputs = insert_traced(node.graph, lambda *tensors: impl(*call.launch_args(tensors)), call.inputs)
-            except AliasedWrites as exc:
-                self.recorder.skipped(call.op, node, f"{exc}; the op call stays")
-                return
+            outputs = self._traced_or_skipped(call.op, node, lambda *tensors: impl(*call.launch_args(tensors)),
+                                              call.inputs, "the op call stays")
+        if outputs is None:
+            return
         self._replace(node, outputs)
         self._record(call)
 
@@ -329,18 +328,29 @@ class KernelLoweringPass(GraphPass):
             return False
         div_rn = call.div_rn
         with node.graph.inserting_before(point):
-            try:
-                q, s, scale = insert_traced(
-                    node.graph, lambda xt, t: scaled_fp4_quant_of_maxima_triton(xt, t, div_rn), [x, match.maxima])
-            except AliasedWrites as exc:
-                self.recorder.skipped("global_scale_of_maxima", node, f"{exc}; the scale keeps its own kernel")
-                return False
+            outputs = self._traced_or_skipped(
+                "global_scale_of_maxima", node, lambda xt, t: scaled_fp4_quant_of_maxima_triton(xt, t, div_rn),
+                [x, match.maxima], "the scale keeps its own kernel")
+        if outputs is None:
+            return False
+        q, s, scale = outputs
         gs.replace_all_uses_with(scale)
         self._replace(node, [q, s])
         erase_if_unused(match.nodes)
         self.recorder.matched(call.op)
         self.recorder.matched("global_scale_of_maxima")
         return True
+
+    def _traced_or_skipped(self, key: str, node: fx.Node, fn: Any, inputs: list[fx.Node],
+                           consequence: str) -> list[fx.Node] | None:
+        """``insert_traced(fn, inputs)`` at the graph's insertion point; None, with the skip recorded
+        under ``key`` at ``node`` (the reason and ``consequence``), where a launch of the trace would
+        write one tensor through two arguments (``base.refuse_aliased_writes``: nothing inserted)."""
+        try:
+            return insert_traced(node.graph, fn, inputs)
+        except AliasedWrites as exc:
+            self.recorder.skipped(key, node, f"{exc}; {consequence}")
+            return None
 
     def _record(self, call: _Call) -> None:
         """Count a lowered call; erase its alpha's product and reciprocal if it folded them and
@@ -415,11 +425,10 @@ class KernelLoweringPass(GraphPass):
 
         graph = members[0].graph
         with graph.inserting_before(members[0]):
-            try:
-                outputs = insert_traced(graph, launches, inputs)
-            except AliasedWrites as exc:
-                self.recorder.skipped(f"{calls[0].op}_siblings", members[0], f"{exc}; each call is lowered on its own")
-                return False
+            outputs = self._traced_or_skipped(f"{calls[0].op}_siblings", members[0], launches, inputs,
+                                              "each call is lowered on its own")
+        if outputs is None:
+            return False
         for node, call in zip(members, calls):
             count = len(pytree.tree_leaves(fake_value(node)))
             self._replace(node, outputs[:count])
