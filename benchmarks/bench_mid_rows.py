@@ -70,6 +70,17 @@ def _candidates(m: int, n: int, k: int, sms: int) -> dict[str, mm_decode.DecodeC
     return out
 
 
+def _same_as_first(out: torch.Tensor, ref: torch.Tensor | None, where: str) -> torch.Tensor:
+    """``out`` (float64) checked against ``ref``, the first candidate's output (``out`` itself when
+    None); returns the reference for the next candidate."""
+    if ref is None:
+        return out
+    diff = ((out - ref).abs().max() / ref.abs().max()).item()
+    if diff > MAX_REL_DIFF:
+        raise AssertionError(f"{where}: relative difference {diff:.2e} from the shipped output")
+    return ref
+
+
 def _describe(cfg: mm_decode.DecodeConfig) -> str:
     return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.split_k} w{cfg.num_warps}"
             + (" p" if cfg.predecode else ""))
@@ -86,10 +97,7 @@ def sweep(sms: int) -> list[dict]:
         bench_ops.decode_graph_ms(a, sa, alpha, weights, candidates["shipped"])  # warm-up: the first timing ran high
         for name, cfg in candidates.items():
             out = mm_decode.mm_fp4_decode(a, b, sa, sb, alpha, torch.bfloat16, cfg).double()
-            ref = out if ref is None else ref
-            diff = ((out - ref).abs().max() / ref.abs().max()).item()
-            if diff > MAX_REL_DIFF:
-                raise AssertionError(f"m={m} n={n} k={k} {name}: relative difference {diff:.2e} from the shipped output")
+            ref = _same_as_first(out, ref, f"m={m} n={n} k={k} {name}")
             us[name] = bench_ops.decode_graph_ms(a, sa, alpha, weights, cfg) * 1e3
             configs[name] = dataclasses.asdict(cfg)
         best = min((name for name in us if name != "bf16"), key=us.get)
@@ -135,24 +143,19 @@ def group_sweep(sms: int) -> list[dict]:
                     torch.mm(x, wt)
 
             us = {"bf16": bench_ops.bench_graph([functools.partial(bf16, wts) for wts in w_t]) * 1e3}
+            # the shipped launch (no configs: mm_fp4_decode_products' own choice) runs each product's own
+            # configuration; recorded below
             shipped = [mm_decode.decode_config_for(mm_decode.config_rows(m), n, k, sms) for n in ns]
-            candidates = {"shipped": shipped}
             tiles = [_group_tiles(m, n, k, sms) for n in ns]
-            for tile in tiles[0]:
-                candidates[tile] = [t[tile] for t in tiles]
+            candidates = {"shipped": None, **{tile: [t[tile] for t in tiles] for tile in tiles[0]}}
             ref = None
             bench_ops.bench_graph([functools.partial(mm_decode.mm_fp4_decode_products, products(ws), torch.bfloat16)
                                    for ws in weights])  # warm-up: the first timing ran high
             for label, cfgs in candidates.items():
-                grouped = mm_decode.group_configs(m, list(ns), k, sms) if label == "shipped" else cfgs
-                outs = mm_decode.mm_fp4_decode_products(products(weights[0]), torch.bfloat16, grouped)
-                out = torch.cat([o.double() for o in outs], dim=1)
-                ref = out if ref is None else ref
-                diff = ((out - ref).abs().max() / ref.abs().max()).item()
-                if diff > MAX_REL_DIFF:
-                    raise AssertionError(f"{name} m={m} {label}: relative difference {diff:.2e}")
+                outs = mm_decode.mm_fp4_decode_products(products(weights[0]), torch.bfloat16, cfgs)
+                ref = _same_as_first(torch.cat([o.double() for o in outs], dim=1), ref, f"{name} m={m} {label}")
                 us[label] = bench_ops.bench_graph(
-                    [functools.partial(mm_decode.mm_fp4_decode_products, products(ws), torch.bfloat16, grouped)
+                    [functools.partial(mm_decode.mm_fp4_decode_products, products(ws), torch.bfloat16, cfgs)
                      for ws in weights]) * 1e3
             print(f"GROUP {name:8s} M={m:<3d} bf16 x{len(ns)} {us['bf16']:5.1f} | "
                   + " ".join(f"{label}={v:.1f}" for label, v in us.items() if label != "bf16"), flush=True)
