@@ -109,6 +109,10 @@ def test_refuses_operands_it_cannot_read_with_the_rule():
         mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, block_m=96)
     with pytest.raises(ValueError, match="split_k must be at least 1"):
         mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, split_k=0)
+    with pytest.raises(ValueError, match="stages must be 2 to 4 for 256-token tiles"):
+        mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, stages=5)  # 5 x 36 KiB: no room
+    with pytest.raises(ValueError, match="stages must be 2 to 8 for 128-token tiles"):
+        mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, block_m=128, stages=1)
     with pytest.raises(ValueError, match="row stride 96"):
         mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, out=torch.empty(96, 300, dtype=torch.bfloat16).t())
 
@@ -194,6 +198,10 @@ def test_cuda_split_k_and_small_tiles_match_float64(m, n, k, block_m, split_k, o
     if block_m <= 32:  # a register cap fitting three programs per multiprocessor: the same sums
         assert torch.equal(mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, out_dtype, block_m=block_m, split_k=split_k,
                                                    max_registers=56), out)
+    # the deepest and the shallowest ring: other timing, the same sums
+    for stages in (2, mm_hopper.max_stages(block_m)):
+        assert torch.equal(mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, out_dtype, block_m=block_m, split_k=split_k,
+                                                   stages=stages), out)
     assert out.shape == (m, n) and torch.isfinite(out).all()
     assert _rel_error(out, a, b, sa, sb, alpha) <= _TOL[out_dtype]
 

@@ -107,6 +107,10 @@ STEP_BYTES = STEP_K // 2
 BLOCK_M = 256
 BLOCK_N = 128
 STAGES = 4
+#: Shared memory a program may hold (sm_90: 227 KiB), and what the ring leaves of it for the
+#: epilogue's layout conversion and the mbarriers (``max_stages``).
+SMEM_BYTES = 227 * 1024
+EPILOGUE_SMEM_BYTES = 64 * 1024
 GROUP_M = 8
 #: Tokens per program ``mm_fp4_hopper`` takes (the wgmma N side).
 BLOCK_M_CHOICES = (16, 32, 64, 128, 256)
@@ -119,6 +123,17 @@ NUM_WARPS = 8
 #: what ``setmaxnreg`` leaves the loader (the consumers get the rest: 240).
 MAX_REGISTERS = 168
 LOADER_REGISTERS = gl.constexpr(24)
+
+
+def stage_bytes(block_m: int) -> int:
+    """Shared memory of one ring stage: the activation halves ``2 x [block_m, STEP_BYTES]`` fp16 and
+    the weight codes ``[BLOCK_N, STEP_BYTES]``."""
+    return 2 * block_m * STEP_BYTES * 2 + BLOCK_N * STEP_BYTES
+
+
+def max_stages(block_m: int) -> int:
+    """The deepest ring of ``block_m``-token tiles that fits ``SMEM_BYTES`` beside the epilogue."""
+    return (SMEM_BYTES - EPILOGUE_SMEM_BYTES) // stage_bytes(block_m)
 
 
 def gluon_disabled() -> bool:
@@ -384,7 +399,7 @@ def _smem_layouts(block_m: int) -> tuple[gl.NVMMASharedLayout, gl.NVMMASharedLay
 def mm_fp4_hopper(
     a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, alpha: Alpha,
     out_dtype: torch.dtype, out: torch.Tensor | None = None, block_m: int = BLOCK_M, split_k: int | None = None,
-    max_registers: int = MAX_REGISTERS,
+    max_registers: int = MAX_REGISTERS, stages: int = STAGES,
 ) -> torch.Tensor:
     """``alpha * (q_a * s_a) @ (q_b * s_b)^T`` (module docstring); ``out``: where to write it;
     ``block_m``: tokens per program, one of ``BLOCK_M_CHOICES``; ``split_k``: K ranges per tile
@@ -392,14 +407,15 @@ def mm_fp4_hopper(
     so the bits, depend on it: a row block computed alone matches the whole product only with the
     whole product's ``split_k``. ``max_registers``: ptxas's cap per thread over the 12 warps
     (sweeps: below 171 two programs fit a multiprocessor's registers, below 114 three).
+    ``stages``: depth of the TMA ring, 2 to :func:`max_stages` (sweeps; the sums do not depend on it).
 
     Under a tracer (fp4fuse's kernel lowering) the activation's decode is traced as its Triton
     launch and the Gluon launch, whose TMA descriptors Inductor cannot build, as one call of the
     internal op ``fp4fuse::_mm_fp4_hopper`` (``mm.mm_fp4_hopper_decoded``): the default launch
     only, so the compiled graph computes what the eager call computes, bit for bit."""
-    _check_operands(a, b, a_scale, b_scale, out_dtype, out, block_m, split_k)
+    _check_operands(a, b, a_scale, b_scale, out_dtype, out, block_m, split_k, stages)
     xlo, xhi = decode_fp4_halves(a, a_scale)
-    return _on_halves(a, a_scale, xlo, xhi, b, b_scale, alpha, out_dtype, out, block_m, split_k, max_registers)
+    return _on_halves(a, a_scale, xlo, xhi, b, b_scale, alpha, out_dtype, out, block_m, split_k, max_registers, stages)
 
 
 def mm_fp4_hopper_products(a: torch.Tensor, a_scale: torch.Tensor,
@@ -408,31 +424,32 @@ def mm_fp4_hopper_products(a: torch.Tensor, a_scale: torch.Tensor,
     """``[mm_fp4_hopper(a, b, a_scale, b_scale, alpha, out_dtype) for b, b_scale, alpha in weights]``,
     bit for bit, with the activation decoded once for all of them (a layer's sibling GEMMs)."""
     for b, b_scale, _ in weights:
-        _check_operands(a, b, a_scale, b_scale, out_dtype, None, BLOCK_M, None)
+        _check_operands(a, b, a_scale, b_scale, out_dtype, None, BLOCK_M, None, STAGES)
     xlo, xhi = decode_fp4_halves(a, a_scale)
-    return [_on_halves(a, a_scale, xlo, xhi, b, b_scale, alpha, out_dtype, None, BLOCK_M, None, MAX_REGISTERS)
+    return [_on_halves(a, a_scale, xlo, xhi, b, b_scale, alpha, out_dtype, None, BLOCK_M, None, MAX_REGISTERS, STAGES)
             for b, b_scale, alpha in weights]
 
 
 def _on_halves(a: torch.Tensor, a_scale: torch.Tensor, xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor,
                b_scale: torch.Tensor, alpha: Alpha, out_dtype: torch.dtype, out: torch.Tensor | None, block_m: int,
-               split_k: int | None, max_registers: int) -> torch.Tensor:
+               split_k: int | None, max_registers: int, stages: int) -> torch.Tensor:
     """``mm_fp4_hopper``'s launch on the activation ``(a, a_scale)`` decoded to ``xlo, xhi``, the
     arguments checked (``_check_operands``): under a tracer one call of ``fp4fuse::_mm_fp4_hopper``
     (the default launch only), else ``mm_fp4_hopper_halves``."""
     if tracing():
-        if (out, block_m, split_k, max_registers) != (None, BLOCK_M, None, MAX_REGISTERS):
-            raise RuntimeError("mm_fp4_hopper: a traced call takes the default launch (no out, block_m, split_k or "
-                               "max_registers): the op fp4fuse::_mm_fp4_hopper makes it")
+        if (out, block_m, split_k, max_registers, stages) != (None, BLOCK_M, None, MAX_REGISTERS, STAGES):
+            raise RuntimeError("mm_fp4_hopper: a traced call takes the default launch (no out, block_m, split_k, "
+                               "max_registers or stages): the op fp4fuse::_mm_fp4_hopper makes it")
         alpha_a, alpha_b = alpha_operands(alpha)
         meta = alpha_meta(alpha)
         return torch.ops.fp4fuse._mm_fp4_hopper(a, a_scale, xlo, xhi, b, b_scale, alpha_a, alpha_b,
                                                 meta["ALPHA_FROM_SCALES"], meta["ALPHA_DIV_RN"], out_dtype)
-    return mm_fp4_hopper_halves(xlo, xhi, b, b_scale, alpha, out_dtype, out, block_m, split_k, max_registers)
+    return mm_fp4_hopper_halves(xlo, xhi, b, b_scale, alpha, out_dtype, out, block_m, split_k, max_registers, stages)
 
 
 def _check_operands(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
-                    out_dtype: torch.dtype, out: torch.Tensor | None, block_m: int, split_k: int | None) -> None:
+                    out_dtype: torch.dtype, out: torch.Tensor | None, block_m: int, split_k: int | None,
+                    stages: int) -> None:
     """``mm_fp4_hopper``'s argument rules, each a ValueError naming the argument (before any launch).
     The weight's alignment is not checked under a tracer (fake tensors have no address)."""
     for name, t in (("a", a), ("b", b), ("a_scale", a_scale), ("b_scale", b_scale)):
@@ -449,11 +466,14 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_s
         raise ValueError(f"mm_fp4_hopper: block_m must be one of {BLOCK_M_CHOICES}; got {block_m}")
     if split_k is not None and split_k < 1:
         raise ValueError(f"mm_fp4_hopper: split_k must be at least 1; got {split_k}")
+    if not 2 <= stages <= max_stages(block_m):
+        raise ValueError(f"mm_fp4_hopper: stages must be 2 to {max_stages(block_m)} for {block_m}-token tiles (their "
+                         f"ring buffers in {SMEM_BYTES} bytes of shared memory); got {stages}")
 
 
 def mm_fp4_hopper_halves(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                          alpha: Alpha, out_dtype: torch.dtype, out: torch.Tensor | None, block_m: int,
-                         split_k: int | None, max_registers: int) -> torch.Tensor:
+                         split_k: int | None, max_registers: int, stages: int = STAGES) -> torch.Tensor:
     """The Gluon launch on the activation decoded to fp16 halves (``decode_fp4_halves``): the
     arguments as ``mm_fp4_hopper`` checks them (``_check_operands``), the weight aligned
     (:func:`hopper_operands_ok`). ``mm.mm_fp4_hopper_decoded`` calls it from a lowered graph.
@@ -471,7 +491,7 @@ def mm_fp4_hopper_halves(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, 
     key = None
     if out is None and not tracing() and not launch_hooks_set():
         key = _relaunch_key(xlo, xhi, b, b_scale, alpha_a, alpha_b, alpha_flags, out_dtype, block_m, split_k,
-                            max_registers)
+                            max_registers, stages)
         prepared = _RELAUNCHES.get(key)
         if prepared is not None:
             relaunch, workspace = prepared
@@ -495,7 +515,7 @@ def mm_fp4_hopper_halves(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, 
             TensorDescriptor.from_tensor(xhi, [block_m, STEP_BYTES], x_layout),
             TensorDescriptor.from_tensor(b, [BLOCK_N, STEP_BYTES], w_layout),
             b_scale.view(torch.int32), alpha_a, alpha_b, out, partials, counters, m, n, k_steps, k_steps, iters)
-    meta = dict(**alpha_flags, PARTIAL=splits > 1, STAGES=STAGES, GROUP_M=GROUP_M, num_warps=NUM_WARPS,
+    meta = dict(**alpha_flags, PARTIAL=splits > 1, STAGES=stages, GROUP_M=GROUP_M, num_warps=NUM_WARPS,
                 maxnreg=max_registers)
     kernel = traceable(_mm_hopper_kernel)
     if key is None or not isinstance(kernel, FastKernel):
@@ -517,14 +537,14 @@ MAX_RELAUNCHES = 1024
 
 def _relaunch_key(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                   alpha_a: torch.Tensor, alpha_b: torch.Tensor, alpha_flags: dict[str, bool], out_dtype: torch.dtype,
-                  block_m: int, split_k: int | None, max_registers: int) -> tuple:
+                  block_m: int, split_k: int | None, max_registers: int, stages: int) -> tuple:
     """What a prepared launch fixes (``launch.Relaunch``): the device; the three descriptors'
     tensors' addresses, shapes and strides (which also fix M, N, K, so the grid, the split and the
     scalars); the dtype and 16-byte alignment of each tensor passed per call (the output and the
     workspace come from the allocator, aligned); alpha's form (``alpha_flags``, ``alpha_meta``'s
     constexprs), the output dtype and the tiling arguments. With ``b``'s address and ``b_scale``'s
     alignment class the weight alignment rule's outcome is fixed too."""
-    return (torch._C._cuda_getDevice(), out_dtype, block_m, split_k, max_registers, tuple(alpha_flags.items()),
+    return (torch._C._cuda_getDevice(), out_dtype, block_m, split_k, max_registers, stages, tuple(alpha_flags.items()),
             xlo.data_ptr(), xlo.dtype, xlo.shape, xlo.stride(), xhi.data_ptr(), xhi.dtype, xhi.shape, xhi.stride(),
             b.data_ptr(), b.dtype, b.shape, b.stride(), b_scale.dtype, b_scale.data_ptr() % 16,
             alpha_a.dtype, alpha_a.data_ptr() % 16 == 0, alpha_b.dtype, alpha_b.data_ptr() % 16 == 0)

@@ -1,0 +1,82 @@
+"""The Hopper Gluon GEMM's ring depth at small token tiles: does a deeper TMA ring feed it?
+
+    PYTHONPATH=. python benchmarks/bench_hopper_stages.py [--ms 16,64,128,256] [--json raw.json]
+
+``fp4fuse.kernels.triton.mm_hopper`` streams each K step (64 elements) of its weight codes and
+activation halves through a ring of ``stages`` shared-memory buffers. A step's MMA work grows with
+the token tile: at 256 tokens a 4-deep ring holds about 4,000 tensor-core cycles of work in flight,
+at 128 tokens half that and at 16-64 tokens a few hundred, less than the latency of a weight load
+from HBM. Count: the weight must arrive at HBM bandwidth / multiprocessors (about 13 bytes a cycle on
+an H100) over that latency (about 1,500 cycles loaded), some 19 KiB in flight per multiprocessor,
+where a ring of 4 holds at most 16 KiB of weight codes. This script times, at each M, the smallest
+token tile holding M, the 128-token tile from 64 rows and the 256-token one above 128 rows, each at
+ring depths ``STAGES_TRIED`` (up to ``max_stages``), with ``hopper_split``'s split-K count (and a
+register cap fitting two programs a multiprocessor at 16-64 tokens), against the shipped dispatch
+and cuBLAS bf16, on the issue-12 shapes and Llama-3-8B's TP=2 gate/up and down shards.
+
+CUDA-graph replays over rotating weight copies (``bench_ops._hopper_point``), microseconds; each
+variant's largest relative difference from the shipped path's output is printed (other split
+counts sum K in another order). Results in benchmarks/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import triton
+
+import bench_ops  # benchmarks/, this script's folder
+from fp4fuse.kernels.triton import mm as triton_mm
+
+SHAPES = ((8192, 8192), (14336, 4096), (4096, 7168), (28672, 8192))
+MS = (16, 64, 128, 256)
+STAGES_TRIED = (4, 6, 8, 12)
+#: ptxas cap giving two programs a multiprocessor (``bench_ops.HOPPER_SMALL_REGISTERS``).
+TWO_PROGRAM_REGISTERS = 80
+
+
+def _variants(hopper, m: int, n: int, k: int, sms: int) -> dict[str, dict]:
+    """Name -> ``mm_fp4_hopper`` keyword arguments at one point."""
+    tiles = {min(b for b in hopper.BLOCK_M_CHOICES if b >= m)}
+    if m >= 64:
+        tiles.add(128)
+    if m > 128:
+        tiles.add(256)
+    out = {}
+    for block_m in sorted(tiles):
+        for stages in sorted({s for s in STAGES_TRIED if s <= hopper.max_stages(block_m)}):
+            split = hopper.hopper_split(m, n, k, sms, block_m)
+            out[f"t{block_m}/st{stages}/s{split}"] = {"block_m": block_m, "split_k": split, "stages": stages}
+            if block_m <= 64:
+                split2 = hopper.hopper_split(m, n, k, 2 * sms, block_m)
+                out[f"t{block_m}/st{stages}/s{split2}/r{TWO_PROGRAM_REGISTERS}"] = {
+                    "block_m": block_m, "split_k": split2, "stages": stages, "max_registers": TWO_PROGRAM_REGISTERS}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ms", help="comma-separated row counts (default: MS)")
+    parser.add_argument("--json", help="raw results as JSON")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_hopper_stages.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    hopper = triton_mm.hopper_kernels()
+    if hopper is None:
+        print("no Hopper Gluon GEMM on this machine (sm_90 and Triton 3.6 needed)")
+        return 2
+    ms = tuple(int(v) for v in args.ms.split(",")) if args.ms else MS
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {triton.__version__}")
+    rows = []
+    for m, n, k, x, a, sa, alpha, weights, w_t in bench_ops._rotating_points(SHAPES, ms):
+        us, worst = bench_ops._hopper_point(a, sa, alpha, x, weights, w_t, _variants(hopper, m, n, k, sms))
+        rows.append(bench_ops._report_point("STAGES", m, n, k, us, worst, {}))
+    bench_ops.write_raw(args.json, hopper_stages=rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
