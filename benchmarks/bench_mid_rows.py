@@ -10,7 +10,9 @@ TP=2 shards (q, k/v, the fused q/k/v, o, gate/up, down) and 8192^2, in one proce
 
 * ``shipped``: ``decode_config_for``;
 * ``pre-decoded``: the 128 x 64 pre-decoded tile with split-K filling 1, 2 (the rule before, and
-  above 128 rows) and 3 programs per multiprocessor, and the 128 x 128 one (8 warps);
+  above 128 rows) and 3 programs per multiprocessor, and the 128 x 128 one (8 warps); the 128 x 64
+  tile with shallower rings (2 stages of 128-element steps, 3-4 of 64), where three programs fit a
+  multiprocessor's shared memory;
 * the in-kernel decode at 32 x 64 and 64 x 64 (256-element steps), 64 x 128 and 32 x 128 (128);
 * cuBLAS bf16 on the same shape.
 
@@ -62,6 +64,12 @@ def _candidates(m: int, n: int, k: int, sms: int) -> dict[str, mm_decode.DecodeC
         out[f"128x64 pre-decoded /{per_sm}"] = config(128, 64, 128, split(128, 64, per_sm), 4, 3, predecode=True)
     for per_sm in (1, 2):
         out[f"128x128 pre-decoded /{per_sm}"] = config(128, 128, 128, split(128, 128, per_sm), 8, 3, predecode=True)
+    # shallower rings: three programs a multiprocessor fit its shared memory (a 3-deep ring of
+    # 128-element steps holds two)
+    out["128x64 pre-decoded 2 stages /3"] = config(128, 64, 128, split(128, 64, 3), 4, 2, predecode=True)
+    for stages, per_sm in ((3, 3), (4, 3), (3, 4)):
+        out[f"128x64x64 pre-decoded {stages} stages /{per_sm}"] = config(128, 64, 64, split(128, 64, per_sm, 64), 4,
+                                                                       stages, predecode=True)
     out["32x64x256 /4"] = config(32, 64, 256, split(32, 64, 4, 256), 4, 3, max_registers=128)
     for per_sm in (2, 4):
         out[f"64x64x256 /{per_sm}"] = config(64, 64, 256, split(64, 64, per_sm, 256), 4, 3)
