@@ -1,7 +1,8 @@
-"""Where the host time of a compiled forward goes in the default launch mode (no CUDA graphs).
+"""Where the host time of a compiled forward goes in the default launch mode (no CUDA graphs), or
+with ``MODE=cudagraphs`` under Inductor's CUDA-graph trees (``triton.cudagraphs``).
 
-    PYTHONPATH=. [TP=1] [TOKENS=1024,16] [VARS=bf16,nvfp4,fp4fuse] [CPPW=1] [PROF=1] [CPUOPS=28] [NK=40] \
-        python benchmarks/profile_e2e_host.py
+    PYTHONPATH=. [TP=1] [TOKENS=1024,16] [VARS=bf16,nvfp4,fp4fuse] [MODE=default] [CPPW=1] [PROF=1] [CPUOPS=28] \
+        [NK=40] python benchmarks/profile_e2e_host.py
 
 The model and variants are ``bench_e2e.py``'s (HF ``LlamaModel``, 2 Llama-3-8B-shaped layers, dynamic
 batch, dynamic activation scales; ``TP`` ranks, one GPU each). Per variant and token count, on rank 0:
@@ -28,6 +29,7 @@ import bench_e2e as B  # noqa: E402
 TP = int(os.environ.get("TP", "1"))
 TOKENS = [int(t) for t in os.environ.get("TOKENS", "1024,16").split(",")]
 VARS = os.environ.get("VARS", "bf16,fp4fuse").split(",")
+MODE = os.environ.get("MODE", "default")
 FORWARDS = 20
 
 
@@ -105,7 +107,7 @@ def main(args: B.BenchArgs) -> dict:
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device())
     models = B._build_models(args, device, dist.group.WORLD)
-    variants = B._compiled_variants(args, models, "default")
+    variants = B._compiled_variants(args, models, MODE)
     outs = {}
     for tokens in TOKENS:
         b, s = B.batch_shape(tokens)
@@ -134,6 +136,6 @@ def main(args: B.BenchArgs) -> dict:
 
 if __name__ == "__main__":
     from fp4fuse.launch import run_on_ranks
-    args = B.BenchArgs(TP, 2, tuple(TOKENS), ("default",), tuple(VARS), FORWARDS, 5, 4096, 32, 8, 14336,
+    args = B.BenchArgs(TP, 2, tuple(TOKENS), (MODE,), tuple(VARS), FORWARDS, 5, 4096, 32, 8, 14336,
                        cpp_wrapper=bool(os.environ.get("CPPW")))
     run_on_ranks(main, TP, args, timeout=900, backend="nccl", hard_exit=True)
