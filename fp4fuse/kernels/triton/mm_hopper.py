@@ -467,8 +467,9 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_s
     if split_k is not None and split_k < 1:
         raise ValueError(f"mm_fp4_hopper: split_k must be at least 1; got {split_k}")
     if not 2 <= stages <= max_stages(block_m):
-        raise ValueError(f"mm_fp4_hopper: stages must be 2 to {max_stages(block_m)} for {block_m}-token tiles (their "
-                         f"ring buffers in {SMEM_BYTES} bytes of shared memory); got {stages}")
+        raise ValueError(f"mm_fp4_hopper: stages must be 2 to {max_stages(block_m)} for {block_m}-token tiles (the "
+                         f"ring, {stage_bytes(block_m)} bytes a stage, must fit "
+                         f"{SMEM_BYTES - EPILOGUE_SMEM_BYTES} bytes of shared memory); got {stages}")
 
 
 def mm_fp4_hopper_halves(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
