@@ -756,6 +756,28 @@ def test_qkv_quants_each_move_before_their_own_gather(sp_pass):
     assert len(check.args[0]) == 4
 
 
+def test_qkv_quants_with_dynamic_scales_share_one_gather(sp_pass):
+    """Three linears (q, k, v) quantize one norm output, each with a dynamic scale computed the same
+    way (its own NVFP4Quantizer): the pass merges the three into one quantization first
+    (``shared_quantization``: two merged away), so one all-reduce MAX, one quantization and one
+    gather of codes and scales serve all three readers."""
+    quantizers = [NVFP4Quantizer() for _ in range(3)]
+
+    def fn(x, w):
+        r = all_reduce(x)
+        n = fp4fuse_norm(r, w)
+        return (*(out for q in quantizers for out in q.quantize(n)), r)
+
+    gm = trace(fn, [(8, H), (H,)], state={1: "norm.weight"})
+    run(sp_pass, gm)
+    assert counts(sp_pass) == {"first.fp4fuse": 1, "shared_quantization": 2, "quant_before_gather.dynamic_scale": 1}
+    gathered = [n.meta["val"] for n in gm.graph.find_nodes(op="call_function", target=fc.all_gather_into_tensor.default)]
+    assert sorted(tuple(v.shape) for v in gathered) == sorted([(8, H // 2), (8, H // 16), (8, H)])
+    maxes = gm.graph.find_nodes(op="call_function", target=fc.all_reduce.default)
+    assert [n.args[1] for n in maxes] == ["max"]
+    assert len(gm.graph.find_nodes(op="call_function", target=fp4.scaled_fp4_quant.default)) == 1
+
+
 def test_unmatched_all_reduce_is_reported(sp_pass, caplog):
     caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
 

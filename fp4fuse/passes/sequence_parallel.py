@@ -21,7 +21,12 @@ Steps of one call:
 3. no-op view chains the rewrites left (``view(all_gather(r), [b, s, h]).reshape(-1, h)``) fold;
 4. quant before gather (fp4fuse.patterns.quant_before_gather): ``scaled_fp4_quant(all_gather(x), gs)``
    becomes ``all_gather(scaled_fp4_quant(x, gs))`` for a rank-uniform gs, a dynamic scale's amax
-   becoming an all-reduce MAX over the group;
+   becoming an all-reduce MAX over the group. Equal computations are merged first
+   (``fp4fuse.passes.cse``, which the pipeline runs later anyway; it changes no value): the q, k and
+   v projections of one norm output each quantize it with a dynamic scale computed the same way,
+   and merged they share one amax all-reduce, one quantization and one gather of codes and scales
+   instead of three (pattern key ``shared_quantization``: quantizations merged away). Quants with
+   scales of their own (a checkpoint's static ``input_scale`` per projection) stay apart;
 5. cleanup: fold ``shard_rows(all_gather(r))`` into ``r`` (the residual stream a rewritten layer
    hands to the next stays sharded) and erase the gathers nobody reads any more;
 6. rank check: one ``fp4fuse::check_rank_uniform`` per group whose rewrites rely on graph inputs
@@ -30,7 +35,9 @@ Steps of one call:
 
 For a decoder of L layers whose norms all match (an input norm and a post-attention norm per
 layer, a final norm whose output is not quantized): first = 1, middle = 2L - 1, last = 1, and
-quant_before_gather = 2L (the inputs of qkv and gate_up).
+quant_before_gather = 2L (the inputs of qkv and gate_up) where each norm output is quantized once
+(fused q/k/v and gate/up linears, or separate ones with dynamic scales, merged in step 4); separate
+linears with static scales of their own quantize before the gather one by one (5L).
 
 The rewritten graph holds the group size (a reduce_scatter needs it), which an input graph of
 plain all_reduces does not state; ``reads_process_groups`` puts the process-group layout into
@@ -50,9 +57,10 @@ from torch._inductor import pattern_matcher as pm
 from fp4fuse.config import FusionConfig
 from fp4fuse.distributed.groups import resolve_group
 from fp4fuse.ops import fp4_ops, norm_ops, rank_check, sp_ops
-from fp4fuse.passes import cleanup
+from fp4fuse.passes import cleanup, cse
 from fp4fuse.passes.base import GraphPass
 from fp4fuse.passes.cleanup import fold_noop_views, read_sizes_from_graph_inputs
+from fp4fuse.passes.cse import merge_common_subexpressions
 from fp4fuse.patterns import base, collectives, quant_before_gather, rank_uniform, sequence_parallel, thresholds
 from fp4fuse.patterns.base import CollectiveKind, erase_if_unused, fake_value, find_collectives, get_arg, is_call
 from fp4fuse.patterns.quant_before_gather import QuantBeforeGather
@@ -108,7 +116,7 @@ class SequenceParallelismPass(GraphPass):
     name = "sequence_parallel"
     reads_process_groups = True
     source_modules = (sequence_parallel, quant_before_gather, rank_uniform, collectives, base, sp_ops, norm_ops,
-                      fp4_ops, rank_check, cleanup, thresholds)
+                      fp4_ops, rank_check, cleanup, cse, thresholds)
 
     def __init__(self, config: FusionConfig) -> None:
         super().__init__(config)
@@ -138,6 +146,7 @@ class SequenceParallelismPass(GraphPass):
                 self._record_unmatched(graph, group)
             read_sizes_from_graph_inputs(graph)
             fold_noop_views(graph)
+            self._share_quantizations(graph)
             self.quant_before_gather.apply(graph, self.recorder)
             self._cleanup(graph)
             self.rank_checks = self.uniformity.insert_checks(graph)
@@ -233,6 +242,22 @@ class SequenceParallelismPass(GraphPass):
                 f"{', '.join(readers) or 'nothing'}); the patterns need all_reduce [* number | + row bias] -> "
                 f"[residual add ->] norm, the norm written as one of "
                 f"{', '.join(f.name for s in NORM_SETS for f in s.families)}"))
+
+    def _share_quantizations(self, graph: fx.Graph) -> None:
+        """Step 4's merge of equal computations, where two or more quants read gathered activations:
+        readers of one gathered activation that quantize it alike then share one quantization, so
+        ``quant_before_gather`` moves one quant before one gather for all of them. Counted
+        (``shared_quantization``): the quants of gathered activations merged away."""
+        before = self._gathered_quants(graph)
+        if before < 2:
+            return
+        merge_common_subexpressions(graph)
+        shared = before - self._gathered_quants(graph)
+        if shared:
+            self.recorder.matched("shared_quantization", shared)
+
+    def _gathered_quants(self, graph: fx.Graph) -> int:
+        return sum(len(match.quants) for match in self.quant_before_gather.find(graph))
 
     def _cleanup(self, graph: fx.Graph) -> None:
         for pair in _GatherThenShard.find(graph):

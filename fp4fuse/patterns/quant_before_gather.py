@@ -13,7 +13,9 @@ rank of the gather's group (fp4fuse.patterns.rank_uniform): built from constants
 all-reduces / all-gathers over a group that covers it, and from model state -- a checkpoint's
 static ``input_scale`` held as a buffer -- which the compiled graph verifies across the group on
 its first call. A gathered activation read by several quants (q, k and v projections of one norm
-output, each with its own scale) has each quant moved before its own gather.
+output, each with its own scale) has each quant moved before its own gather; quants that compute
+the same value (dynamic scales computed alike) are merged into one by the sequence-parallel pass
+before this rewrite runs (fp4fuse.passes.sequence_parallel, step 4), so they share one gather.
 
 A dynamic scale reads the amax of the gathered tensor (``NVFP4Quantizer``:
 ``global_scale_from_amax(abs_amax(g))``, the row maxima first; a single ``g.abs().amax()`` is

@@ -22,20 +22,26 @@ vocab-parallel embedding:
 
 * sequence_parallel: first = 1 (the embedding's all-reduce -> layer 0's input norm),
   middle = 2L - 1, last = 1 (the final norm);
-* quant_before_gather = 5L: each rewritten norm's column-parallel readers, quantized before the
-  gather one by one (q, k, v per input norm; gate, up per post-attention norm); ``.dynamic_scale``
-  with dynamic activation scales, plain with static ones (buffers);
-* async_tp: all_gather_mm_fp4 = 5L, mm_fp4_reduce_scatter = 2L (o_proj, down).
+* quant_before_gather: with static activation scales (buffers, one per projection) 5L, each
+  rewritten norm's column-parallel readers quantized before the gather one by one (q, k, v per input
+  norm; gate, up per post-attention norm); with dynamic scales (``.dynamic_scale``) 2L, since the
+  readers of one norm output quantize it alike and share one quantization and one gather
+  (shared_quantization = 3L: k and v merged into q, up into gate);
+* async_tp: mm_fp4_reduce_scatter = 2L (o_proj, down); all_gather_mm_fp4 = 5L with static scales,
+  all_gather_mm_fp4_gathered = 2L with dynamic ones (one fused gather + GEMM per shared gather, its
+  gathered codes feeding the other readers).
 
 A dynamic batch (what a serving engine compiles: decode steps ``[batch, 1]``, ``mark_dynamic`` on
 the batch) fuses as the static model does under a divisibility guard, and a batch that fails the
 guard recompiles into a graph that fuses nothing, with the reasons.
 
 With a replicated embedding and ``always``: first = 0 and layer 0's q, k, v stay unfused
-(quant_before_gather = all_gather_mm_fp4 = 5L - 3).
+(dynamic scales: quant_before_gather = all_gather_mm_fp4_gathered = 2L - 1, shared_quantization =
+3L - 2).
 
-At L = 2 (Qwen2): first 1, middle 3, last 1, quant_before_gather 10, all_gather_mm_fp4 10,
-mm_fp4_reduce_scatter 4; at L = 1 (the other runs): 1, 1, 1, 5, 5, 2.
+At L = 2 (Qwen2, static scales): first 1, middle 3, last 1, quant_before_gather 10,
+all_gather_mm_fp4 10, mm_fp4_reduce_scatter 4; at L = 1 with dynamic scales (the other runs): 1, 1,
+1, quant_before_gather 2, shared_quantization 3, all_gather_mm_fp4_gathered 2, mm_fp4_reduce_scatter 2.
 """
 from __future__ import annotations
 
@@ -74,11 +80,16 @@ def state_path(source: str) -> str:
 
 
 def expected_counts(layers: int, static: bool, vocab_parallel: bool = True) -> dict[str, int]:
-    quant = "quant_before_gather" if static else "quant_before_gather.dynamic_scale"
-    gathered = 5 * layers if vocab_parallel else 5 * layers - 3
     counts = {"sequence_parallel.middle.torch_fp32": 2 * layers - 1, "sequence_parallel.last.torch_fp32": 1,
-              f"sequence_parallel.{quant}": gathered,
-              "async_tp.all_gather_mm_fp4": gathered, "async_tp.mm_fp4_reduce_scatter": 2 * layers}
+              "async_tp.mm_fp4_reduce_scatter": 2 * layers}
+    if static:  # each projection's own scale: quantized and gathered one by one
+        gathered = 5 * layers if vocab_parallel else 5 * layers - 3
+        counts.update({"sequence_parallel.quant_before_gather": gathered, "async_tp.all_gather_mm_fp4": gathered})
+    else:  # q/k/v and gate/up share one quantization and gather of their norm's output
+        gathered, shared = (2 * layers, 3 * layers) if vocab_parallel else (2 * layers - 1, 3 * layers - 2)
+        counts.update({"sequence_parallel.quant_before_gather.dynamic_scale": gathered,
+                       "sequence_parallel.shared_quantization": shared,
+                       "async_tp.all_gather_mm_fp4_gathered": gathered})
     if vocab_parallel:
         counts["sequence_parallel.first.torch_fp32"] = 1
     return counts
@@ -234,17 +245,19 @@ def test_starcoder2_layer_norms_and_row_parallel_biases_fuse_bitwise(results):
     """Starcoder2 normalizes with ``nn.LayerNorm`` and its row-parallel linears (``o_proj``, ``c_proj``)
     add their bias after the all-reduce, on the 2-D rows, before the view back to ``[b, s, h]``: the
     view moves before the add, the LayerNorm patterns take every norm (the middle and last ones in
-    their ``_biased`` form, adding the bias row to the shard), q/k/v and the one MLP input projection
-    ``c_fc`` quantize before the gather (4 per layer), and the logits equal the compile without
-    fp4fuse bit for bit."""
+    their ``_biased`` form, adding the bias row to the shard), q/k/v (sharing one quantization) and
+    the one MLP input projection ``c_fc`` quantize before the gather (2 per layer), and the logits
+    equal the compile without fp4fuse bit for bit."""
     got = results["starcoder2", 3]
     layers = LAYERS["starcoder2"]
     assert got["graphs"] == 1 and got["shape"] == (3, SEQ, hf_tiny.VOCAB)
     assert got["counts"] == {
         "sequence_parallel.first.torch_layer_norm": 1, "sequence_parallel.middle.torch_layer_norm_biased": 2 * layers - 1,
         "sequence_parallel.last.torch_layer_norm_biased": 1,
-        "sequence_parallel.quant_before_gather.dynamic_scale": 4 * layers,
-        "async_tp.all_gather_mm_fp4": 4 * layers, "async_tp.mm_fp4_reduce_scatter": 2 * layers}, got["counts"]
+        "sequence_parallel.quant_before_gather.dynamic_scale": 2 * layers,
+        "sequence_parallel.shared_quantization": 2 * layers,
+        "async_tp.all_gather_mm_fp4_gathered": layers, "async_tp.all_gather_mm_fp4": layers,
+        "async_tp.mm_fp4_reduce_scatter": 2 * layers}, got["counts"]
     assert got["skips"] == [], got["skips"]
     assert got["equal"], "starcoder2: logits differ from the model compiled without fp4fuse"
 
