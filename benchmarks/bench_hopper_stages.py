@@ -12,7 +12,8 @@ where a ring of 4 holds at most 16 KiB of weight codes. This script times, at ea
 token tile holding M, the 128-token tile from 64 rows and the 256-token one above 128 rows, each at
 ring depths ``STAGES_TRIED`` (up to ``max_stages``), with ``hopper_split``'s split-K count (and a
 register cap fitting two programs a multiprocessor at 16-64 tokens), against the shipped dispatch
-and cuBLAS bf16, on the issue-12 shapes and Llama-3-8B's TP=2 gate/up and down shards.
+and cuBLAS bf16, on two of issue 12's shapes (8192^2, 28672 x 8192) and Llama-3-8B's TP=2 gate/up
+and down shards.
 
 CUDA-graph replays over rotating weight copies (``bench_ops._hopper_point``), microseconds; each
 variant's largest relative difference from the shipped path's output is printed (other split
