@@ -1,0 +1,82 @@
+"""Host time of torch.compile's guards per call, bf16 against NVFP4 TP linears, by model depth (CPU).
+
+    PYTHONPATH=. python benchmarks/bench_guards.py [--layers 8,32] [--filter]
+
+Before every call of a compiled model Dynamo checks the guards of its cache entry, among them one
+per parameter and buffer of the modules the forward reads. An NVFP4 linear
+(``fp4fuse.tp.parallelize``) holds three tensors where a bf16 linear holds one (codes, block
+scales, global scale), so the NVFP4 model carries more guards, and every guard is paid on every
+call, with CUDA graphs (Inductor's trees) or without.
+
+This script builds HF ``LlamaModel`` (tiny widths: guard time does not depend on them) at each depth
+in bf16 and NVFP4, at TP=2 on two gloo ranks, compiles each with the eager backend (guards only
+depend on the traced frame), and reports on rank 0 torch.profiler's ``TorchDynamo Cache Lookup``
+self time per call over 20 calls. ``--filter`` compiles with
+``guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe``: no guards on module state,
+as a server whose weights never change can afford (a changed weight is then not noticed).
+Results in benchmarks/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+CALLS = 20
+
+
+def _rank_main(rank: int, layers_list: tuple[int, ...], use_filter: bool) -> None:
+    import transformers
+    from torch.profiler import ProfilerActivity, profile
+
+    from fp4fuse.tp import WeightFormat, parallelize
+
+    options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe} if use_filter else {}
+    for layers in layers_list:
+        config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                          max_position_embeddings=64)
+        for fmt in (WeightFormat.BF16, WeightFormat.NVFP4):
+            torch.manual_seed(0)
+            model = parallelize(transformers.LlamaModel(config).to(torch.bfloat16).eval(), dist.group.WORLD,
+                                weight_format=fmt)
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend="eager", options=options)
+            ids = torch.randint(0, config.vocab_size, (4, 1))
+            with torch.no_grad():
+                for _ in range(3):
+                    compiled(input_ids=ids)
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    for _ in range(CALLS):
+                        compiled(input_ids=ids)
+            lookup = next(e for e in prof.key_averages() if e.key == "TorchDynamo Cache Lookup")
+            if rank == 0:
+                print(f"layers {layers:3d} {fmt.name:5s} {'filter' if use_filter else 'default'}: "
+                      f"cache lookup {lookup.self_cpu_time_total / CALLS:8.1f} us a call", flush=True)
+
+
+def _entry(rank: int, layers_list: tuple[int, ...], use_filter: bool, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        _rank_main(rank, layers_list, use_filter)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", default="8,32", help="comma-separated depths")
+    parser.add_argument("--filter", action="store_true", help="skip the guards on module state")
+    parser.add_argument("--port", type=int, default=29541)
+    args = parser.parse_args(argv)
+    layers_list = tuple(int(v) for v in args.layers.split(","))
+    torch.multiprocessing.spawn(_entry, args=(layers_list, args.filter, args.port), nprocs=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
