@@ -34,7 +34,6 @@ def _rank_main(rank: int, layers_list: tuple[int, ...], use_filter: bool) -> Non
 
     from fp4fuse.tp import WeightFormat, parallelize
 
-    options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe} if use_filter else {}
     for layers in layers_list:
         config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
@@ -44,6 +43,8 @@ def _rank_main(rank: int, layers_list: tuple[int, ...], use_filter: bool) -> Non
             model = parallelize(transformers.LlamaModel(config).to(torch.bfloat16).eval(), dist.group.WORLD,
                                 weight_format=fmt)
             torch._dynamo.reset()
+            # a fresh dict each time: torch.compile takes guard_filter_fn out of the options it is given
+            options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe} if use_filter else {}
             compiled = torch.compile(model, backend="eager", options=options)
             ids = torch.randint(0, config.vocab_size, (4, 1))
             with torch.no_grad():
