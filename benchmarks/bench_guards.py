@@ -19,21 +19,24 @@ Results in benchmarks/results/.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 
+from fp4fuse.launch import run_on_ranks
+
 CALLS = 20
 
 
-def _rank_main(rank: int, layers_list: tuple[int, ...], use_filter: bool) -> None:
+def _rank_main(layers_list: tuple[int, ...], use_filter: bool) -> list[str]:
+    """On every rank (the TP linears hold collectives): the report lines, one per depth and format."""
     import transformers
     from torch.profiler import ProfilerActivity, profile
 
     from fp4fuse.tp import WeightFormat, parallelize
 
+    lines = []
     for layers in layers_list:
         config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
@@ -54,28 +57,18 @@ def _rank_main(rank: int, layers_list: tuple[int, ...], use_filter: bool) -> Non
                     for _ in range(CALLS):
                         compiled(input_ids=ids)
             lookup = next(e for e in prof.key_averages() if e.key == "TorchDynamo Cache Lookup")
-            if rank == 0:
-                print(f"layers {layers:3d} {fmt.name:5s} {'filter' if use_filter else 'default'}: "
-                      f"cache lookup {lookup.self_cpu_time_total / CALLS:8.1f} us a call", flush=True)
-
-
-def _entry(rank: int, layers_list: tuple[int, ...], use_filter: bool, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        _rank_main(rank, layers_list, use_filter)
-    finally:
-        dist.destroy_process_group()
+            lines.append(f"layers {layers:3d} {fmt.name:5s} {'filter' if use_filter else 'default'}: "
+                         f"cache lookup {lookup.self_cpu_time_total / CALLS:8.1f} us a call")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", default="8,32", help="comma-separated depths")
     parser.add_argument("--filter", action="store_true", help="skip the guards on module state")
-    parser.add_argument("--port", type=int, default=29541)
     args = parser.parse_args(argv)
     layers_list = tuple(int(v) for v in args.layers.split(","))
-    torch.multiprocessing.spawn(_entry, args=(layers_list, args.filter, args.port), nprocs=2)
+    print("\n".join(run_on_ranks(_rank_main, 2, layers_list, args.filter, timeout=3600.0)[0]))
     return 0
 
 
