@@ -4,9 +4,9 @@ default) the crossovers measured where a rewrite can pay.
 * On CUDA the collective GEMMs fire from the thresholds their ops overlap from
   (``fp4fuse.distributed.symm_mem.policy.overlap_min_rows``: measured crossovers of
   ``benchmarks/bench_collective_gemm.py``; the same function the ops read at run time, so a fused
-  call is an overlapped call), and sequence parallelism from :data:`SP_MIN_TOKENS_CUDA` tokens.
-  That one is not a measurement yet: it is to be set from ``benchmarks/bench_e2e.py`` on 2 GPUs,
-  which has not run (README, "Not done").
+  call is an overlapped call), and sequence parallelism from :data:`SP_MIN_TOKENS_CUDA` tokens,
+  the end-to-end crossover of ``benchmarks/bench_e2e.py`` at TP=2
+  (``benchmarks/results/2026-11-27-sp-shared-quant-2xh100.md``).
 * Elsewhere (CPU, gloo) nothing overlaps and no crossover exists to measure: every size fuses, which
   keeps the rewrites exercised (the CPU tests, the demo).
 
@@ -22,9 +22,9 @@ from fp4fuse.distributed.symm_mem.policy import CollectiveGemmKind
 
 __all__ = ["SP_MIN_TOKENS_CUDA", "async_tp_min_rows", "sp_min_tokens"]
 
-#: Sequence parallelism's threshold on CUDA (total rows of the activation): a placeholder until the
-#: end-to-end benchmark measures the crossover (four collectives replace one all-reduce, so small
-#: token counts, where collectives are latency-bound, cannot gain).
+#: Sequence parallelism's threshold on CUDA (total rows of the activation). Four collectives replace
+#: one all-reduce, so small token counts, where collectives are latency-bound, cannot gain; on HF
+#: Llama-3-8B shapes at TP=2 (2x H100) the rewrite lost at 2048 tokens and gained from 4096.
 SP_MIN_TOKENS_CUDA = 4096
 
 
