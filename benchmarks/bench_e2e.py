@@ -58,6 +58,16 @@ means the host is the limit; the tables say which ops cost it.
 ``--cpp-wrapper``: every variant compiles with Inductor's C++ wrapper (``cpp_wrapper=True``), which
 launches the graph's kernels from C++ instead of Python: the default mode's host time without CUDA
 graphs.
+
+``--skip-module-guards``: every variant compiles with ``options={"guard_filter_fn":
+torch.compiler.skip_guard_on_all_nn_modules_unsafe}`` (README, "Use"): Dynamo's per-call check
+leaves out the guards on module state (a weight changed after compiling does not recompile), whose
+cost grows with the number of parameters and buffers -- three a linear in NVFP4, one in bf16. It
+acts in the ``default`` and ``cudagraphs`` modes; a replayed graph runs no guards. Dynamo's cache
+is per code object and matches a compiled model by its backend: without module guards, two models
+of one class compiled with equal options share one entry, and the second runs the first one's
+graph (README, "Use"). ``bf16`` and ``nvfp4`` are such a pair (both without a pass), so the flag
+refuses them together.
 """
 from __future__ import annotations
 
@@ -98,6 +108,7 @@ class BenchArgs:
     static_scales: bool = False
     family: str = "llama"
     cpp_wrapper: bool = False
+    skip_module_guards: bool = False
 
 
 #: ``--family`` -> (config class, model class) in ``transformers``.
@@ -198,7 +209,9 @@ def _compiled_variants(args: BenchArgs, models: dict[Any, Any], mode: str) -> di
     from fp4fuse.tp import WeightFormat
 
     def compiled(model, fusion):
-        options = {"triton.cudagraphs": mode == "cudagraphs"}
+        options = {"triton.cudagraphs": mode == "cudagraphs"}  # a fresh dict: torch.compile pops guard_filter_fn
+        if args.skip_module_guards:
+            options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
         if fusion is not None:
             options["post_grad_custom_post_pass"] = fusion
         return torch.compile(model, options=options)
@@ -438,7 +451,9 @@ def render_markdown(raw: dict[str, Any]) -> str:
         f"dimension {'static (one compile per count)' if args.get('static') else 'dynamic (mark_dynamic)'}; "
         f"NVFP4 activation scales {'static, calibrated once' if args.get('static_scales') else 'dynamic'}; "
         + ("Inductor `emulate_precision_casts=True`. " if raw.get("emulate_precision_casts") else "")
-        + ("Inductor `cpp_wrapper=True` (every variant). " if args.get("cpp_wrapper") else "") +
+        + ("Inductor `cpp_wrapper=True` (every variant). " if args.get("cpp_wrapper") else "")
+        + ("`guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe` (every variant). "
+           if args.get("skip_module_guards") else "") +
         "Command: `" + raw["command"] + "`.", "",
         "Milliseconds per forward (median over rounds of back-to-back forwards, rank 0 wall time; "
         "variants interleaved in one process). `fp4fuse/nvfp4` is the speedup of switching fp4fuse on "
@@ -550,6 +565,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --profile, also list the N device kernels with the most time per forward")
     p.add_argument("--cpp-wrapper", action="store_true",
                    help="compile every variant with Inductor's C++ wrapper (torch._inductor.config.cpp_wrapper)")
+    p.add_argument("--skip-module-guards", action="store_true",
+                   help="compile every variant with guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe")
     p.add_argument("--deterministic", action="store_true",
                    help="torch._inductor.config.deterministic: Inductor keeps no numerics-changing autotuning result")
     ns = p.parse_args(argv)
@@ -565,7 +582,10 @@ def main(argv: list[str] | None = None) -> int:
     args = BenchArgs(ns.tp, ns.layers, tuple(int(t) for t in ns.tokens.split(",")),
                      tuple(ns.modes.split(",")), tuple(ns.variants.split(",")), ns.iters, ns.rounds,
                      ns.hidden, ns.heads, ns.kv_heads, ns.ffn, ns.partial, ns.static, ns.profile, ns.deterministic,
-                     ns.profile_kernels, ns.static_scales, ns.family, ns.cpp_wrapper)
+                     ns.profile_kernels, ns.static_scales, ns.family, ns.cpp_wrapper, ns.skip_module_guards)
+    if args.skip_module_guards and {"bf16", "nvfp4"} <= set(args.variants):
+        p.error("--skip-module-guards: bf16 and nvfp4 compile with equal options, so without module guards the "
+                "second would run the first one's graph (module doc); time them in separate processes")
     unknown = set(args.variants) - set(VARIANTS)
     if unknown or set(args.modes) - {"default", "cudagraphs", "replay"}:
         p.error(f"unknown variants {sorted(unknown)} or modes {args.modes}")
