@@ -62,7 +62,7 @@ graphs.
 ``--skip-module-guards``: every variant compiles with ``options={"guard_filter_fn":
 torch.compiler.skip_guard_on_all_nn_modules_unsafe}`` (README, "Use"): Dynamo's per-call check
 leaves out the guards on module state (a weight changed after compiling does not recompile), whose
-cost grows with the number of parameters and buffers -- three a linear in NVFP4, one in bf16. It
+cost grows with the modules the forward reads -- 26 guards an NVFP4 linear, 13 a bf16 one. It
 acts in the ``default`` and ``cudagraphs`` modes; a replayed graph runs no guards. Dynamo's cache
 is per code object and matches a compiled model by its backend: without module guards, two models
 of one class compiled with equal options share one entry, and the second runs the first one's
