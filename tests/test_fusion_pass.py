@@ -217,6 +217,40 @@ def test_fx_graph_cache_hit_in_fresh_dynamo_state_and_miss_under_other_config():
         assert all("below min_tokens=1000000" in s.reason for s in other.last_skips)
 
 
+
+class _Signed(torch.nn.Module):
+    """One module class whose instances differ only in a Python attribute the forward branches on."""
+
+    def __init__(self, negate: bool) -> None:
+        super().__init__()
+        self.negate = negate
+        self.weight = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.weight
+        return -y if self.negate else y
+
+
+def test_each_fusion_pass_keeps_its_model_apart_without_module_guards():
+    """README "Use", Guards: without Dynamo's module guards (``skip_guard_on_all_nn_modules_unsafe``)
+    two models of one class compiled with equal options share a compiled graph. Each model given its
+    own FusionPass compiles with options of its own (a FusionPass is equal only to itself), so the
+    second model runs its own graph."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    first, second = _Signed(negate=False), _Signed(negate=True)
+
+    def compiled(model):
+        return torch.compile(model, options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+                                             "post_grad_custom_post_pass": FusionPass(FusionConfig())})
+
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(first)(x), x @ first.weight, rtol=0, atol=0)
+        torch.testing.assert_close(compiled(second)(x), -(x @ second.weight), rtol=0, atol=0)
+    assert FusionPass(FusionConfig()) != FusionPass(FusionConfig())
+
+
 # --------------------------------------------------------------------------- cleanup
 
 

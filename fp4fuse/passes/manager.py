@@ -99,6 +99,11 @@ def _summary(counts: dict[str, int]) -> tuple[int, str, str]:
 class FusionPass(CustomGraphPass):
     """Runs fp4fuse's passes in order on a post-grad graph; see the module docstring.
 
+    Equal only to itself (identity, no ``__eq__``): two ``torch.compile`` calls given different
+    FusionPass objects have different options, which Dynamo uses to keep their compiled models
+    apart when module guards are skipped (README, "Use"). Its ``uuid()``, not equality, is what
+    Inductor's FX graph cache keys on.
+
     Attributes:
         config: the (normalized) configuration.
         passes: the enabled passes, in the order they run.
