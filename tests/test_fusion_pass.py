@@ -217,7 +217,6 @@ def test_fx_graph_cache_hit_in_fresh_dynamo_state_and_miss_under_other_config():
         assert all("below min_tokens=1000000" in s.reason for s in other.last_skips)
 
 
-
 class _Signed(torch.nn.Module):
     """One module class whose instances differ only in a Python attribute the forward branches on."""
 
