@@ -25,7 +25,11 @@ process, interleaved round by round:
 * ``sp``: + sequence parallelism at every size (``min_tokens=0``);
 * ``fp4fuse``: + sequence parallelism + AsyncTP, shipped defaults (what a serving engine's flag
   does: each rewrite only from its measured crossover, fp4fuse.patterns.thresholds);
-* ``forced``: the same with every threshold at 0 (``min_tokens=0``, ``FP4FUSE_OVERLAP_MIN_ROWS=0``).
+* ``forced``: the same with every threshold at 0 (``min_tokens=0``, ``FP4FUSE_OVERLAP_MIN_ROWS=0``);
+* ``fp4fuse-sl``: ``fp4fuse`` compiled with Inductor's ``static_launch_user_defined_triton_kernels``
+  option: the kernels fp4fuse's lowering puts in the graph (user-defined Triton kernels to Inductor)
+  launched by Inductor's static launcher instead of Triton's Python launcher: the default launch
+  mode's host time.
 
 A variant whose compile or first call fails is reported and dropped (the others still run).
 
@@ -82,7 +86,7 @@ import sys
 import time
 from typing import Any
 
-VARIANTS = ("bf16", "bf16-fp4fuse", "nvfp4", "lowered", "sp", "fp4fuse", "forced")
+VARIANTS = ("bf16", "bf16-fp4fuse", "nvfp4", "lowered", "sp", "fp4fuse", "forced", "fp4fuse-sl")
 DECODE_MAX_TOKENS = 128
 PREFILL_SEQ = 512
 
@@ -208,8 +212,9 @@ def _compiled_variants(args: BenchArgs, models: dict[Any, Any], mode: str) -> di
     import fp4fuse
     from fp4fuse.tp import WeightFormat
 
-    def compiled(model, fusion):
-        options = {"triton.cudagraphs": mode == "cudagraphs"}  # a fresh dict: torch.compile pops guard_filter_fn
+    def compiled(model, fusion, **extra):
+        # a fresh dict: torch.compile pops guard_filter_fn
+        options = {"triton.cudagraphs": mode == "cudagraphs", **extra}
         if args.skip_module_guards:
             options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
         if fusion is not None:
@@ -223,7 +228,10 @@ def _compiled_variants(args: BenchArgs, models: dict[Any, Any], mode: str) -> di
         "sp": Cfg(enable_sequence_parallelism=True, min_tokens=0),
         "fp4fuse": Cfg(enable_async_tp=True),
         "forced": Cfg(enable_async_tp=True, min_tokens=0),
+        "fp4fuse-sl": Cfg(enable_async_tp=True),
     }
+    #: Inductor options a variant adds to the common ones
+    extra_options = {"fp4fuse-sl": {"static_launch_user_defined_triton_kernels": True}}
     out = {}
     for name in args.variants:
         if name == "bf16":
@@ -233,7 +241,7 @@ def _compiled_variants(args: BenchArgs, models: dict[Any, Any], mode: str) -> di
             out[name] = (compiled(models[WeightFormat.BF16], fusion), fusion)
         else:
             fusion = None if configs[name] is None else fp4fuse.FusionPass(configs[name])
-            out[name] = (compiled(models[WeightFormat.NVFP4], fusion), fusion)
+            out[name] = (compiled(models[WeightFormat.NVFP4], fusion, **extra_options.get(name, {})), fusion)
     return out
 
 
@@ -513,7 +521,7 @@ def render_plot(raw: dict[str, Any], path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for ax, baseline in zip(axes, ("nvfp4", "bf16")):
         for mode, style in zip(args["modes"], ("-o", "--s", ":^")):
-            for variant in ("lowered", "sp", "fp4fuse", "forced"):
+            for variant in ("lowered", "sp", "fp4fuse", "forced", "fp4fuse-sl"):
                 if variant not in args["variants"]:
                     continue
                 xs, ys = [], []

@@ -1,8 +1,8 @@
 """Where the host time of a compiled forward goes in the default launch mode (no CUDA graphs), or
 with ``MODE=cudagraphs`` under Inductor's CUDA-graph trees (``triton.cudagraphs``).
 
-    PYTHONPATH=. [TP=1] [TOKENS=1024,16] [VARS=bf16,nvfp4,fp4fuse] [MODE=default] [CPPW=1] [PROF=1] [CPUOPS=28] \
-        [NK=40] python benchmarks/profile_e2e_host.py
+    PYTHONPATH=. [TP=1] [TOKENS=1024,16] [VARS=bf16,nvfp4,fp4fuse] [MODE=default] [CPPW=1] [SKIPGUARDS=1] \
+        [PROF=1] [CPUOPS=28] [NK=40] python benchmarks/profile_e2e_host.py
 
 The model and variants are ``bench_e2e.py``'s (HF ``LlamaModel``, 2 Llama-3-8B-shaped layers, dynamic
 batch, dynamic activation scales; ``TP`` ranks, one GPU each). Per variant and token count, on rank 0:
@@ -14,7 +14,8 @@ whether ``fp4fuse``'s output is bitwise ``nvfp4``'s, and with ``PROF=1`` cProfil
 own and by cumulative time over 20 forwards (profiled on every rank, as the forwards hold collectives;
 rank 0's printed), and with ``CPUOPS=n`` the n ops and runtime calls with the most host time of
 their own (``cpu_op_table``). ``CPPW=1`` compiles every variant with Inductor's C++
-wrapper (``cpp_wrapper``). Wall close to issue and above device time: the host is the limit.
+wrapper (``cpp_wrapper``). ``SKIPGUARDS=1`` compiles every variant without Dynamo's module guards
+(``bench_e2e.py --skip-module-guards``, which refuses ``bf16`` with ``nvfp4``). Wall close to issue and above device time: the host is the limit.
 """
 import cProfile
 import io
@@ -137,5 +138,5 @@ def main(args: B.BenchArgs) -> dict:
 if __name__ == "__main__":
     from fp4fuse.launch import run_on_ranks
     args = B.BenchArgs(TP, 2, tuple(TOKENS), (MODE,), tuple(VARS), FORWARDS, 5, 4096, 32, 8, 14336,
-                       cpp_wrapper=bool(os.environ.get("CPPW")))
+                       cpp_wrapper=bool(os.environ.get("CPPW")), skip_module_guards=bool(os.environ.get("SKIPGUARDS")))
     run_on_ranks(main, TP, args, timeout=900, backend="nccl", hard_exit=True)
