@@ -206,6 +206,14 @@ def _captured(call: Any) -> tuple[Any, Any]:
     return graph, out
 
 
+def unsafe_without_module_guards(args: BenchArgs) -> str | None:
+    """Why ``args`` cannot skip the module guards (module docstring, ``--skip-module-guards``), or None."""
+    if args.skip_module_guards and {"bf16", "nvfp4"} <= set(args.variants):
+        return ("bf16 and nvfp4 compile with equal options, so without module guards the second would run "
+                "the first one's graph; time them in separate processes")
+    return None
+
+
 def _compiled_variants(args: BenchArgs, models: dict[Any, Any], mode: str) -> dict[str, Any]:
     import torch
 
@@ -591,9 +599,9 @@ def main(argv: list[str] | None = None) -> int:
                      tuple(ns.modes.split(",")), tuple(ns.variants.split(",")), ns.iters, ns.rounds,
                      ns.hidden, ns.heads, ns.kv_heads, ns.ffn, ns.partial, ns.static, ns.profile, ns.deterministic,
                      ns.profile_kernels, ns.static_scales, ns.family, ns.cpp_wrapper, ns.skip_module_guards)
-    if args.skip_module_guards and {"bf16", "nvfp4"} <= set(args.variants):
-        p.error("--skip-module-guards: bf16 and nvfp4 compile with equal options, so without module guards the "
-                "second would run the first one's graph (module doc); time them in separate processes")
+    reason = unsafe_without_module_guards(args)
+    if reason is not None:
+        p.error(f"--skip-module-guards: {reason}")
     unknown = set(args.variants) - set(VARIANTS)
     if unknown or set(args.modes) - {"default", "cudagraphs", "replay"}:
         p.error(f"unknown variants {sorted(unknown)} or modes {args.modes}")

@@ -15,7 +15,8 @@ own and by cumulative time over 20 forwards (profiled on every rank, as the forw
 rank 0's printed), and with ``CPUOPS=n`` the n ops and runtime calls with the most host time of
 their own (``cpu_op_table``). ``CPPW=1`` compiles every variant with Inductor's C++
 wrapper (``cpp_wrapper``). ``SKIPGUARDS=1`` compiles every variant without Dynamo's module guards
-(``bench_e2e.py --skip-module-guards``, which refuses ``bf16`` with ``nvfp4``). Wall close to issue and above device time: the host is the limit.
+(``bench_e2e.py --skip-module-guards``; refused for ``bf16`` with ``nvfp4``, as there). Wall close to
+issue and above device time: the host is the limit.
 """
 import cProfile
 import io
@@ -139,4 +140,7 @@ if __name__ == "__main__":
     from fp4fuse.launch import run_on_ranks
     args = B.BenchArgs(TP, 2, tuple(TOKENS), (MODE,), tuple(VARS), FORWARDS, 5, 4096, 32, 8, 14336,
                        cpp_wrapper=bool(os.environ.get("CPPW")), skip_module_guards=bool(os.environ.get("SKIPGUARDS")))
+    reason = B.unsafe_without_module_guards(args)
+    if reason is not None:
+        sys.exit(f"SKIPGUARDS=1: {reason}")
     run_on_ranks(main, TP, args, timeout=900, backend="nccl", hard_exit=True)
