@@ -29,6 +29,7 @@ from fp4fuse.nvfp4.quantizer import NVFP4Quantizer, register_amax_group
 from fp4fuse.config import FusionConfig, RankCheck
 from fp4fuse.ops import sp_ops  # noqa: F401  (registers fp4fuse::shard_rows)
 from fp4fuse.passes.sequence_parallel import SequenceParallelismPass
+from fp4fuse.patterns.thresholds import sp_unshared_min_tokens
 from fp4fuse.patterns.base import aot_trace
 
 W = 2
@@ -754,6 +755,79 @@ def test_qkv_quants_each_move_before_their_own_gather(sp_pass):
     assert [v.dtype for v in gathered].count(BF16) == 1  # the residual stream only
     (check,) = rank_checks(gm)
     assert len(check.args[0]) == 4
+
+
+def qkv_norm(x, w, gs_q, gs_k, gs_v):
+    """A norm output read by the q, k and v linears, each quantizing it with its scale argument."""
+    r = all_reduce(x)
+    n = fp4fuse_norm(r, w)
+    return (*fp4.scaled_fp4_quant(n, gs_q), *fp4.scaled_fp4_quant(n, gs_k), *fp4.scaled_fp4_quant(n, gs_v), r)
+
+
+def trace_qkv(scales: str, tokens: int) -> torch.fx.GraphModule:
+    """``qkv_norm`` traced with fake CUDA tensors (no GPU needed), so that the pass applies its CUDA
+    thresholds: ``own``, three static scales (buffers, one per projection); ``shared``, one
+    buffer for all three (a fused q/k/v linear's), which the pass merges into one quantization."""
+    with FakeTensorMode():
+        args = [torch.empty(shape, dtype=dtype, device="cuda")
+                for shape, dtype in [((tokens, H), BF16), ((H,), BF16)] + [((1,), torch.float32)] * 3]
+    if scales == "own":
+        fn, state = qkv_norm, {1: "norm.weight", 2: "q_proj.input_scale", 3: "k_proj.input_scale",
+                               4: "v_proj.input_scale"}
+    else:
+        def fn(x, w, gs, *_):
+            return qkv_norm(x, w, gs, gs, gs)
+        state = {1: "norm.weight", 2: "qkv_proj.input_scale"}
+    return as_model_state(aot_trace(fn, args), state)
+
+
+def test_unshared_threshold_rule():
+    """Sequence parallelism's threshold for a norm output read by quantizations with scales of their
+    own: the GEMM + reduce-scatter's (2048 rows a rank by default) where the collective GEMMs are on,
+    at least the 4096 tokens of every SP rewrite; never without them; an explicit min_tokens, and any
+    device but CUDA, as for every rewrite."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert [sp_unshared_min_tokens(None, True, world, cuda) for world in (2, 4, 8)] == [4096, 8192, 16384]
+    assert sp_unshared_min_tokens(None, False, 2, cuda) is None
+    assert sp_unshared_min_tokens(None, True, 4, cpu) == sp_unshared_min_tokens(None, False, 4, cpu) == 0
+    assert sp_unshared_min_tokens(16, False, 4, cuda) == 16
+
+
+def test_unshared_quantizations_wait_for_the_gemm_reduce_scatter_on_cuda(monkeypatch, caplog):
+    """On CUDA, a norm output quantized with three static scales of their own (q, k, v) is left
+    alone below the GEMM + reduce-scatter's threshold, with the reason; the same output quantized
+    with one shared scale (one quantization after the rewrite) is rewritten from the usual 4096
+    tokens. The reduce-scatter threshold is raised to 10000 rows through its variable so that the
+    two thresholds differ at two ranks."""
+    caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
+    monkeypatch.setenv("FP4FUSE_OVERLAP_MIN_ROWS", "10000")
+    sp = SequenceParallelismPass(FusionConfig(enable_async_tp=True))
+    gm = trace_qkv("own", 8192)
+    assert run(sp, gm) == 0
+    assert reduce_ops(gm) == ["sum"]
+    assert_skipped(sp, caplog, "token count 8192 is below min_tokens=10000: the norm output is quantized with 3 "
+                   "global scales of their own", "first.fp4fuse")
+    run(sp, trace_qkv("shared", 8192))
+    assert counts(sp) == {"first.fp4fuse": 1, "shared_quantization": 2, "quant_before_gather": 1}
+    run(sp, trace_qkv("own", 10000))
+    assert counts(sp) == {"first.fp4fuse": 1, "quant_before_gather": 3}
+    assert run(sp, trace_qkv("shared", 2048)) == 0
+    assert_skipped(sp, caplog, "token count 2048 is below min_tokens=4096", "first.fp4fuse")
+
+
+def test_unshared_quantizations_without_the_collective_gemms_are_left_alone_on_cuda(caplog):
+    """Sequence parallelism alone (no collective GEMMs) never takes a norm output quantized with
+    scales of its readers' own on CUDA; one with a shared scale it does; an explicit min_tokens
+    overrides both."""
+    caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
+    sp = SequenceParallelismPass(FusionConfig(enable_sequence_parallelism=True))
+    assert run(sp, trace_qkv("own", 16384)) == 0
+    assert_skipped(sp, caplog, "the collective GEMMs, with which it pays, are off (enable_async_tp)", "first.fp4fuse")
+    run(sp, trace_qkv("shared", 16384))
+    assert counts(sp)["first.fp4fuse"] == 1
+    forced = SequenceParallelismPass(FusionConfig(enable_sequence_parallelism=True, min_tokens=0))
+    run(forced, trace_qkv("own", 16384))
+    assert counts(forced) == {"first.fp4fuse": 1, "quant_before_gather": 3}
 
 
 def test_qkv_quants_with_dynamic_scales_share_one_gather(sp_pass):

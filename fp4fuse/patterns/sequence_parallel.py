@@ -85,6 +85,7 @@ from fp4fuse.patterns.rank_uniform import RankUniformity
 __all__ = [
     "EXAMPLE_EPS", "EXAMPLE_SCALE", "Epilogue", "NORM_SETS", "NormFamily", "NormSet", "Position", "SPGroup",
     "SPMatch", "SPPattern", "epilogues_of_all_reduces", "guard_token_count", "round_residual_adds",
+    "scales_of_quantizations",
     "views_before_all_reduces", "views_before_row_biases",
 ]
 
@@ -213,6 +214,27 @@ class SPMatch:
                    math.prod(shape[:-1]), shape)
 
 
+def scales_of_quantizations(outputs: Any) -> set[fx.Node | None]:
+    """The global scales of the NVFP4 quantizations reading ``outputs`` (nodes, None entries
+    ignored; read through views): a graph input or attribute (model state: a static scale held by
+    one module) stands for itself, every scale computed in the graph for None (dynamic scales
+    computed from one tensor alike are merged into one quantization before it is gathered:
+    ``fp4fuse.passes.sequence_parallel``, step 4). More than one element: the readers cannot share
+    one quantization."""
+    scales: set[fx.Node | None] = set()
+    frontier = [n for n in outputs if isinstance(n, fx.Node)]
+    seen = set(frontier)
+    while frontier:
+        for user in frontier.pop().users:
+            if is_call(user, *_VIEWS) and user not in seen:
+                seen.add(user)
+                frontier.append(user)
+            elif is_call(user, torch.ops.fp4fuse.scaled_fp4_quant.default):
+                scale = get_arg(user, 1, "global_scale")
+                scales.add(scale if isinstance(scale, fx.Node) and scale.op in ("placeholder", "get_attr") else None)
+    return scales
+
+
 def _epilogue_operand(match: pm.Match, reduce: fx.Node) -> Any:
     """The second operand of the match's ``wait(all_reduce) * / + operand`` (None if it has none)."""
     for n in match.nodes:
@@ -288,15 +310,19 @@ class SPPattern(ReplacementPattern):
     row bias or residual that may differ across ranks
     (:class:`~fp4fuse.patterns.rank_uniform.RankUniformity`), and a token count that is not
     divisible by the group size or is below ``min_tokens`` (a symbolic count is guarded instead,
-    see :func:`guard_token_count`). ``ndim`` is the rank of the activations the pattern is traced
-    with (a norm over ``dim=-1`` traces to the positive dim, so each rank needs its own pattern).
+    see :func:`guard_token_count`). A norm output that NVFP4 quantizations with global scales of
+    their own read (:func:`scales_of_quantizations`: more than one) takes ``unshared_min_tokens``
+    instead where it is larger, and None skips it (``fp4fuse.patterns.thresholds.sp_unshared_min_tokens``).
+    ``ndim`` is the rank of the activations the pattern is traced with (a norm over ``dim=-1``
+    traces to the positive dim, so each rank needs its own pattern).
     """
 
     def __init__(self, family: NormFamily, position: Position, group: SPGroup, uniformity: RankUniformity,
                  dtype: torch.dtype = torch.bfloat16, min_tokens: int = 0, ndim: int = 2,
-                 epilogue: Epilogue = Epilogue.NONE) -> None:
+                 epilogue: Epilogue = Epilogue.NONE, unshared_min_tokens: int | None = 0) -> None:
         self.family, self.position, self.group, self.uniformity = family, position, group, uniformity
         self.dtype, self.min_tokens, self.ndim, self.epilogue = dtype, min_tokens, ndim, epilogue
+        self.unshared_min_tokens = unshared_min_tokens
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -390,10 +416,26 @@ class SPPattern(ReplacementPattern):
                     + ([("residual", m.residual)] if m.residual is not None else []))
         reason, relies_on = self.uniformity.prove(self.group.name, operands)
         if reason is None:
-            reason = guard_token_count(m.tokens, self.group.size, self.min_tokens)
+            reason = self._token_count_reason(match, m.tokens)
         if reason is None:
             self.uniformity.rely_on(self.group.name, relies_on)
         return reason
+
+    def _token_count_reason(self, match: pm.Match, tokens: int | torch.SymInt) -> str | None:
+        """:func:`guard_token_count` against ``min_tokens``, or, where quantizations with global
+        scales of their own read the norm output, against ``unshared_min_tokens`` if larger."""
+        if self.unshared_min_tokens == self.min_tokens:
+            return guard_token_count(tokens, self.group.size, self.min_tokens)
+        scales = scales_of_quantizations(match.output_nodes())
+        if len(scales) < 2:
+            return guard_token_count(tokens, self.group.size, self.min_tokens)
+        why = (f"the norm output is quantized with {len(scales)} global scales of their own (static per-projection "
+               "scales: the pass cannot prove them equal), so after the rewrite each would quantize and gather it on "
+               "its own; sequence parallelism alone lost then at every size measured")
+        if self.unshared_min_tokens is None:
+            return f"{why}, and the collective GEMMs, with which it pays, are off (enable_async_tp)"
+        reason = guard_token_count(tokens, self.group.size, max(self.min_tokens, self.unshared_min_tokens))
+        return None if reason is None else f"{reason}: {why}, below where the GEMM + reduce-scatter fires"
 
     def scalar_workaround(self) -> dict[str, float]:
         return {"eps": EXAMPLE_EPS, **({"scale": EXAMPLE_SCALE} if self.epilogue is Epilogue.SCALED else {})}
@@ -483,9 +525,11 @@ class NormSet:
         return any(graph.find_nodes(op="call_function", target=t) for t in self.marker_ops)
 
     def build_patterns(self, group: SPGroup, uniformity: RankUniformity, dtype: torch.dtype,
-                       ndim: int = 2, min_tokens: int = 0, epilogue: Epilogue = Epilogue.NONE) -> list[SPPattern]:
+                       ndim: int = 2, min_tokens: int = 0, epilogue: Epilogue = Epilogue.NONE,
+                       unshared_min_tokens: int | None = 0) -> list[SPPattern]:
         """Every family and position (and, for the torch forms, both add orders) for ``group``, one
-        activation dtype and one activation rank, with one ``epilogue`` (:class:`SPPattern`). A
+        activation dtype and one activation rank, with one ``epilogue`` and its thresholds
+        (:class:`SPPattern`). A
         dtype-generic set (fp4fuse's ops) traces the same for every dtype; the torch forms trace
         fp32 without the casts of bf16/fp16 (fp16 traces like bf16)."""
         example_dtype = torch.bfloat16 if self.dtype_generic or dtype != torch.float32 else torch.float32
@@ -495,7 +539,8 @@ class NormSet:
                 orders = (False,) if family is FP4FuseNorm or pos is Position.FIRST else (False, True)
                 for residual_first in orders:
                     norm = family() if family is FP4FuseNorm else family(residual_first)
-                    patterns.append(SPPattern(norm, pos, group, uniformity, example_dtype, min_tokens, ndim, epilogue))
+                    patterns.append(SPPattern(norm, pos, group, uniformity, example_dtype, min_tokens, ndim, epilogue,
+                                              unshared_min_tokens))
         return patterns
 
 

@@ -6,7 +6,9 @@ default) the crossovers measured where a rewrite can pay.
   ``benchmarks/bench_collective_gemm.py``; the same function the ops read at run time, so a fused
   call is an overlapped call), and sequence parallelism from :data:`SP_MIN_TOKENS_CUDA` tokens,
   the end-to-end crossover of ``benchmarks/bench_e2e.py`` at TP=2
-  (``benchmarks/results/2026-11-27-sp-shared-quant-2xh100.md``).
+  (``benchmarks/results/2026-11-27-sp-shared-quant-2xh100.md``); a norm output that NVFP4
+  quantizations with global scales of their own read (:func:`sp_unshared_min_tokens`) from where
+  the GEMM + reduce-scatter before the norm fires, and never without the collective GEMMs.
 * Elsewhere (CPU, gloo) nothing overlaps and no crossover exists to measure: every size fuses, which
   keeps the rewrites exercised (the CPU tests, the demo).
 
@@ -20,7 +22,7 @@ import torch
 from fp4fuse.distributed.symm_mem import policy
 from fp4fuse.distributed.symm_mem.policy import CollectiveGemmKind
 
-__all__ = ["SP_MIN_TOKENS_CUDA", "async_tp_min_rows", "sp_min_tokens"]
+__all__ = ["SP_MIN_TOKENS_CUDA", "async_tp_min_rows", "sp_min_tokens", "sp_unshared_min_tokens"]
 
 #: Sequence parallelism's threshold on CUDA (total rows of the activation). Four collectives replace
 #: one all-reduce, so small token counts, where collectives are latency-bound, cannot gain; on HF
@@ -33,6 +35,28 @@ def sp_min_tokens(min_tokens: int | None, device: torch.device) -> int:
     if min_tokens is not None:
         return min_tokens
     return SP_MIN_TOKENS_CUDA if device.type == "cuda" else 0
+
+
+def sp_unshared_min_tokens(min_tokens: int | None, async_tp: bool, world: int, device: torch.device) -> int | None:
+    """Sequence parallelism's threshold for a norm output read by NVFP4 quantizations with global
+    scales of their own (a checkpoint's static ``input_scale`` per projection, held per module):
+    after the rewrite each of them quantizes and gathers the output on its own, where readers whose
+    scales are computed alike share one quantization and one gather. None: never.
+
+    ``min_tokens`` when set. Elsewhere than CUDA 0, as :func:`sp_min_tokens`. On CUDA, with the
+    collective GEMMs (``async_tp``), the larger of :data:`SP_MIN_TOKENS_CUDA` and the GEMM +
+    reduce-scatter's threshold over ``world`` ranks; without them, never. Measured with static
+    scales on HF Llama-3-8B shapes (``benchmarks/results/2026-11-27-static-scale-sp-2xh200.md``):
+    the rewrite alone lost at every size (2048-8192 tokens at TP=2, 4096-8192 at TP=4), and with the
+    collective GEMMs it gained only where the GEMM + reduce-scatter fired (TP=2 from 4096 tokens,
+    TP=4 at 8192; at TP=4 and 4096 tokens, below that threshold, it lost)."""
+    if min_tokens is not None:
+        return min_tokens
+    if device.type != "cuda":
+        return 0
+    if not async_tp:
+        return None
+    return max(SP_MIN_TOKENS_CUDA, policy.overlap_min_rows(CollectiveGemmKind.MATMUL_REDUCE_SCATTER, world))
 
 
 def async_tp_min_rows(min_tokens: int | None, kind: CollectiveGemmKind, world: int, device: torch.device) -> int:
