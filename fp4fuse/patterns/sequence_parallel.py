@@ -529,9 +529,8 @@ class NormSet:
                        unshared_min_tokens: int | None = 0) -> list[SPPattern]:
         """Every family and position (and, for the torch forms, both add orders) for ``group``, one
         activation dtype and one activation rank, with one ``epilogue`` and its thresholds
-        (:class:`SPPattern`). A
-        dtype-generic set (fp4fuse's ops) traces the same for every dtype; the torch forms trace
-        fp32 without the casts of bf16/fp16 (fp16 traces like bf16)."""
+        (:class:`SPPattern`). A dtype-generic set (fp4fuse's ops) traces the same for every dtype;
+        the torch forms trace fp32 without the casts of bf16/fp16 (fp16 traces like bf16)."""
         example_dtype = torch.bfloat16 if self.dtype_generic or dtype != torch.float32 else torch.float32
         patterns = []
         for family in self.families:
