@@ -815,6 +815,33 @@ def test_unshared_quantizations_wait_for_the_gemm_reduce_scatter_on_cuda(monkeyp
     assert_skipped(sp, caplog, "token count 2048 is below min_tokens=4096", "first.fp4fuse")
 
 
+def test_unshared_rule_reads_an_hf_middle_norm_through_its_views(monkeypatch, caplog):
+    """The form an HF decoder layer gives the pass: 3-D activations, the residual add and fp32 norm
+    written in torch ops (``middle.torch_fp32``), its output flattened to rows by each linear before
+    the gate and up projections quantize it with static scales of their own."""
+    caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
+    monkeypatch.setenv("FP4FUSE_OVERLAP_MIN_ROWS", "10000")
+
+    def fn(x, residual, w, gs_gate, gs_up):
+        n, total = torch_fp32_norm(all_reduce(x), w, residual)
+        return (*fp4.scaled_fp4_quant(n.reshape(-1, H), gs_gate), *fp4.scaled_fp4_quant(n.reshape(-1, H), gs_up),
+                total)
+
+    def traced(tokens):
+        with FakeTensorMode():
+            args = [torch.empty(shape, dtype=dtype, device="cuda") for shape, dtype in
+                    [((1, tokens, H), BF16)] * 2 + [((H,), BF16)] + [((1,), torch.float32)] * 2]
+        return as_model_state(aot_trace(fn, args), {2: "norm.weight", 3: "gate_proj.input_scale",
+                                                    4: "up_proj.input_scale"})
+
+    # rank_check="always": the residual, a per-call input here, is then verified on every call
+    sp = SequenceParallelismPass(FusionConfig(enable_async_tp=True, rank_check="always"))
+    assert run(sp, traced(8192)) == 0
+    assert_skipped(sp, caplog, "quantized with 2 global scales of their own", "middle.torch_fp32")
+    run(sp, traced(10000))
+    assert counts(sp) == {"middle.torch_fp32": 1, "quant_before_gather": 2}
+
+
 def test_unshared_quantizations_without_the_collective_gemms_are_left_alone_on_cuda(caplog):
     """Sequence parallelism alone (no collective GEMMs) never takes a norm output quantized with
     scales of its readers' own on CUDA; one with a shared scale it does; an explicit min_tokens
