@@ -31,8 +31,8 @@ from collections.abc import Mapping
 from typing import Any, TypeVar, overload
 
 __all__ = [
-    "ENV_VARS", "RUNTIME_ENV_VARS", "FusionConfig", "RankCheck", "env_bool", "env_choice", "env_int",
-    "env_log_level", "rank_uniform_env",
+    "ENV_VARS", "RUNTIME_ENV_VARS", "FusionConfig", "RankCheck", "compile_time_env", "env_bool", "env_choice",
+    "env_int", "env_log_level", "rank_uniform_env",
 ]
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -191,27 +191,38 @@ class FusionConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeEnvVar:
-    """A run-time ``FP4FUSE_*`` switch: what it means, and whether every rank must agree on it."""
+    """A run-time ``FP4FUSE_*`` switch: what it means, whether every rank must agree on it, and
+    whether the passes also read it while they compile a graph (``compile_time``: a threshold they
+    apply, or which kernels a lowered call takes), so that its value is part of
+    ``FusionPass.uuid()`` (:func:`compile_time_env`)."""
 
     name: str
     meaning: str
     rank_uniform: bool
+    compile_time: bool = False
 
 
 #: The run-time switches the ops read (README, "Run-time knobs"). A rank-uniform switch changes
 #: which collectives a call issues, so ranks that disagree would hang or pair up wrongly.
 RUNTIME_ENV_VARS: tuple[RuntimeEnvVar, ...] = (
-    RuntimeEnvVar("FP4FUSE_OVERLAP_MIN_ROWS", "total rows from which the collective GEMMs overlap", True),
+    RuntimeEnvVar("FP4FUSE_OVERLAP_MIN_ROWS", "total rows from which the collective GEMMs overlap", True, True),
     RuntimeEnvVar("FP4FUSE_DISABLE_OVERLAP", "never overlap the collective GEMMs", True),
     RuntimeEnvVar("FP4FUSE_AG_SCHEDULE", "all-gather GEMM schedule: auto, decode-gather, per-shard", True),
     RuntimeEnvVar("FP4FUSE_SYMM_ALL_REDUCE_MAX_BYTES",
                   "largest all-reduce fp4fuse::all_reduce_sum sums through symmetric memory (0: never)", True),
     RuntimeEnvVar("FP4FUSE_COLLECTIVE_CHECK", "cross-rank argument check: always, first, off", True),
-    RuntimeEnvVar("FP4FUSE_BACKEND", "CUDA kernel family: reference, triton, flashinfer", True),
+    RuntimeEnvVar("FP4FUSE_BACKEND", "CUDA kernel family: reference, triton, flashinfer", True, True),
     RuntimeEnvVar("FP4FUSE_SYMM_MEM_TIMEOUT_MS", "device-side wait limit of the symmetric-memory pipelines", False),
     RuntimeEnvVar("FP4FUSE_DISABLE_GLUON", "never use the Hopper Gluon GEMM (fp4fuse/kernels/triton/mm_hopper.py)",
-                  False),
+                  False, True),
 )
+
+
+def compile_time_env(environ: Mapping[str, str] | None = None) -> dict[str, str | None]:
+    """The values (None: unset or empty) of the run-time switches the passes also read while they
+    compile (``RuntimeEnvVar.compile_time``): the FX graph cache must not serve a graph compiled
+    under other values, since its thresholds and kernel choices came from them."""
+    return {v.name: _raw(v.name, environ) for v in RUNTIME_ENV_VARS if v.compile_time}
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")

@@ -115,6 +115,27 @@ def test_uuid_stable_and_config_sensitive():
     assert len({base, *others}) == 6
 
 
+def test_uuid_covers_the_switches_the_passes_read_while_compiling(monkeypatch):
+    """``FP4FUSE_OVERLAP_MIN_ROWS`` (the collective GEMMs' and sequence parallelism's thresholds),
+    ``FP4FUSE_BACKEND`` and ``FP4FUSE_DISABLE_GLUON`` (which kernels a lowered call takes) decide what
+    a compiled graph holds: a warm FX graph cache must not serve a graph compiled under other
+    values. A switch only the ops read at run time (``FP4FUSE_AG_SCHEDULE``) leaves the uuid alone."""
+    for var in ("FP4FUSE_OVERLAP_MIN_ROWS", "FP4FUSE_BACKEND", "FP4FUSE_DISABLE_GLUON", "FP4FUSE_AG_SCHEDULE"):
+        monkeypatch.delenv(var, raising=False)
+    fusion = FusionPass(FusionConfig(enable_async_tp=True))
+    base = fusion.uuid()
+    changed = {}
+    for var, value in (("FP4FUSE_OVERLAP_MIN_ROWS", "0"), ("FP4FUSE_BACKEND", "reference"),
+                       ("FP4FUSE_DISABLE_GLUON", "1"), ("FP4FUSE_AG_SCHEDULE", "per-shard")):
+        monkeypatch.setenv(var, value)
+        changed[var] = fusion.uuid()
+        monkeypatch.delenv(var)
+    assert fusion.uuid() == base
+    assert len({base, changed["FP4FUSE_OVERLAP_MIN_ROWS"], changed["FP4FUSE_BACKEND"],
+                changed["FP4FUSE_DISABLE_GLUON"]}) == 4
+    assert changed["FP4FUSE_AG_SCHEDULE"] == base
+
+
 def _module_of(module: str, name: str) -> str:
     """The module ``from module import name`` reads: ``module.name`` where that is a submodule."""
     import importlib.util

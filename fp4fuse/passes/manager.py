@@ -52,7 +52,7 @@ from pathlib import Path
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from fp4fuse.config import FusionConfig
+from fp4fuse.config import FusionConfig, compile_time_env
 from fp4fuse.passes import cache_record
 from fp4fuse.passes.all_reduce import SymmAllReducePass
 from fp4fuse.passes.async_tp import AsyncTPPass
@@ -191,7 +191,8 @@ class FusionPass(CustomGraphPass):
 
     def uuid(self) -> str:
         """sha256 over the config's ``hash_key()``, each pass's ``uuid()`` in pipeline order, this
-        module's source and, where a pass needs it, the process-group layout.
+        module's source, the run-time switches the passes read while compiling
+        (``fp4fuse.config.compile_time_env``) and, where a pass needs it, the process-group layout.
 
         Inductor calls it for every FX-graph-cache lookup: each call opens a cache lookup
         (fp4fuse.passes.cache_record), so counts of a graph the cache serves reach this pass."""
@@ -204,6 +205,7 @@ class FusionPass(CustomGraphPass):
         for graph_pass in self.passes:
             hasher.update(graph_pass.uuid().encode())
         hasher.update(Path(__file__).read_bytes())
+        hasher.update(json.dumps(compile_time_env(), sort_keys=True).encode())
         if any(p.reads_process_groups for p in self.passes):
             hasher.update(json.dumps(process_group_fingerprint(), sort_keys=True).encode())
         return hasher.hexdigest()
