@@ -29,7 +29,10 @@ process, interleaved round by round:
 * ``fp4fuse-sl``: ``fp4fuse`` compiled with Inductor's ``static_launch_user_defined_triton_kernels``
   option: the kernels fp4fuse's lowering puts in the graph (user-defined Triton kernels to Inductor)
   launched by Inductor's static launcher instead of Triton's Python launcher: the default launch
-  mode's host time.
+  mode's host time;
+* ``fp4fuse-bucketed``: ``fp4fuse`` compiled with Inductor's ``bucket_all_gathers_fx="all"``, which
+  coalesces a graph's all-gathers into fewer collectives: the gathers of codes and scales that
+  sequence parallelism leaves one per quantization with a static scale of its own.
 
 A variant whose compile or first call fails is reported and dropped (the others still run).
 
@@ -86,7 +89,7 @@ import sys
 import time
 from typing import Any
 
-VARIANTS = ("bf16", "bf16-fp4fuse", "nvfp4", "lowered", "sp", "fp4fuse", "forced", "fp4fuse-sl")
+VARIANTS = ("bf16", "bf16-fp4fuse", "nvfp4", "lowered", "sp", "fp4fuse", "forced", "fp4fuse-sl", "fp4fuse-bucketed")
 DECODE_MAX_TOKENS = 128
 PREFILL_SEQ = 512
 
@@ -237,9 +240,11 @@ def _compiled_variants(args: BenchArgs, models: dict[Any, Any], mode: str) -> di
         "fp4fuse": Cfg(enable_async_tp=True),
         "forced": Cfg(enable_async_tp=True, min_tokens=0),
         "fp4fuse-sl": Cfg(enable_async_tp=True),
+        "fp4fuse-bucketed": Cfg(enable_async_tp=True),
     }
     #: Inductor options a variant adds to the common ones
-    extra_options = {"fp4fuse-sl": {"static_launch_user_defined_triton_kernels": True}}
+    extra_options = {"fp4fuse-sl": {"static_launch_user_defined_triton_kernels": True},
+                     "fp4fuse-bucketed": {"bucket_all_gathers_fx": "all"}}
     out = {}
     for name in args.variants:
         if name == "bf16":
@@ -529,7 +534,7 @@ def render_plot(raw: dict[str, Any], path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for ax, baseline in zip(axes, ("nvfp4", "bf16")):
         for mode, style in zip(args["modes"], ("-o", "--s", ":^")):
-            for variant in ("lowered", "sp", "fp4fuse", "forced", "fp4fuse-sl"):
+            for variant in ("lowered", "sp", "fp4fuse", "forced", "fp4fuse-sl", "fp4fuse-bucketed"):
                 if variant not in args["variants"]:
                     continue
                 xs, ys = [], []
