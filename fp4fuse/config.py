@@ -224,6 +224,7 @@ def compile_time_env(environ: Mapping[str, str] | None = None) -> dict[str, str 
     under other values, since its thresholds and kernel choices came from them."""
     return {v.name: _raw(v.name, environ) for v in RUNTIME_ENV_VARS if v.compile_time}
 
+
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 EnumT = TypeVar("EnumT", bound=enum.Enum)

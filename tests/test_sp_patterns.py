@@ -29,8 +29,8 @@ from fp4fuse.nvfp4.quantizer import NVFP4Quantizer, register_amax_group
 from fp4fuse.config import FusionConfig, RankCheck
 from fp4fuse.ops import sp_ops  # noqa: F401  (registers fp4fuse::shard_rows)
 from fp4fuse.passes.sequence_parallel import SequenceParallelismPass
-from fp4fuse.patterns.thresholds import sp_unshared_min_tokens
 from fp4fuse.patterns.base import aot_trace
+from fp4fuse.patterns.thresholds import sp_unshared_min_tokens
 
 W = 2
 H = 64
