@@ -239,12 +239,11 @@ def _compiled_variants(args: BenchArgs, models: dict[Any, Any], mode: str) -> di
         "sp": Cfg(enable_sequence_parallelism=True, min_tokens=0),
         "fp4fuse": Cfg(enable_async_tp=True),
         "forced": Cfg(enable_async_tp=True, min_tokens=0),
-        "fp4fuse-sl": Cfg(enable_async_tp=True),
-        "fp4fuse-bucketed": Cfg(enable_async_tp=True),
     }
-    #: Inductor options a variant adds to the common ones
+    #: variants that are ``fp4fuse`` with Inductor options added to the common ones
     extra_options = {"fp4fuse-sl": {"static_launch_user_defined_triton_kernels": True},
                      "fp4fuse-bucketed": {"bucket_all_gathers_fx": "all"}}
+    configs.update(dict.fromkeys(extra_options, configs["fp4fuse"]))
     out = {}
     for name in args.variants:
         if name == "bf16":

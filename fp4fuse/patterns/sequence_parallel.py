@@ -77,8 +77,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from fp4fuse.distributed import groups
 from fp4fuse.ops import sp_ops  # noqa: F401  (registers fp4fuse::shard_rows)
 from fp4fuse.patterns.base import (
-    CollectiveKind, ReplacementPattern, erase_if_unused, fake_value, find_collectives, get_arg, hoist_before,
-    insert_call, is_call, replacement_point, shapes_known_equal, threshold_reason,
+    CollectiveKind, QuantCall, ReplacementPattern, erase_if_unused, fake_value, find_collectives, get_arg,
+    hoist_before, insert_call, is_call, replacement_point, shapes_known_equal, threshold_reason,
 )
 from fp4fuse.patterns.rank_uniform import RankUniformity
 
@@ -230,7 +230,7 @@ def scales_of_quantizations(outputs: Any) -> set[fx.Node | None]:
                 seen.add(user)
                 frontier.append(user)
             elif is_call(user, torch.ops.fp4fuse.scaled_fp4_quant.default):
-                scale = get_arg(user, 1, "global_scale")
+                scale = QuantCall.of(user).global_scale
                 scales.add(scale if isinstance(scale, fx.Node) and scale.op in ("placeholder", "get_attr") else None)
     return scales
 

@@ -50,13 +50,10 @@ def sp_unshared_min_tokens(min_tokens: int | None, async_tp: bool, world: int, d
     the rewrite alone lost at every size (2048-8192 tokens at TP=2, 4096-8192 at TP=4), and with the
     collective GEMMs it gained only where the GEMM + reduce-scatter fired (TP=2 from 4096 tokens,
     TP=4 at 8192; at TP=4 and 4096 tokens, below that threshold, it lost)."""
-    if min_tokens is not None:
-        return min_tokens
-    if device.type != "cuda":
-        return 0
-    if not async_tp:
+    if min_tokens is None and device.type == "cuda" and not async_tp:
         return None
-    return max(SP_MIN_TOKENS_CUDA, policy.overlap_min_rows(CollectiveGemmKind.MATMUL_REDUCE_SCATTER, world))
+    return max(sp_min_tokens(min_tokens, device),
+               async_tp_min_rows(min_tokens, CollectiveGemmKind.MATMUL_REDUCE_SCATTER, world, device))
 
 
 def async_tp_min_rows(min_tokens: int | None, kind: CollectiveGemmKind, world: int, device: torch.device) -> int:
