@@ -14,12 +14,17 @@ Spawns ``--world`` NCCL ranks. For token counts T in ``--tokens`` it all-reduces
 * ``two-shot``: the input copied into the buffer, then ``symm_mem.two_shot_all_reduce_out``
   (reduce-scatter + all-gather through the buffers);
 * ``op``: ``torch.ops.fp4fuse.all_reduce_sum``, the op a compiled graph calls (its rank agreement,
-  path choice, side stream and output allocation included).
+  path choice, side stream and output allocation included);
+* ``custom_op``: the same CUDA kernel behind a ``torch.library.custom_op`` (how fp4fuse registered
+  the op before 2026-11-27): its dispatch layers are the difference to ``op``.
 
-and checks each result bitwise against NCCL's. Timed two ways, median of 5 rounds on rank 0:
+and checks each result bitwise against NCCL's. Timed three ways, median of 5 rounds on rank 0:
 ``graph``: 20 calls captured in one CUDA graph and replayed (device time per call: what a serving
 engine's captured decode step pays); ``eager``: 200 calls back to back, the device synced after
-(host launch path included; the slower of host and device).
+(host launch path included; the slower of host and device); ``host``: the time to enqueue 200
+calls while the device is held busy (``bench_host.host_round_us``, median of 15 rounds, the
+methods interleaved round by round so that host drift hits them alike: the host path alone, what
+a compiled graph without CUDA graphs pays per call when its host is the limit).
 """
 from __future__ import annotations
 
@@ -35,9 +40,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench_e2e import _time_ms  # benchmarks/, this script's folder: ranks aligned, device synced around
+from bench_host import host_round_us
 
 GRAPH_CALLS = 20
 EAGER_CALLS = 200
+HOST_ROUNDS = 15
 ROUNDS = 5
 
 
@@ -71,6 +78,24 @@ def _eager_ms(fn) -> float:
     return statistics.median(_time_ms(fn, EAGER_CALLS) for _ in range(ROUNDS))
 
 
+def _interleaved_host_us(fns: dict) -> dict[str, float]:
+    """Median host time per call of each of ``fns`` over HOST_ROUNDS rounds, one round of each in
+    turn (every rank runs the same sequence: the collectives pair up)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(HOST_ROUNDS):
+        for name, fn in fns.items():
+            times[name].append(host_round_us(fn))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+@torch.library.custom_op("fp4fuse_bench::all_reduce_sum", mutates_args=())
+def _custom_op_all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    raise NotImplementedError("CUDA only: its kernel is fp4fuse::all_reduce_sum's (registered in _worker)")
+
+
+_BENCH_CUDA = torch.library.Library("fp4fuse_bench", "IMPL", "CUDA")
+
+
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
@@ -78,6 +103,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
     import fp4fuse  # noqa: F401  (registers torch.ops.fp4fuse)
     from fp4fuse.distributed.symm_mem.workspace import get_workspace
+    from fp4fuse.ops import all_reduce_ops
+
+    _BENCH_CUDA.impl("all_reduce_sum", all_reduce_ops._all_reduce_sum_cuda)
 
     group_name = dist.group.WORLD.group_name
     c10d = torch.ops._c10d_functional
@@ -107,21 +135,29 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         def op():
             return fp4fuse_ops.all_reduce_sum(x, group_name)
 
+        def custom_op():
+            return torch.ops.fp4fuse_bench.all_reduce_sum(x, group_name)
+
         ref = nccl().clone()
         row = {"tokens": t, "bytes": x.numel() * 2}
-        for name, fn in (("nccl", nccl), ("one-shot", one_shot), ("two-shot", two_shot), ("op", op)):
+        methods = {"nccl": nccl, "one-shot": one_shot, "two-shot": two_shot, "op": op, "custom_op": custom_op}
+        for name, fn in methods.items():
             try:
                 same = torch.equal(fn().clone(), ref)
                 row[name] = {"same_bits_as_nccl": same, "graph_us": _graph_ms(fn) * 1e3,
                              "eager_us": _eager_ms(fn) * 1e3}
             except Exception as exc:  # noqa: BLE001  (a method that cannot run is reported, not fatal)
                 row[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        runnable = {name: fn for name, fn in methods.items() if "error" not in row[name]}
+        for name, us in _interleaved_host_us(runnable).items():
+            row[name]["host_us"] = us
         results.append(row)
         if rank == 0:
             cells = []
-            for name in ("nccl", "one-shot", "two-shot", "op"):
+            for name in methods:
                 r = row[name]
-                cells.append(f"{name} " + (f"graph {r['graph_us']:7.1f} eager {r['eager_us']:7.1f} us"
+                cells.append(f"{name} " + (f"graph {r['graph_us']:6.1f} eager {r['eager_us']:6.1f} "
+                                           f"host {r['host_us']:6.1f} us"
                                            f"{'' if r['same_bits_as_nccl'] else ' BITS DIFFER'}"
                                            if "error" not in r else r["error"]))
             print(f"T={t:5d} ({row['bytes'] / 1024:7.0f} KiB): " + " | ".join(cells), flush=True)

@@ -52,18 +52,22 @@ def _empty_custom_op(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
+def host_round_us(fn, calls: int | None = None) -> float:
+    """Host time per call of ``calls`` (default CALLS) enqueued calls, the device held busy."""
+    calls = calls or CALLS
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of device time: the calls below never wait on it
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = (time.perf_counter() - start) * 1e6 / calls
+    torch.cuda.synchronize()
+    return elapsed
+
+
 def host_us(fn) -> float:
     """Median over ROUNDS of the host time per call of CALLS enqueued calls (device held busy)."""
-    times = []
-    for _ in range(ROUNDS):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(200_000_000)  # ~0.1 s of device time: the calls below never wait on it
-        start = time.perf_counter()
-        for _ in range(CALLS):
-            fn()
-        times.append((time.perf_counter() - start) * 1e6 / CALLS)
-    torch.cuda.synchronize()
-    return sorted(times)[ROUNDS // 2]
+    return sorted(host_round_us(fn) for _ in range(ROUNDS))[ROUNDS // 2]
 
 
 def wall_us(fn) -> float:

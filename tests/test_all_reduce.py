@@ -113,6 +113,13 @@ def _cpu_op_cases() -> int:
         assert out.numel() == 0 or out.data_ptr() != x.data_ptr()
     t = _rank_input((16, 9), torch.float32, dist.get_rank(), 50, integers).t()  # non-contiguous input
     assert torch.equal(ops.all_reduce_sum(t, group), _expected((16, 9), torch.float32, 50, integers, "cpu").t())
+    # no gradient formula: an input that requires one is refused while autograd records (on every
+    # rank, before any collective), and summed under no_grad
+    leaf = _rank_input((4, 32), torch.float32, dist.get_rank(), 51, integers).requires_grad_()
+    with pytest.raises(RuntimeError, match="all_reduce_sum has no gradient formula, and x requires a gradient"):
+        ops.all_reduce_sum(leaf, group)
+    with torch.no_grad():
+        assert torch.equal(ops.all_reduce_sum(leaf, group), _expected((4, 32), torch.float32, 51, integers, "cpu"))
     return len(CPU_CASES) + 1
 
 
@@ -178,6 +185,9 @@ def _gpu_cases() -> dict:
         _check_gpu_sum(x, _expected(shape, dtype, seed, False, device), group)
     t = _rank_input((64, 4096), torch.bfloat16, rank, 40, False).to(device).t()
     _check_gpu_sum(t, _expected((64, 4096), torch.bfloat16, 40, False, device).t(), group)
+    leaf = _rank_input((16, 4096), torch.float32, rank, 41, False).to(device).requires_grad_()
+    with pytest.raises(RuntimeError, match="all_reduce_sum has no gradient formula, and x requires a gradient"):
+        ops.all_reduce_sum(leaf, group)  # refused on every rank before any collective
     ws = workspace._REGISTRY[(group, rank)]
     capacity = ws.capacity  # the 2048 x 4096 bf16 call (16 MiB) went through the workspace
     os.environ[symm_all_reduce.ENV_MAX_BYTES] = "65536"  # the same on both ranks: larger calls run NCCL

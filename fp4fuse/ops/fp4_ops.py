@@ -26,7 +26,7 @@ from fp4fuse.nvfp4 import format as nvfp4
 from fp4fuse.ops import validation
 from fp4fuse.ops.backend import Backend, backend_for
 from fp4fuse.ops.kernel_table import kernel_for
-from fp4fuse.ops.registration import cuda_kernel
+from fp4fuse.ops.registration import cuda_kernel, refuse_gradients
 
 
 @torch.library.custom_op("fp4fuse::scaled_fp4_quant", mutates_args=())
@@ -106,21 +106,9 @@ def _(a, a_scale, xlo, xhi, b, b_scale, alpha, alpha_b, alpha_from_scales, div_r
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
-def _refuse_gradients(**tensors: torch.Tensor) -> None:
-    """RuntimeError naming the first of ``tensors`` that requires a gradient while autograd records:
-    ``_mm_fp4_hopper`` has no gradient formula. Every floating input counts, the e4m3 block scales
-    included (an fp8 tensor can require a gradient); the uint8 codes cannot."""
-    if not torch.is_grad_enabled():
-        return
-    for name, t in tensors.items():
-        if t.requires_grad:
-            raise RuntimeError(f"fp4fuse::_mm_fp4_hopper has no gradient formula, and {name} requires a gradient: "
-                               "the op runs in graphs fp4fuse lowered after autograd; call fp4fuse::mm_fp4, or run "
-                               "it under torch.no_grad()")
-
-
 def _mm_fp4_hopper_cuda(a, a_scale, xlo, xhi, b, b_scale, alpha, alpha_b, alpha_from_scales, div_rn, out_dtype):
-    _refuse_gradients(a_scale=a_scale, xlo=xlo, xhi=xhi, b_scale=b_scale, alpha=alpha, alpha_b=alpha_b)
+    refuse_gradients("fp4fuse::_mm_fp4_hopper", a_scale=a_scale, xlo=xlo, xhi=xhi, b_scale=b_scale, alpha=alpha,
+                     alpha_b=alpha_b)
     return _hopper_decoded()(a, a_scale, xlo, xhi, b, b_scale, alpha, alpha_b, alpha_from_scales, div_rn, out_dtype)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["cuda_kernel"]
+__all__ = ["cuda_kernel", "refuse_gradients"]
 
 _CUDA = torch.library.Library("fp4fuse", "IMPL", "CUDA")
 
@@ -33,3 +33,18 @@ def cuda_kernel(op: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         return fn
 
     return register
+
+
+def refuse_gradients(op: str, **tensors: torch.Tensor) -> None:
+    """RuntimeError naming the first of ``tensors`` that requires a gradient while autograd records.
+
+    For ops defined on the dispatcher directly (``Library.define``, no ``custom_op`` autograd
+    layer) that have no gradient formula: without an autograd kernel the dispatcher's fallback would
+    only warn on a backward through them and return no gradient, so their kernels call this first.
+    Every floating input counts (an fp8 tensor can require a gradient too)."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if t.requires_grad:
+            raise RuntimeError(f"{op} has no gradient formula, and {name} requires a gradient: the op runs in "
+                               "graphs fp4fuse rewrote after autograd; run it under torch.no_grad()")
