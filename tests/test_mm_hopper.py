@@ -113,6 +113,19 @@ def test_refuses_operands_it_cannot_read_with_the_rule():
         mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, stages=5)  # 5 x 36 KiB: no room
     with pytest.raises(ValueError, match="stages must be 2 to 8 for 128-token tiles"):
         mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, block_m=128, stages=1)
+    with pytest.raises(ValueError, match="step_k must be one of"):
+        mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, step_k=96)
+    with pytest.raises(ValueError, match="K % 128 == 0"):  # K = 192
+        mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, step_k=128)
+    with pytest.raises(ValueError, match="scale_ahead must be 0 or 1"):
+        mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, scale_ahead=2)
+    a2, b2, sa2, sb2, _ = _cpu_operands(300, 96, 256)
+    sb_half_word = _off_word(sb2, offset=4)  # 4-byte aligned: enough for 64-element steps, not 128
+    assert sb_half_word.data_ptr() % 8 == 4
+    with pytest.raises(ValueError, match="8-byte aligned b_scale"):
+        mm_hopper.mm_fp4_hopper(a2, b2, sa2, sb_half_word, alpha, torch.bfloat16, step_k=128)
+    with pytest.raises(ValueError, match="stages must be 2 to 2 for 256-token tiles and 128-element steps"):
+        mm_hopper.mm_fp4_hopper(a2, b2, sa2, sb2, alpha, torch.bfloat16, step_k=128, stages=3)
     with pytest.raises(ValueError, match="row stride 96"):
         mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, out=torch.empty(96, 300, dtype=torch.bfloat16).t())
 
@@ -140,10 +153,11 @@ def _operands(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
     return a, sa, ga, b, sb, gb
 
 
-def _off_word(scales: torch.Tensor) -> torch.Tensor:
-    """A copy of e4m3 ``scales`` one byte past a 4-byte boundary (the kernel reads scales as words)."""
-    storage = torch.empty(scales.numel() + 1, dtype=torch.uint8, device=scales.device)
-    copy = storage[1:].view(scales.shape)
+def _off_word(scales: torch.Tensor, offset: int = 1) -> torch.Tensor:
+    """A copy of e4m3 ``scales`` ``offset`` bytes past an allocation's start (aligned to more than 8
+    bytes; the kernel reads scales as 4- or 8-byte words)."""
+    storage = torch.empty(scales.numel() + offset, dtype=torch.uint8, device=scales.device)
+    copy = storage[offset:].view(scales.shape)
     copy.copy_(scales.view(torch.uint8))
     return copy.view(torch.float8_e4m3fn)
 
@@ -204,6 +218,31 @@ def test_cuda_split_k_and_small_tiles_match_float64(m, n, k, block_m, split_k, o
                                                    stages=stages), out)
     assert out.shape == (m, n) and torch.isfinite(out).all()
     assert _rel_error(out, a, b, sa, sb, alpha) <= _TOL[out_dtype]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m,n,k,block_m,split_k", [
+    (13, 300, 1024, 16, 4),     # 8 steps of 128 elements: 2 per split
+    (50, 1000, 1152, 64, 1),    # 9 steps of 128: an odd count (the loop's tail step)
+    (100, 136, 1408, 128, 3),   # 11 steps of 128: 4 / 4 / 3
+])
+def test_cuda_wide_steps_and_scales_ahead_match_float64(m, n, k, block_m, split_k):
+    """The sweep parameters ``step_k`` (128-element steps, one int64 word of scales a row) and
+    ``scale_ahead`` (a step's scales loaded a step earlier): the float64 reference up to fp32
+    accumulation and one rounding; the same bits on a second call (the prepared launch) and with
+    the scales loaded ahead or not (the same sums)."""
+    _require_hopper()
+    a, sa, ga, b, sb, gb = _operands(m, n, k, seed=m + n + k)
+    alpha = 1.0 / (ga * gb)
+    for step_k in mm_hopper.STEP_K_CHOICES:
+        out = mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, block_m=block_m, split_k=split_k,
+                                      step_k=step_k)
+        again = mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, block_m=block_m, split_k=split_k,
+                                        step_k=step_k)
+        ahead = mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, block_m=block_m, split_k=split_k,
+                                        step_k=step_k, scale_ahead=1)
+        assert torch.equal(again, out) and torch.equal(ahead, out), step_k
+        assert _rel_error(out, a, b, sa, sb, alpha) <= _TOL[torch.bfloat16], step_k
 
 
 @pytest.mark.cuda

@@ -30,6 +30,11 @@ Design (``_mm_hopper_kernel``):
   element pairs its fragment holds in each nibble plane), decodes them with the GEMMs' PTX
   decoder and multiplies by the block scales (loaded from global memory as int32 words of four:
   one word per row and step).
+* Sweep parameters (``mm_fp4_hopper``; the shipped launches use the defaults): ``step_k=128``
+  steps of 128 elements (64 code bytes, one int64 word of eight scales a row), half the per-step
+  chains (barrier waits, scale load, decode, wgmma wait) for twice the fragment registers;
+  ``scale_ahead=1`` loads a step's scale words during the step before, out of the step's chain
+  (``bench_hopper_wide_step.py``; benchmarks/results/).
 * Queued wgmmas: a step is decoded and its wgmmas issued while the previous step's still run; then
   the consumer waits for the previous step's and frees its stage. A wgmma reads its register
   operand asynchronously, so nothing may write those registers before a wait covers it: the loop
@@ -104,9 +109,17 @@ MIN_FILL_TENTHS = 8
 #: K elements per step (code bytes: half), and the alignment of K it needs (whole scale words).
 STEP_K = 64
 STEP_BYTES = STEP_K // 2
+#: K steps ``mm_fp4_hopper(step_k=...)`` takes (sweeps), and the integer word holding one weight
+#: row's block scales of a step (four e4m3 scales in an int32, eight in an int64), which the
+#: consumers load per row and step.
+STEP_K_CHOICES = (64, 128)
+_SCALE_WORD = {64: torch.int32, 128: torch.int64}
 BLOCK_M = 256
 BLOCK_N = 128
 STAGES = 4
+#: K steps ahead of its use that a consumer loads a step's weight scales (0 or 1; ``mm_fp4_hopper``'s
+#: ``scale_ahead``).
+SCALE_AHEAD = 0
 #: Shared memory a program may hold (sm_90: 227 KiB), and what the ring leaves of it for the
 #: epilogue's layout conversion and the mbarriers (``max_stages``).
 SMEM_BYTES = 227 * 1024
@@ -125,15 +138,16 @@ MAX_REGISTERS = 168
 LOADER_REGISTERS = gl.constexpr(24)
 
 
-def stage_bytes(block_m: int) -> int:
-    """Shared memory of one ring stage: the activation halves ``2 x [block_m, STEP_BYTES]`` fp16 and
-    the weight codes ``[BLOCK_N, STEP_BYTES]``."""
-    return 2 * block_m * STEP_BYTES * 2 + BLOCK_N * STEP_BYTES
+def stage_bytes(block_m: int, step_k: int = STEP_K) -> int:
+    """Shared memory of one ring stage: the activation halves ``2 x [block_m, step_k / 2]`` fp16 and
+    the weight codes ``[BLOCK_N, step_k / 2]``."""
+    return (2 * block_m * 2 + BLOCK_N) * (step_k // 2)
 
 
-def max_stages(block_m: int) -> int:
-    """The deepest ring of ``block_m``-token tiles that fits ``SMEM_BYTES`` beside the epilogue."""
-    return (SMEM_BYTES - EPILOGUE_SMEM_BYTES) // stage_bytes(block_m)
+def max_stages(block_m: int, step_k: int = STEP_K) -> int:
+    """The deepest ring of ``block_m``-token tiles and ``step_k``-element steps that fits
+    ``SMEM_BYTES`` beside the epilogue."""
+    return (SMEM_BYTES - EPILOGUE_SMEM_BYTES) // stage_bytes(block_m, step_k)
 
 
 def gluon_disabled() -> bool:
@@ -196,10 +210,15 @@ def fills_the_gpu(m: int | torch.SymInt, n: int, sms: int) -> bool:
     return MIN_FILL_TENTHS * waves * sms * BLOCK_M * BLOCK_N <= 10 * m * n
 
 
-def hopper_operands_ok(b: torch.Tensor, b_scale: torch.Tensor) -> bool:
+def hopper_operands_ok(b: torch.Tensor, b_scale: torch.Tensor, step_k: int = STEP_K) -> bool:
     """The weight's alignment the kernel needs: TMA reads the codes (16-byte base), the scales
-    are read as int32 words (4-byte base). Not checkable while tracing (fake tensors)."""
-    return b.data_ptr() % 16 == 0 and b_scale.data_ptr() % 4 == 0
+    are read as one word a step (4-byte base for 64-element steps, 8-byte for 128). Not checkable
+    while tracing (fake tensors)."""
+    return b.data_ptr() % 16 == 0 and b_scale.data_ptr() % _scale_word_bytes(step_k) == 0
+
+
+def _scale_word_bytes(step_k: int) -> int:
+    return step_k // 16
 
 
 @gluon.jit
@@ -233,26 +252,40 @@ def _decoded_weight(w_buf, words, shift, a_layout: gl.constexpr):
 
 
 @gluon.jit
-def _queued_step(acc, i, lo_prev, hi_prev, xlo_bufs, xhi_bufs, w_bufs, ready, empty, word_ptrs, shift,
-                 a_layout: gl.constexpr):
+def _step_words(word_ptrs, i, k_count, SCALE_AHEAD: gl.constexpr):
+    """The scale words ``_queued_step`` decodes step ``i`` with when it is called for step ``i -
+    SCALE_AHEAD`` (clamped to the program's last step, so no load reads past its range)."""
+    return gl.load(word_ptrs + gl.minimum(i + SCALE_AHEAD, k_count - 1))
+
+
+@gluon.jit
+def _queued_step(acc, i, lo_prev, hi_prev, words, xlo_bufs, xhi_bufs, w_bufs, ready, empty, word_ptrs, shift, k_count,
+                 a_layout: gl.constexpr, SCALE_AHEAD: gl.constexpr):
     """K step ``i`` (of the program's range): decode its weight fragments (while step i - 1's
     wgmmas run), issue its wgmmas, then wait for step i - 1's (whose fragments ``lo_prev, hi_prev``
-    stay live until then) and free that step's stage. Returns the accumulator and step i's fragments."""
+    stay live until then) and free that step's stage. Returns the accumulator, step i's fragments
+    and the scale words of step ``i + 1``. SCALE_AHEAD: ``words`` are step i's, loaded a step
+    earlier, and step i + 1's load is issued before step i's wait for its codes; 0: ``words`` are
+    ignored and step i's are loaded here (the load's latency in the step)."""
     num_stages: gl.constexpr = w_bufs.type.shape[0]
     stage = i % num_stages
-    words = gl.load(word_ptrs + i)
+    if SCALE_AHEAD:
+        next_words = _step_words(word_ptrs, i, k_count, SCALE_AHEAD)
+    else:
+        words = gl.load(word_ptrs + i)
+        next_words = words
     mbarrier.wait(ready.index(stage), (i // num_stages) & 1)
     lo, hi = _decoded_weight(w_bufs.index(stage), words, shift, a_layout)
     acc = warpgroup_mma(lo, xlo_bufs.index(stage).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma(hi, xhi_bufs.index(stage).permute((1, 0)), acc, is_async=True)
     lo_prev, hi_prev = warpgroup_mma_wait(num_outstanding=2, deps=(lo_prev, hi_prev))
     mbarrier.arrive(empty.index((i - 1) % num_stages))
-    return acc, lo, hi
+    return acc, lo, hi, next_words
 
 
 @gluon.jit
 def _mma_partition(xlo_bufs, xhi_bufs, w_bufs, ready, empty, ws_ptr, words_per_row, off_n, N, k_begin, k_count,
-                   BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
+                   BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SCALE_AHEAD: gl.constexpr, num_warps: gl.constexpr):
     """Consumer warpgroups: decode each step's weight rows into wgmma fragments and accumulate
     ``acc[BLOCK_N, BLOCK_M]`` over K steps ``[k_begin, k_begin + k_count)`` (a step decoded and its
     wgmmas queued while the previous step's run)."""
@@ -272,19 +305,27 @@ def _mma_partition(xlo_bufs, xhi_bufs, w_bufs, ready, empty, ws_ptr, words_per_r
     # each site rewrites its registers one step after the wait on the wgmmas that read them.
     # Step 0 with use_acc=False: nothing but wgmmas may write the accumulator while they are in
     # flight (ptxas would serialize them), and from then on they always are.
-    mbarrier.wait(ready.index(0), 0)
-    lo_a, hi_a = _decoded_weight(w_bufs.index(0), gl.load(word_ptrs), shift, a_layout)
+    if SCALE_AHEAD:
+        words = gl.load(word_ptrs)
+        next_words = _step_words(word_ptrs, 0, k_count, SCALE_AHEAD)
+        mbarrier.wait(ready.index(0), 0)
+    else:
+        mbarrier.wait(ready.index(0), 0)
+        words = gl.load(word_ptrs)
+        next_words = words
+    lo_a, hi_a = _decoded_weight(w_bufs.index(0), words, shift, a_layout)
     acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, mma_layout)
     acc = warpgroup_mma(lo_a, xlo_bufs.index(0).permute((1, 0)), acc, use_acc=False, is_async=True)
     acc = warpgroup_mma(hi_a, xhi_bufs.index(0).permute((1, 0)), acc, is_async=True)
     for i in range(1, k_count - 1, 2):
-        acc, lo_b, hi_b = _queued_step(acc, i, lo_a, hi_a, xlo_bufs, xhi_bufs, w_bufs, ready, empty, word_ptrs, shift,
-                                       a_layout)
-        acc, lo_a, hi_a = _queued_step(acc, i + 1, lo_b, hi_b, xlo_bufs, xhi_bufs, w_bufs, ready, empty, word_ptrs,
-                                       shift, a_layout)
+        acc, lo_b, hi_b, next_words = _queued_step(acc, i, lo_a, hi_a, next_words, xlo_bufs, xhi_bufs, w_bufs, ready,
+                                                   empty, word_ptrs, shift, k_count, a_layout, SCALE_AHEAD)
+        acc, lo_a, hi_a, next_words = _queued_step(acc, i + 1, lo_b, hi_b, next_words, xlo_bufs, xhi_bufs, w_bufs,
+                                                   ready, empty, word_ptrs, shift, k_count, a_layout, SCALE_AHEAD)
     if k_count % 2 == 0:
-        acc, lo_b, hi_b = _queued_step(acc, k_count - 1, lo_a, hi_a, xlo_bufs, xhi_bufs, w_bufs, ready, empty,
-                                       word_ptrs, shift, a_layout)
+        acc, lo_b, hi_b, next_words = _queued_step(acc, k_count - 1, lo_a, hi_a, next_words, xlo_bufs, xhi_bufs,
+                                                   w_bufs, ready, empty, word_ptrs, shift, k_count, a_layout,
+                                                   SCALE_AHEAD)
         result, lo_b, hi_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc, lo_b, hi_b))
     else:
         result, lo_a, hi_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, lo_a, hi_a))
@@ -312,7 +353,8 @@ def _store_output(acc, alpha_ptr, alpha_b_ptr, out_ptr, off_m, off_n, M, N, ALPH
 def _mm_hopper_kernel(xlo_desc, xhi_desc, w_desc, ws_ptr, alpha_ptr, alpha_b_ptr, out_ptr, part_ptr, count_ptr,
                       M, N, k_steps, words_per_row, iters_per_split,
                       ALPHA_FROM_SCALES: gl.constexpr, ALPHA_DIV_RN: gl.constexpr, PARTIAL: gl.constexpr,
-                      STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
+                      STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCALE_AHEAD: gl.constexpr,
+                      num_warps: gl.constexpr):
     """Program ``(tile, split)``: the tile's K steps ``[split * iters_per_split, +iters_per_split)``;
     the output (not PARTIAL) or the partial and the last-arriver reduction (PARTIAL: split-K, module
     docstring)."""
@@ -338,7 +380,7 @@ def _mm_hopper_kernel(xlo_desc, xhi_desc, w_desc, ws_ptr, alpha_ptr, alpha_b_ptr
 
     results = gl.warp_specialize([
         (_mma_partition, (xlo_bufs, xhi_bufs, w_bufs, ready, empty, ws_ptr, words_per_row, off_n, N, k_begin, k_count,
-                          BLOCK_N, BLOCK_M, num_warps)),
+                          BLOCK_N, BLOCK_M, SCALE_AHEAD, num_warps)),
         (_load_partition, (xlo_desc, xhi_desc, w_desc, xlo_bufs, xhi_bufs, w_bufs, ready, empty, off_m, off_n,
                            k_begin, k_count)),
     ], [1], [LOADER_REGISTERS])
@@ -389,17 +431,17 @@ def hopper_split(m: int, n: int, k: int, sms: int, block_m: int) -> int:
 
 
 @functools.cache
-def _smem_layouts(block_m: int) -> tuple[gl.NVMMASharedLayout, gl.NVMMASharedLayout]:
-    """The TMA tiles' shared-memory layouts: activation halves ``[block_m, STEP_BYTES]`` fp16 and
-    weight codes ``[BLOCK_N, STEP_BYTES]`` uint8 (computed once: they are part of the launch's key)."""
-    return (gl.NVMMASharedLayout.get_default_for([block_m, STEP_BYTES], gl.float16),
-            gl.NVMMASharedLayout.get_default_for([BLOCK_N, STEP_BYTES], gl.uint8))
+def _smem_layouts(block_m: int, step_bytes: int = STEP_BYTES) -> tuple[gl.NVMMASharedLayout, gl.NVMMASharedLayout]:
+    """The TMA tiles' shared-memory layouts: activation halves ``[block_m, step_bytes]`` fp16 and
+    weight codes ``[BLOCK_N, step_bytes]`` uint8 (computed once: they are part of the launch's key)."""
+    return (gl.NVMMASharedLayout.get_default_for([block_m, step_bytes], gl.float16),
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, step_bytes], gl.uint8))
 
 
 def mm_fp4_hopper(
     a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, alpha: Alpha,
     out_dtype: torch.dtype, out: torch.Tensor | None = None, block_m: int = BLOCK_M, split_k: int | None = None,
-    max_registers: int = MAX_REGISTERS, stages: int = STAGES,
+    max_registers: int = MAX_REGISTERS, stages: int = STAGES, scale_ahead: int = SCALE_AHEAD, step_k: int = STEP_K,
 ) -> torch.Tensor:
     """``alpha * (q_a * s_a) @ (q_b * s_b)^T`` (module docstring); ``out``: where to write it;
     ``block_m``: tokens per program, one of ``BLOCK_M_CHOICES``; ``split_k``: K ranges per tile
@@ -408,14 +450,20 @@ def mm_fp4_hopper(
     whole product's ``split_k``. ``max_registers``: ptxas's cap per thread over the 12 warps
     (sweeps: below 171 two programs fit a multiprocessor's registers, below 114 three).
     ``stages``: depth of the TMA ring, 2 to :func:`max_stages` (sweeps; the sums do not depend on it).
+    ``scale_ahead``: 1 loads each K step's weight scales a step ahead, 0 in the step (sweeps; the
+    sums do not depend on it). ``step_k``: K elements a step, one of ``STEP_K_CHOICES`` (sweeps;
+    128 needs K % 128 == 0 and an 8-byte aligned ``b_scale``). A step's two nibble planes are
+    accumulated one after the other, so the order of the fp32 sums, and with it the last bits,
+    depends on it.
 
     Under a tracer (fp4fuse's kernel lowering) the activation's decode is traced as its Triton
     launch and the Gluon launch, whose TMA descriptors Inductor cannot build, as one call of the
     internal op ``fp4fuse::_mm_fp4_hopper`` (``mm.mm_fp4_hopper_decoded``): the default launch
     only, so the compiled graph computes what the eager call computes, bit for bit."""
-    _check_operands(a, b, a_scale, b_scale, out_dtype, out, block_m, split_k, stages)
+    _check_operands(a, b, a_scale, b_scale, out_dtype, out, block_m, split_k, stages, scale_ahead, step_k)
     xlo, xhi = decode_fp4_halves(a, a_scale)
-    return _on_halves(a, a_scale, xlo, xhi, b, b_scale, alpha, out_dtype, out, block_m, split_k, max_registers, stages)
+    return _on_halves(a, a_scale, xlo, xhi, b, b_scale, alpha, out_dtype, out, block_m, split_k, max_registers, stages,
+                      scale_ahead, step_k)
 
 
 def mm_fp4_hopper_products(a: torch.Tensor, a_scale: torch.Tensor,
@@ -424,41 +472,49 @@ def mm_fp4_hopper_products(a: torch.Tensor, a_scale: torch.Tensor,
     """``[mm_fp4_hopper(a, b, a_scale, b_scale, alpha, out_dtype) for b, b_scale, alpha in weights]``,
     bit for bit, with the activation decoded once for all of them (a layer's sibling GEMMs)."""
     for b, b_scale, _ in weights:
-        _check_operands(a, b, a_scale, b_scale, out_dtype, None, BLOCK_M, None, STAGES)
+        _check_operands(a, b, a_scale, b_scale, out_dtype, None, BLOCK_M, None, STAGES, SCALE_AHEAD, STEP_K)
     xlo, xhi = decode_fp4_halves(a, a_scale)
-    return [_on_halves(a, a_scale, xlo, xhi, b, b_scale, alpha, out_dtype, None, BLOCK_M, None, MAX_REGISTERS, STAGES)
+    return [_on_halves(a, a_scale, xlo, xhi, b, b_scale, alpha, out_dtype, None, BLOCK_M, None, MAX_REGISTERS, STAGES,
+                       SCALE_AHEAD, STEP_K)
             for b, b_scale, alpha in weights]
 
 
 def _on_halves(a: torch.Tensor, a_scale: torch.Tensor, xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor,
                b_scale: torch.Tensor, alpha: Alpha, out_dtype: torch.dtype, out: torch.Tensor | None, block_m: int,
-               split_k: int | None, max_registers: int, stages: int) -> torch.Tensor:
+               split_k: int | None, max_registers: int, stages: int, scale_ahead: int, step_k: int) -> torch.Tensor:
     """``mm_fp4_hopper``'s launch on the activation ``(a, a_scale)`` decoded to ``xlo, xhi``, the
     arguments checked (``_check_operands``): under a tracer one call of ``fp4fuse::_mm_fp4_hopper``
     (the default launch only), else ``mm_fp4_hopper_halves``."""
     if tracing():
-        if (out, block_m, split_k, max_registers, stages) != (None, BLOCK_M, None, MAX_REGISTERS, STAGES):
+        if (out, block_m, split_k, max_registers, stages, scale_ahead, step_k) != (
+                None, BLOCK_M, None, MAX_REGISTERS, STAGES, SCALE_AHEAD, STEP_K):
             raise RuntimeError("mm_fp4_hopper: a traced call takes the default launch (no out, block_m, split_k, "
-                               "max_registers or stages): the op fp4fuse::_mm_fp4_hopper makes it")
+                               "max_registers, stages, scale_ahead or step_k): the op fp4fuse::_mm_fp4_hopper "
+                               "makes it")
         alpha_a, alpha_b = alpha_operands(alpha)
         meta = alpha_meta(alpha)
         return torch.ops.fp4fuse._mm_fp4_hopper(a, a_scale, xlo, xhi, b, b_scale, alpha_a, alpha_b,
                                                 meta["ALPHA_FROM_SCALES"], meta["ALPHA_DIV_RN"], out_dtype)
-    return mm_fp4_hopper_halves(xlo, xhi, b, b_scale, alpha, out_dtype, out, block_m, split_k, max_registers, stages)
+    return mm_fp4_hopper_halves(xlo, xhi, b, b_scale, alpha, out_dtype, out, block_m, split_k, max_registers, stages,
+                                scale_ahead, step_k)
 
 
 def _check_operands(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
                     out_dtype: torch.dtype, out: torch.Tensor | None, block_m: int, split_k: int | None,
-                    stages: int) -> None:
+                    stages: int, scale_ahead: int, step_k: int) -> None:
     """``mm_fp4_hopper``'s argument rules, each a ValueError naming the argument (before any launch).
     The weight's alignment is not checked under a tracer (fake tensors have no address)."""
     for name, t in (("a", a), ("b", b), ("a_scale", a_scale), ("b_scale", b_scale)):
         if not t.is_contiguous():  # the kernel reads every operand as dense rows
             raise ValueError(f"mm_fp4_hopper: {name} must be contiguous (row-major); got strides {t.stride()}")
     m, n, k = a.shape[0], b.shape[0], a.shape[1] * 2
-    if k % STEP_K or (not tracing() and not hopper_operands_ok(b, b_scale)):
-        raise ValueError(f"mm_fp4_hopper: needs K % {STEP_K} == 0, a 16-byte aligned b and a 4-byte aligned "
-                         f"b_scale; got K={k}, b at {b.data_ptr() % 16} mod 16, b_scale at {b_scale.data_ptr() % 4} mod 4")
+    if step_k not in STEP_K_CHOICES:
+        raise ValueError(f"mm_fp4_hopper: step_k must be one of {STEP_K_CHOICES}; got {step_k}")
+    word = _scale_word_bytes(step_k)
+    if k % step_k or (not tracing() and not hopper_operands_ok(b, b_scale, step_k)):
+        raise ValueError(f"mm_fp4_hopper: needs K % {step_k} == 0, a 16-byte aligned b and a {word}-byte aligned "
+                         f"b_scale (step_k={step_k}); got K={k}, b at {b.data_ptr() % 16} mod 16, b_scale at "
+                         f"{b_scale.data_ptr() % word} mod {word}")
     if out is not None and (out.shape != (m, n) or out.dtype != out_dtype or out.stride() != (n, 1)):
         raise ValueError(f"mm_fp4_hopper: out must be a [{m}, {n}] {out_dtype} tensor with row stride {n}; got "
                          f"{out.dtype} {list(out.shape)} strides {out.stride()}")
@@ -466,15 +522,19 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_s
         raise ValueError(f"mm_fp4_hopper: block_m must be one of {BLOCK_M_CHOICES}; got {block_m}")
     if split_k is not None and split_k < 1:
         raise ValueError(f"mm_fp4_hopper: split_k must be at least 1; got {split_k}")
-    if not 2 <= stages <= max_stages(block_m):
-        raise ValueError(f"mm_fp4_hopper: stages must be 2 to {max_stages(block_m)} for {block_m}-token tiles (the "
-                         f"ring, {stage_bytes(block_m)} bytes a stage, must fit "
-                         f"{SMEM_BYTES - EPILOGUE_SMEM_BYTES} bytes of shared memory); got {stages}")
+    if not 2 <= stages <= max_stages(block_m, step_k):
+        raise ValueError(f"mm_fp4_hopper: stages must be 2 to {max_stages(block_m, step_k)} for {block_m}-token tiles "
+                         f"and {step_k}-element steps (the ring, {stage_bytes(block_m, step_k)} bytes a stage, must "
+                         f"fit {SMEM_BYTES - EPILOGUE_SMEM_BYTES} bytes of shared memory); got {stages}")
+    if scale_ahead not in (0, 1):
+        raise ValueError(f"mm_fp4_hopper: scale_ahead must be 0 or 1 (K steps the weight scales load ahead); "
+                         f"got {scale_ahead}")
 
 
 def mm_fp4_hopper_halves(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                          alpha: Alpha, out_dtype: torch.dtype, out: torch.Tensor | None, block_m: int,
-                         split_k: int | None, max_registers: int, stages: int = STAGES) -> torch.Tensor:
+                         split_k: int | None, max_registers: int, stages: int = STAGES,
+                         scale_ahead: int = SCALE_AHEAD, step_k: int = STEP_K) -> torch.Tensor:
     """The Gluon launch on the activation decoded to fp16 halves (``decode_fp4_halves``): the
     arguments as ``mm_fp4_hopper`` checks them (``_check_operands``), the weight aligned
     (:func:`hopper_operands_ok`). ``mm.mm_fp4_hopper_decoded`` calls it from a lowered graph.
@@ -492,32 +552,34 @@ def mm_fp4_hopper_halves(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, 
     key = None
     if out is None and not tracing() and not launch_hooks_set():
         key = _relaunch_key(xlo, xhi, b, b_scale, alpha_a, alpha_b, alpha_flags, out_dtype, block_m, split_k,
-                            max_registers, stages)
+                            max_registers, stages, scale_ahead, step_k)
         prepared = _RELAUNCHES.get(key)
         if prepared is not None:
             relaunch, workspace = prepared
             out = torch.empty((m, n), dtype=out_dtype, device=b.device)
             partials, counters = empty_decode_workspace(*workspace, b.device) if workspace else (out, out)
-            relaunch(b_scale.view(torch.int32), alpha_a, alpha_b, out, partials, counters)
+            relaunch(b_scale.view(_SCALE_WORD[step_k]), alpha_a, alpha_b, out, partials, counters)
             return out
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=b.device)
     if split_k is None:
         split_k = split_for(m, n, k, num_sms(b.device))
-    k_steps = k // STEP_K
+    k_steps = k // step_k
     splits, iters = split_ranges(k_steps, split_k)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, BLOCK_N)
     partials, counters, workspace = out, out, None
     if splits > 1:  # fresh per call: nothing may outlive a CUDA-graph tree's pool (mm_decode's workspace rule)
         workspace = (tiles * splits * BLOCK_N * block_m, tiles)
         partials, counters = empty_decode_workspace(*workspace, b.device)
-    x_layout, w_layout = _smem_layouts(block_m)
-    args = (TensorDescriptor.from_tensor(xlo, [block_m, STEP_BYTES], x_layout),
-            TensorDescriptor.from_tensor(xhi, [block_m, STEP_BYTES], x_layout),
-            TensorDescriptor.from_tensor(b, [BLOCK_N, STEP_BYTES], w_layout),
-            b_scale.view(torch.int32), alpha_a, alpha_b, out, partials, counters, m, n, k_steps, k_steps, iters)
-    meta = dict(**alpha_flags, PARTIAL=splits > 1, STAGES=stages, GROUP_M=GROUP_M, num_warps=NUM_WARPS,
-                maxnreg=max_registers)
+    step_bytes = step_k // 2
+    x_layout, w_layout = _smem_layouts(block_m, step_bytes)
+    # one scale word per weight row and step: words_per_row == k_steps
+    args = (TensorDescriptor.from_tensor(xlo, [block_m, step_bytes], x_layout),
+            TensorDescriptor.from_tensor(xhi, [block_m, step_bytes], x_layout),
+            TensorDescriptor.from_tensor(b, [BLOCK_N, step_bytes], w_layout),
+            b_scale.view(_SCALE_WORD[step_k]), alpha_a, alpha_b, out, partials, counters, m, n, k_steps, k_steps, iters)
+    meta = dict(**alpha_flags, PARTIAL=splits > 1, STAGES=stages, GROUP_M=GROUP_M, SCALE_AHEAD=scale_ahead,
+                num_warps=NUM_WARPS, maxnreg=max_registers)
     kernel = traceable(_mm_hopper_kernel)
     if key is None or not isinstance(kernel, FastKernel):
         kernel[(tiles, splits)](*args, **meta)
@@ -538,14 +600,16 @@ MAX_RELAUNCHES = 1024
 
 def _relaunch_key(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                   alpha_a: torch.Tensor, alpha_b: torch.Tensor, alpha_flags: dict[str, bool], out_dtype: torch.dtype,
-                  block_m: int, split_k: int | None, max_registers: int, stages: int) -> tuple:
+                  block_m: int, split_k: int | None, max_registers: int, stages: int, scale_ahead: int,
+                  step_k: int) -> tuple:
     """What a prepared launch fixes (``launch.Relaunch``): the device; the three descriptors'
     tensors' addresses, shapes and strides (which also fix M, N, K, so the grid, the split and the
     scalars); the dtype and 16-byte alignment of each tensor passed per call (the output and the
     workspace come from the allocator, aligned); alpha's form (``alpha_flags``, ``alpha_meta``'s
     constexprs), the output dtype and the tiling arguments. With ``b``'s address and ``b_scale``'s
     alignment class the weight alignment rule's outcome is fixed too."""
-    return (torch._C._cuda_getDevice(), out_dtype, block_m, split_k, max_registers, stages, tuple(alpha_flags.items()),
+    return (torch._C._cuda_getDevice(), out_dtype, block_m, split_k, max_registers, stages, scale_ahead, step_k,
+            tuple(alpha_flags.items()),
             xlo.data_ptr(), xlo.dtype, xlo.shape, xlo.stride(), xhi.data_ptr(), xhi.dtype, xhi.shape, xhi.stride(),
             b.data_ptr(), b.dtype, b.shape, b.stride(), b_scale.dtype, b_scale.data_ptr() % 16,
             alpha_a.dtype, alpha_a.data_ptr() % 16 == 0, alpha_b.dtype, alpha_b.data_ptr() % 16 == 0)

@@ -1,0 +1,81 @@
+"""The Hopper Gluon GEMM's K step at small token tiles: 64 or 128 elements, scales in the step or a step ahead.
+
+    PYTHONPATH=. python benchmarks/bench_hopper_wide_step.py [--ms 16,32,64,128] [--json raw.json]
+
+``fp4fuse.kernels.triton.mm_hopper``'s consumer warpgroups run a serial chain per K step: the
+step's weight scale words loaded from global memory, a wait for the step's codes in the TMA ring,
+the decode into wgmma fragments, the wgmmas, a wait for the previous step's. At a 16-token tile a
+64-element step holds a few hundred tensor-core cycles, less than that chain, so the chain sets
+the pace. Two sweep parameters of ``mm_fp4_hopper`` shorten it per element:
+
+* ``step_k=128``: 128-element steps (64 code bytes a row, one int64 word of 8 scales a row), half
+  the chains per weight; the fragments double (registers), and the ring's stages double in size;
+* ``scale_ahead=1``: each step's scale words are loaded during the step before, so their latency
+  leaves the chain.
+
+At each M this times the smallest token tile holding M (and the 128-token tile from 65 rows), both
+step widths with and without the scales ahead, at ``hopper_split``'s split-K count, against the
+shipped dispatch (the decode GEMM up to 128 rows) and cuBLAS bf16, on issue 12's shapes and
+Llama-3-8B's TP=2 shards. CUDA-graph replays over rotating weight copies
+(``bench_ops._hopper_point``), microseconds; each variant's largest relative difference from the
+shipped path's output is printed. Results in benchmarks/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import triton
+
+import bench_ops  # benchmarks/, this script's folder
+from fp4fuse.kernels.triton import mm as triton_mm
+
+#: issue 12's three shapes, then Llama-3-8B's TP=2 shards: q/k/v, o, gate (or up), gate + up, down
+SHAPES = ((8192, 8192), (28672, 8192), (8192, 28672), (3072, 4096), (4096, 2048), (7168, 4096), (14336, 4096),
+          (4096, 7168))
+MS = (16, 32, 64, 128)
+
+
+def _variants(hopper, m: int, n: int, k: int, sms: int) -> dict[str, dict]:
+    """Name -> ``mm_fp4_hopper`` keyword arguments at one point."""
+    tiles = {min(b for b in hopper.BLOCK_M_CHOICES if b >= m)}
+    if m > 64:
+        tiles.add(128)
+    out = {}
+    for block_m in sorted(tiles):
+        split = hopper.hopper_split(m, n, k, sms, block_m)
+        for step_k in hopper.STEP_K_CHOICES:
+            if k % step_k:
+                continue
+            for ahead in (0, 1):
+                out[f"t{block_m}/k{step_k}/a{ahead}/s{split}"] = {
+                    "block_m": block_m, "split_k": split, "step_k": step_k, "scale_ahead": ahead}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ms", help="comma-separated row counts (default: MS)")
+    parser.add_argument("--json", help="raw results as JSON")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_hopper_wide_step.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    hopper = triton_mm.hopper_kernels()
+    if hopper is None:
+        print("no Hopper Gluon GEMM on this machine (sm_90 and Triton 3.6 needed)")
+        return 2
+    ms = tuple(int(v) for v in args.ms.split(",")) if args.ms else MS
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {triton.__version__}")
+    rows = []
+    for m, n, k, x, a, sa, alpha, weights, w_t in bench_ops._rotating_points(SHAPES, ms):
+        us, worst = bench_ops._hopper_point(a, sa, alpha, x, weights, w_t, _variants(hopper, m, n, k, sms))
+        rows.append(bench_ops._report_point("WIDE_STEP", m, n, k, us, worst, {}))
+    bench_ops.write_raw(args.json, hopper_wide_step=rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
