@@ -21,14 +21,9 @@ counts sum K in another order). Results in benchmarks/results/.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
-import torch
-import triton
-
 import bench_ops  # benchmarks/, this script's folder
-from fp4fuse.kernels.triton import mm as triton_mm
 
 SHAPES = ((8192, 8192), (14336, 4096), (4096, 7168), (28672, 8192))
 MS = (16, 64, 128, 256)
@@ -57,26 +52,7 @@ def _variants(hopper, m: int, n: int, k: int, sms: int) -> dict[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ms", help="comma-separated row counts (default: MS)")
-    parser.add_argument("--json", help="raw results as JSON")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_hopper_stages.py needs a CUDA GPU", file=sys.stderr)
-        return 2
-    hopper = triton_mm.hopper_kernels()
-    if hopper is None:
-        print("no Hopper Gluon GEMM on this machine (sm_90 and Triton 3.6 needed)")
-        return 2
-    ms = tuple(int(v) for v in args.ms.split(",")) if args.ms else MS
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {triton.__version__}")
-    rows = []
-    for m, n, k, x, a, sa, alpha, weights, w_t in bench_ops._rotating_points(SHAPES, ms):
-        us, worst = bench_ops._hopper_point(a, sa, alpha, x, weights, w_t, _variants(hopper, m, n, k, sms))
-        rows.append(bench_ops._report_point("STAGES", m, n, k, us, worst, {}))
-    bench_ops.write_raw(args.json, hopper_stages=rows)
-    return 0
+    return bench_ops.hopper_sweep_main(argv, __doc__, SHAPES, MS, _variants, "STAGES", "hopper_stages")
 
 
 if __name__ == "__main__":

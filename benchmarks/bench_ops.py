@@ -757,6 +757,35 @@ def _hopper_point(a, sa, alpha, x, weights, w_t, variants: dict[str, dict]) -> t
     return us, worst
 
 
+def hopper_sweep_main(argv: list[str] | None, doc: str, shapes: tuple, default_ms: tuple, variants, label: str,
+                      raw_key: str) -> int:
+    """The ``main`` of a Hopper Gluon GEMM sweep script (``bench_hopper_stages.py``,
+    ``bench_hopper_wide_step.py``): ``--ms`` (default ``default_ms``) and ``--json``; at each
+    ``shapes`` x M point ``variants(hopper, m, n, k, sms)`` (name -> ``mm_fp4_hopper`` keyword
+    arguments) timed by :func:`_hopper_point`, one ``label`` line a point, the rows written to the
+    raw file under ``raw_key``. 2 where the machine has no CUDA GPU or no Gluon GEMM."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--ms", help="comma-separated row counts (default: %s)" % ",".join(map(str, default_ms)))
+    parser.add_argument("--json", help="raw results as JSON")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("this sweep needs a CUDA GPU", file=sys.stderr)
+        return 2
+    hopper = triton_mm.hopper_kernels()
+    if hopper is None:
+        print("no Hopper Gluon GEMM on this machine (sm_90 and Triton 3.6 needed)")
+        return 2
+    ms = tuple(int(v) for v in args.ms.split(",")) if args.ms else default_ms
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {triton.__version__}")
+    rows = []
+    for m, n, k, x, a, sa, alpha, weights, w_t in _rotating_points(shapes, ms):
+        us, worst = _hopper_point(a, sa, alpha, x, weights, w_t, variants(hopper, m, n, k, sms))
+        rows.append(_report_point(label, m, n, k, us, worst, {}))
+    write_raw(args.json, **{raw_key: rows})
+    return 0
+
+
 def _report_point(label: str, m: int, n: int, k: int, us: dict[str, float], worst: float, extra: dict) -> dict:
     """The row of one sweep point (its fastest Gluon variant against the shipped path and cuBLAS),
     printed as it comes."""
