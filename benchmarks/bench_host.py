@@ -10,7 +10,10 @@ in microseconds per call:
 * ``host``: the time to enqueue ``CALLS`` calls back to back while the GPU is held busy by a
   ``torch.cuda._sleep`` queued first (so no call waits on the device), divided by ``CALLS``;
 * ``wall``: ``CALLS`` calls back to back, the device synced before and after, divided by ``CALLS``:
-  what a user of the op sees, ``max(host, device)`` in the steady state.
+  what a user of the op sees, ``max(host, device)`` in the steady state;
+
+and ``host`` again under ``torch.inference_mode()``, where the dispatcher skips the autograd key
+(and with it ``torch.library.custom_op``'s autograd layer) that ``torch.no_grad()`` still runs.
 
 Layers (M x N x K of ``--m/--n/--k``, bf16 output): ``torch.ops.fp4fuse.mm_fp4`` (the custom op:
 dispatch, validation, backend lookup, launcher), ``mm_fp4_triton`` (the launcher: configuration,
@@ -38,6 +41,7 @@ import triton
 
 import fp4fuse  # noqa: F401  (registers torch.ops.fp4fuse)
 from fp4fuse.kernels.triton import mm as triton_mm, mm_decode, quant as triton_quant
+from fp4fuse.kernels.triton.alpha import alpha_meta, alpha_operands
 from fp4fuse.kernels.triton.decode import num_sms
 from fp4fuse.kernels.triton.launch import FastKernel
 from fp4fuse.nvfp4 import format as nvfp4
@@ -126,9 +130,9 @@ def _decode_layers(a, b, sa, sb, alpha) -> dict[str, callable]:
 
     def raw_launch(launcher):
         launcher[(plan.tiles, plan.split)](
-            a, sa, b, sb, alpha, out, partials, counts, m, n, k // 2, k // 16, 0, plan.iters_per_split,
-            plan.split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            PARTIAL=plan.split > 1, EVEN_K=plan.even_k, FAST_DECODE=True, PREDECODED=False,
+            a, sa, b, sb, *alpha_operands(alpha), out, partials, counts, m, n, k // 2, k // 16, 0,
+            plan.iters_per_split, plan.split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            PARTIAL=plan.split > 1, EVEN_K=plan.even_k, FAST_DECODE=True, PREDECODED=False, **alpha_meta(alpha),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **mm_decode._register_cap(cfg, dev))
 
     return {
@@ -166,7 +170,8 @@ def _hopper_layers(a, b, sa, sb, alpha) -> dict[str, callable]:
         launcher[(tiles, 1)](
             *descriptors(), sb.view(torch.int32), alpha, alpha, out, out, out, m, n, k // 64, k // 64, k // 64,
             ALPHA_FROM_SCALES=False, ALPHA_DIV_RN=False, PARTIAL=False, STAGES=mm_hopper.STAGES,
-            GROUP_M=mm_hopper.GROUP_M, num_warps=mm_hopper.NUM_WARPS, maxnreg=mm_hopper.MAX_REGISTERS)
+            GROUP_M=mm_hopper.GROUP_M, SCALE_AHEAD=mm_hopper.SCALE_AHEAD, num_warps=mm_hopper.NUM_WARPS,
+            maxnreg=mm_hopper.MAX_REGISTERS)
 
     lowered = (a, sa, xlo, xhi, b, sb, alpha, alpha, False, False, torch.bfloat16)  # alpha as itself (not folded)
     split = mm_hopper.split_for(m, n, k, num_sms(dev))
@@ -217,14 +222,18 @@ def main(argv: list[str] | None = None) -> int:
     head = (f"{datetime.date.today()} {torch.cuda.get_device_name()} torch {torch.__version__} "
             f"triton {triton.__version__}, M={args.m} N={args.n} K={args.k}, us per call")
     print(head, flush=True)
-    print("| call | host us | wall us |\n| --- | --- | --- |", flush=True)
+    print("| call | host us | wall us | host us, inference_mode |\n| --- | --- | --- | --- |", flush=True)
     calls = layers(args.m, args.n, args.k)
     for name, fn in calls.items():
         for _ in range(3):
             fn()  # compile / warm caches
         row = {"call": name, "host_us": host_us(fn), "wall_us": wall_us(fn)}
+        with torch.inference_mode():  # no autograd key: custom_op's autograd layer is skipped
+            fn()
+            row["host_us_inference_mode"] = host_us(fn)
         rows.append(row)
-        print(f"| {name} | {row['host_us']:.1f} | {row['wall_us']:.1f} |", flush=True)
+        print(f"| {name} | {row['host_us']:.1f} | {row['wall_us']:.1f} | {row['host_us_inference_mode']:.1f} |",
+              flush=True)
     if args.cprofile:
         _print_profile(calls["torch.ops.fp4fuse.mm_fp4"], args.cprofile)
     if args.json:
