@@ -142,7 +142,29 @@ def _cpu_compiled() -> dict:
     x = _rank_input((6, 24), torch.float32, 0, 8, False)
     fusion = fp4fuse.FusionPass(FusionConfig())
     out = torch.compile(row_parallel, options={"post_grad_custom_post_pass": fusion})(x)
-    return {"same_as_eager": torch.equal(out, row_parallel(x)), "counts": dict(fusion.match_counts)}
+    return {"same_as_eager": torch.equal(out, row_parallel(x)), "counts": dict(fusion.match_counts),
+            "training": _cpu_compiled_training(group)}
+
+
+def _cpu_compiled_training(group: str) -> dict:
+    """A training graph: the pass rewrites the forward's all-reduce and the backward's (the gradient
+    of a sum all-reduce), and the op, which refuses inputs that require a gradient in eager calls,
+    runs inside the compiled autograd function, where nothing records: the output and the weight's
+    gradient are eager's."""
+    w = _rank_input((24, 40), torch.float32, dist.get_rank(), 9, False).requires_grad_()
+
+    def row_parallel(x):
+        return funcol.all_reduce(x @ w, "sum", group) * 0.5
+
+    x = _rank_input((6, 24), torch.float32, 0, 10, False)
+    fusion = fp4fuse.FusionPass(FusionConfig())
+    out = torch.compile(row_parallel, options={"post_grad_custom_post_pass": fusion})(x)
+    out.sum().backward()
+    grad, w.grad = w.grad, None
+    expected = row_parallel(x)
+    expected.sum().backward()
+    return {"same_as_eager": torch.equal(out, expected) and torch.equal(grad, w.grad),
+            "counts": dict(fusion.match_counts)}
 
 
 def _two_rank_checks() -> dict:
@@ -158,6 +180,7 @@ def two_ranks() -> list[dict]:
 def test_compiled_graph_with_the_pass_matches_eager_on_two_ranks(two_ranks):
     for r in (checks["compiled"] for checks in two_ranks):
         assert r["same_as_eager"] and r["counts"] == {KEY: 1}, r
+        assert r["training"]["same_as_eager"] and r["training"]["counts"] == {KEY: 2}, r
 
 
 # --------------------------------------------------------------------------- symmetric memory on GPUs
