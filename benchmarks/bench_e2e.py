@@ -48,7 +48,10 @@ be compared bit for bit (README, "Numerics"). Launch modes: ``default`` (the hos
 kernel), ``cudagraphs`` (``options={"triton.cudagraphs": True}``: Inductor's CUDA-graph trees, whose
 per-call host work -- guards, input checks -- stays in the time) and ``replay`` (the default-mode
 compiled forward captured once per token count in a ``torch.cuda.CUDAGraph`` and replayed, as a
-serving engine that captures its decode batch sizes runs it: the time is the device's). A time is the median
+serving engine that captures its decode batch sizes runs it: the time is the device's), and, for
+``bf16`` and ``nvfp4`` only, ``eager`` (no ``torch.compile``: the model as a user without it runs it,
+under ``torch.no_grad()``) and ``eager-inference`` (the same under ``torch.inference_mode()``, where
+the dispatcher skips the autograd layer of fp4fuse's ``custom_op`` ops). A time is the median
 over rounds of the wall time of ``--iters`` back-to-back forwards on rank 0 (after a barrier and a
 device sync), so it includes host overhead where the host is the bottleneck.
 
@@ -217,11 +220,28 @@ def unsafe_without_module_guards(args: BenchArgs) -> str | None:
     return None
 
 
+#: Launch modes that run the model uncompiled, and the grad-mode context each times it under.
+EAGER_MODES = ("eager", "eager-inference")
+#: The variants an eager mode runs (the others are compiled passes).
+EAGER_VARIANTS = ("bf16", "nvfp4")
+
+
+def _grad_context(mode: str):
+    """``torch.inference_mode`` for ``eager-inference``, ``torch.no_grad`` for every other mode."""
+    import torch
+
+    return torch.inference_mode if mode == "eager-inference" else torch.no_grad
+
+
 def _compiled_variants(args: BenchArgs, models: dict[Any, Any], mode: str) -> dict[str, Any]:
     import torch
 
     import fp4fuse
     from fp4fuse.tp import WeightFormat
+
+    if mode in EAGER_MODES:  # the models themselves, no pass
+        formats = {"bf16": WeightFormat.BF16, "nvfp4": WeightFormat.NVFP4}
+        return {name: (models[formats[name]], None) for name in args.variants if name in EAGER_VARIANTS}
 
     def compiled(model, fusion, **extra):
         # a fresh dict: torch.compile pops guard_filter_fn
@@ -381,7 +401,7 @@ def _rank_main(args: BenchArgs) -> dict[str, Any]:
             for name, (model, _) in list(variants.items()):
                 say(f"{mode} T={tokens}: compiling / warming up {name}")
                 try:
-                    with _ForcedOverlap(name == "forced"), torch.no_grad():
+                    with _ForcedOverlap(name == "forced"), _grad_context(mode)():
                         for _ in range(3):
                             out = model(input_ids=ids).last_hidden_state
                         calls[name] = (lambda m=model: m(input_ids=ids).last_hidden_state)
@@ -409,7 +429,7 @@ def _rank_main(args: BenchArgs) -> dict[str, Any]:
             for _ in range(args.rounds):
                 for name, fn in list(calls.items()):
                     try:
-                        with _ForcedOverlap(name == "forced"), torch.no_grad():
+                        with _ForcedOverlap(name == "forced"), _grad_context(mode)():
                             samples[name].append(_time_ms(fn, args.iters))
                     except Exception as exc:  # noqa: BLE001 - every rank runs the same graphs, so all fail alike
                         _drop_failed(results, variants, f"{mode}/{tokens}/{name}", exc, rank)
@@ -419,7 +439,7 @@ def _rank_main(args: BenchArgs) -> dict[str, Any]:
             line = ", ".join(f"{n} {statistics.median(v):.3f}" for n, v in samples.items())
             say(f"{mode} T={tokens} ms/forward: {line}")
             for name, fn in calls.items() if args.profile else ():
-                with _ForcedOverlap(name == "forced"), torch.no_grad():
+                with _ForcedOverlap(name == "forced"), _grad_context(mode)():
                     summary = _profiled(fn, args.iters, args.profile_kernels)
                 results["profiles"][f"{mode}/{tokens}/{name}"] = summary
                 say(f"{mode} T={tokens} {name} profile: wall {summary['wall_ms']:.3f} ms, device busy "
@@ -560,7 +580,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (one GPU per rank)")
     p.add_argument("--layers", type=int, default=4, help="decoder layers")
     p.add_argument("--tokens", default="16,128,1024,4096,8192,16384,32768", help="token counts, comma-separated")
-    p.add_argument("--modes", default="default,cudagraphs", help="launch modes: default, cudagraphs, replay")
+    p.add_argument("--modes", default="default,cudagraphs",
+                   help="launch modes: default, cudagraphs, replay, eager, eager-inference")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
     p.add_argument("--iters", type=int, default=10, help="back-to-back forwards per timing sample")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (median)")
@@ -607,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
     if reason is not None:
         p.error(f"--skip-module-guards: {reason}")
     unknown = set(args.variants) - set(VARIANTS)
-    if unknown or set(args.modes) - {"default", "cudagraphs", "replay"}:
+    if unknown or set(args.modes) - {"default", "cudagraphs", "replay", *EAGER_MODES}:
         p.error(f"unknown variants {sorted(unknown)} or modes {args.modes}")
     for t in args.tokens:
         batch_shape(t)
