@@ -56,15 +56,14 @@ def _empty_custom_op(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-def host_round_us(fn, calls: int | None = None) -> float:
-    """Host time per call of ``calls`` (default CALLS) enqueued calls, the device held busy."""
-    calls = calls or CALLS
+def host_round_us(fn) -> float:
+    """Host time per call of CALLS enqueued calls, the device held busy."""
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # ~0.1 s of device time: the calls below never wait on it
     start = time.perf_counter()
-    for _ in range(calls):
+    for _ in range(CALLS):
         fn()
-    elapsed = (time.perf_counter() - start) * 1e6 / calls
+    elapsed = (time.perf_counter() - start) * 1e6 / CALLS
     torch.cuda.synchronize()
     return elapsed
 

@@ -214,11 +214,7 @@ def hopper_operands_ok(b: torch.Tensor, b_scale: torch.Tensor, step_k: int = STE
     """The weight's alignment the kernel needs: TMA reads the codes (16-byte base), the scales
     are read as one word a step (4-byte base for 64-element steps, 8-byte for 128). Not checkable
     while tracing (fake tensors)."""
-    return b.data_ptr() % 16 == 0 and b_scale.data_ptr() % _scale_word_bytes(step_k) == 0
-
-
-def _scale_word_bytes(step_k: int) -> int:
-    return step_k // 16
+    return b.data_ptr() % 16 == 0 and b_scale.data_ptr() % _SCALE_WORD[step_k].itemsize == 0
 
 
 @gluon.jit
@@ -510,7 +506,7 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_s
     m, n, k = a.shape[0], b.shape[0], a.shape[1] * 2
     if step_k not in STEP_K_CHOICES:
         raise ValueError(f"mm_fp4_hopper: step_k must be one of {STEP_K_CHOICES}; got {step_k}")
-    word = _scale_word_bytes(step_k)
+    word = _SCALE_WORD[step_k].itemsize
     if k % step_k or (not tracing() and not hopper_operands_ok(b, b_scale, step_k)):
         raise ValueError(f"mm_fp4_hopper: needs K % {step_k} == 0, a 16-byte aligned b and a {word}-byte aligned "
                          f"b_scale (step_k={step_k}); got K={k}, b at {b.data_ptr() % 16} mod 16, b_scale at "
