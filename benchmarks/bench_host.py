@@ -180,9 +180,9 @@ def _hopper_layers(a, b, sa, sb, alpha) -> dict[str, callable]:
         "lowered call: op fp4fuse::_mm_fp4_hopper": lambda: torch.ops.fp4fuse._mm_fp4_hopper(*lowered),
         "lowered call: mm.mm_fp4_hopper_decoded": lambda: triton_mm.mm_fp4_hopper_decoded(*lowered),
         "lowered call: mm_fp4_hopper_halves (prepared launch)": lambda: mm_hopper.mm_fp4_hopper_halves(
-            xlo, xhi, b, sb, alpha, torch.bfloat16, None, block_m, None, mm_hopper.MAX_REGISTERS),
+            xlo, xhi, b, sb, alpha, torch.bfloat16, None, mm_hopper.HopperLaunch(block_m=block_m)),
         "mm_fp4_hopper_halves, caller's output (not prepared)": lambda: mm_hopper.mm_fp4_hopper_halves(
-            xlo, xhi, b, sb, alpha, torch.bfloat16, out, block_m, split, mm_hopper.MAX_REGISTERS),
+            xlo, xhi, b, sb, alpha, torch.bfloat16, out, mm_hopper.HopperLaunch(block_m=block_m, split_k=split)),
         "3 TMA descriptors": descriptors,
         "_mm_hopper_kernel launch, Triton's dispatch": lambda: raw_launch(kernel),
         "_mm_hopper_kernel launch, FastKernel": lambda: raw_launch(fast),

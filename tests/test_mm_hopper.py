@@ -291,8 +291,7 @@ def test_cuda_prepared_launch_reads_the_new_values_in_the_same_buffers(monkeypat
     xlo, xhi = decode_fp4_halves(a, sa)
 
     def call(xlo, xhi, ga):
-        return mm_hopper.mm_fp4_hopper_halves(xlo, xhi, b, sb, GlobalScales(ga, gb, True), torch.bfloat16, None,
-                                              mm_hopper.BLOCK_M, None, mm_hopper.MAX_REGISTERS)
+        return mm_hopper.mm_fp4_hopper_halves(xlo, xhi, b, sb, GlobalScales(ga, gb, True), torch.bfloat16)
 
     mm_hopper._RELAUNCHES.clear()
     first = call(xlo, xhi, ga)

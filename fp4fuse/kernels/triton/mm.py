@@ -547,8 +547,7 @@ def mm_fp4_hopper_decoded(
     hopper = hopper_kernels()
     if not hopper.hopper_operands_ok(b, b_scale):
         return mm_fp4_triton(a, b, a_scale, b_scale, scales, out_dtype)
-    return hopper.mm_fp4_hopper_halves(xlo, xhi, b, b_scale, scales, out_dtype, None, hopper.BLOCK_M, None,
-                                       hopper.MAX_REGISTERS)
+    return hopper.mm_fp4_hopper_halves(xlo, xhi, b, b_scale, scales, out_dtype)
 
 
 def mm_fp4_triton(

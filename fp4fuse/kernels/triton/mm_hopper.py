@@ -64,6 +64,7 @@ used with, Triton 3.6 (``hopper_available``); other versions take the other path
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -84,7 +85,8 @@ from fp4fuse.kernels.triton.decode import (
 from fp4fuse.kernels.triton.launch import FastKernel, Relaunch, launch_hooks_set, traceable, tracing, triton_version
 from fp4fuse.kernels.triton.mm_decode import DECODE_MAX_M, empty_decode_workspace
 
-__all__ = ["ENV_DISABLE_GLUON", "HOPPER_BF16_MAX_M", "SPLIT_MIN_M", "SPLIT_MIN_WEIGHT", "fills_the_gpu", "finish_tile",
+__all__ = ["DEFAULT_LAUNCH", "ENV_DISABLE_GLUON", "HOPPER_BF16_MAX_M", "HopperLaunch", "SPLIT_MIN_M", "SPLIT_MIN_WEIGHT",
+           "fills_the_gpu", "finish_tile",
            "gluon_disabled",
            "hopper_available", "hopper_operands_ok", "hopper_serves", "hopper_split", "mm_fp4_hopper",
            "mm_fp4_hopper_halves", "mm_fp4_hopper_products", "serves_shape", "split_for"]
@@ -136,6 +138,25 @@ NUM_WARPS = 8
 #: what ``setmaxnreg`` leaves the loader (the consumers get the rest: 240).
 MAX_REGISTERS = 168
 LOADER_REGISTERS = gl.constexpr(24)
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperLaunch:
+    """How :func:`mm_fp4_hopper` launches ``_mm_hopper_kernel`` (its keyword arguments, which document
+    each field): ``block_m`` tokens a program; ``split_k`` K ranges a tile (None: :func:`split_for`
+    of the call's M); ptxas's ``max_registers`` a thread; ``stages`` of the TMA ring;
+    ``scale_ahead`` K steps the weight scales load early; ``step_k`` K elements a step. The
+    defaults are the shipped launch (:data:`DEFAULT_LAUNCH`), the only one a traced call makes."""
+
+    block_m: int = BLOCK_M
+    split_k: int | None = None
+    max_registers: int = MAX_REGISTERS
+    stages: int = STAGES
+    scale_ahead: int = SCALE_AHEAD
+    step_k: int = STEP_K
+
+
+DEFAULT_LAUNCH = HopperLaunch()
 
 
 def stage_bytes(block_m: int, step_k: int = STEP_K) -> int:
@@ -456,10 +477,10 @@ def mm_fp4_hopper(
     launch and the Gluon launch, whose TMA descriptors Inductor cannot build, as one call of the
     internal op ``fp4fuse::_mm_fp4_hopper`` (``mm.mm_fp4_hopper_decoded``): the default launch
     only, so the compiled graph computes what the eager call computes, bit for bit."""
-    _check_operands(a, b, a_scale, b_scale, out_dtype, out, block_m, split_k, stages, scale_ahead, step_k)
+    launch = HopperLaunch(block_m, split_k, max_registers, stages, scale_ahead, step_k)
+    _check_operands(a, b, a_scale, b_scale, out_dtype, out, launch)
     xlo, xhi = decode_fp4_halves(a, a_scale)
-    return _on_halves(a, a_scale, xlo, xhi, b, b_scale, alpha, out_dtype, out, block_m, split_k, max_registers, stages,
-                      scale_ahead, step_k)
+    return _on_halves(a, a_scale, xlo, xhi, b, b_scale, alpha, out_dtype, out, launch)
 
 
 def mm_fp4_hopper_products(a: torch.Tensor, a_scale: torch.Tensor,
@@ -468,22 +489,20 @@ def mm_fp4_hopper_products(a: torch.Tensor, a_scale: torch.Tensor,
     """``[mm_fp4_hopper(a, b, a_scale, b_scale, alpha, out_dtype) for b, b_scale, alpha in weights]``,
     bit for bit, with the activation decoded once for all of them (a layer's sibling GEMMs)."""
     for b, b_scale, _ in weights:
-        _check_operands(a, b, a_scale, b_scale, out_dtype, None, BLOCK_M, None, STAGES, SCALE_AHEAD, STEP_K)
+        _check_operands(a, b, a_scale, b_scale, out_dtype, None, DEFAULT_LAUNCH)
     xlo, xhi = decode_fp4_halves(a, a_scale)
-    return [_on_halves(a, a_scale, xlo, xhi, b, b_scale, alpha, out_dtype, None, BLOCK_M, None, MAX_REGISTERS, STAGES,
-                       SCALE_AHEAD, STEP_K)
+    return [_on_halves(a, a_scale, xlo, xhi, b, b_scale, alpha, out_dtype, None, DEFAULT_LAUNCH)
             for b, b_scale, alpha in weights]
 
 
 def _on_halves(a: torch.Tensor, a_scale: torch.Tensor, xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor,
-               b_scale: torch.Tensor, alpha: Alpha, out_dtype: torch.dtype, out: torch.Tensor | None, block_m: int,
-               split_k: int | None, max_registers: int, stages: int, scale_ahead: int, step_k: int) -> torch.Tensor:
+               b_scale: torch.Tensor, alpha: Alpha, out_dtype: torch.dtype, out: torch.Tensor | None,
+               launch: HopperLaunch) -> torch.Tensor:
     """``mm_fp4_hopper``'s launch on the activation ``(a, a_scale)`` decoded to ``xlo, xhi``, the
     arguments checked (``_check_operands``): under a tracer one call of ``fp4fuse::_mm_fp4_hopper``
     (the default launch only), else ``mm_fp4_hopper_halves``."""
     if tracing():
-        if (out, block_m, split_k, max_registers, stages, scale_ahead, step_k) != (
-                None, BLOCK_M, None, MAX_REGISTERS, STAGES, SCALE_AHEAD, STEP_K):
+        if out is not None or launch != DEFAULT_LAUNCH:
             raise RuntimeError("mm_fp4_hopper: a traced call takes the default launch (no out, block_m, split_k, "
                                "max_registers, stages, scale_ahead or step_k): the op fp4fuse::_mm_fp4_hopper "
                                "makes it")
@@ -491,19 +510,18 @@ def _on_halves(a: torch.Tensor, a_scale: torch.Tensor, xlo: torch.Tensor, xhi: t
         meta = alpha_meta(alpha)
         return torch.ops.fp4fuse._mm_fp4_hopper(a, a_scale, xlo, xhi, b, b_scale, alpha_a, alpha_b,
                                                 meta["ALPHA_FROM_SCALES"], meta["ALPHA_DIV_RN"], out_dtype)
-    return mm_fp4_hopper_halves(xlo, xhi, b, b_scale, alpha, out_dtype, out, block_m, split_k, max_registers, stages,
-                                scale_ahead, step_k)
+    return mm_fp4_hopper_halves(xlo, xhi, b, b_scale, alpha, out_dtype, out, launch)
 
 
 def _check_operands(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
-                    out_dtype: torch.dtype, out: torch.Tensor | None, block_m: int, split_k: int | None,
-                    stages: int, scale_ahead: int, step_k: int) -> None:
+                    out_dtype: torch.dtype, out: torch.Tensor | None, launch: HopperLaunch) -> None:
     """``mm_fp4_hopper``'s argument rules, each a ValueError naming the argument (before any launch).
     The weight's alignment is not checked under a tracer (fake tensors have no address)."""
     for name, t in (("a", a), ("b", b), ("a_scale", a_scale), ("b_scale", b_scale)):
         if not t.is_contiguous():  # the kernel reads every operand as dense rows
             raise ValueError(f"mm_fp4_hopper: {name} must be contiguous (row-major); got strides {t.stride()}")
     m, n, k = a.shape[0], b.shape[0], a.shape[1] * 2
+    block_m, split_k, stages, step_k = launch.block_m, launch.split_k, launch.stages, launch.step_k
     if step_k not in STEP_K_CHOICES:
         raise ValueError(f"mm_fp4_hopper: step_k must be one of {STEP_K_CHOICES}; got {step_k}")
     word = _SCALE_WORD[step_k].itemsize
@@ -522,15 +540,14 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_s
         raise ValueError(f"mm_fp4_hopper: stages must be 2 to {max_stages(block_m, step_k)} for {block_m}-token tiles "
                          f"and {step_k}-element steps (the ring, {stage_bytes(block_m, step_k)} bytes a stage, must "
                          f"fit {SMEM_BYTES - EPILOGUE_SMEM_BYTES} bytes of shared memory); got {stages}")
-    if scale_ahead not in (0, 1):
+    if launch.scale_ahead not in (0, 1):
         raise ValueError(f"mm_fp4_hopper: scale_ahead must be 0 or 1 (K steps the weight scales load ahead); "
-                         f"got {scale_ahead}")
+                         f"got {launch.scale_ahead}")
 
 
 def mm_fp4_hopper_halves(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                         alpha: Alpha, out_dtype: torch.dtype, out: torch.Tensor | None, block_m: int,
-                         split_k: int | None, max_registers: int, stages: int = STAGES,
-                         scale_ahead: int = SCALE_AHEAD, step_k: int = STEP_K) -> torch.Tensor:
+                         alpha: Alpha, out_dtype: torch.dtype, out: torch.Tensor | None = None,
+                         launch: HopperLaunch = DEFAULT_LAUNCH) -> torch.Tensor:
     """The Gluon launch on the activation decoded to fp16 halves (``decode_fp4_halves``): the
     arguments as ``mm_fp4_hopper`` checks them (``_check_operands``), the weight aligned
     (:func:`hopper_operands_ok`). ``mm.mm_fp4_hopper_decoded`` calls it from a lowered graph.
@@ -547,19 +564,18 @@ def mm_fp4_hopper_halves(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, 
     alpha_flags = alpha_meta(alpha)
     key = None
     if out is None and not tracing() and not launch_hooks_set():
-        key = _relaunch_key(xlo, xhi, b, b_scale, alpha_a, alpha_b, alpha_flags, out_dtype, block_m, split_k,
-                            max_registers, stages, scale_ahead, step_k)
+        key = _relaunch_key(xlo, xhi, b, b_scale, alpha_a, alpha_b, alpha_flags, out_dtype, launch)
         prepared = _RELAUNCHES.get(key)
         if prepared is not None:
             relaunch, workspace = prepared
             out = torch.empty((m, n), dtype=out_dtype, device=b.device)
             partials, counters = empty_decode_workspace(*workspace, b.device) if workspace else (out, out)
-            relaunch(b_scale.view(_SCALE_WORD[step_k]), alpha_a, alpha_b, out, partials, counters)
+            relaunch(b_scale.view(_SCALE_WORD[launch.step_k]), alpha_a, alpha_b, out, partials, counters)
             return out
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=b.device)
-    if split_k is None:
-        split_k = split_for(m, n, k, num_sms(b.device))
+    block_m, step_k = launch.block_m, launch.step_k
+    split_k = launch.split_k if launch.split_k is not None else split_for(m, n, k, num_sms(b.device))
     k_steps = k // step_k
     splits, iters = split_ranges(k_steps, split_k)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, BLOCK_N)
@@ -574,8 +590,8 @@ def mm_fp4_hopper_halves(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, 
             TensorDescriptor.from_tensor(xhi, [block_m, step_bytes], x_layout),
             TensorDescriptor.from_tensor(b, [BLOCK_N, step_bytes], w_layout),
             b_scale.view(_SCALE_WORD[step_k]), alpha_a, alpha_b, out, partials, counters, m, n, k_steps, k_steps, iters)
-    meta = dict(**alpha_flags, PARTIAL=splits > 1, STAGES=stages, GROUP_M=GROUP_M, SCALE_AHEAD=scale_ahead,
-                num_warps=NUM_WARPS, maxnreg=max_registers)
+    meta = dict(**alpha_flags, PARTIAL=splits > 1, STAGES=launch.stages, GROUP_M=GROUP_M,
+                SCALE_AHEAD=launch.scale_ahead, num_warps=NUM_WARPS, maxnreg=launch.max_registers)
     kernel = traceable(_mm_hopper_kernel)
     if key is None or not isinstance(kernel, FastKernel):
         kernel[(tiles, splits)](*args, **meta)
@@ -596,16 +612,14 @@ MAX_RELAUNCHES = 1024
 
 def _relaunch_key(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                   alpha_a: torch.Tensor, alpha_b: torch.Tensor, alpha_flags: dict[str, bool], out_dtype: torch.dtype,
-                  block_m: int, split_k: int | None, max_registers: int, stages: int, scale_ahead: int,
-                  step_k: int) -> tuple:
+                  launch: HopperLaunch) -> tuple:
     """What a prepared launch fixes (``launch.Relaunch``): the device; the three descriptors'
     tensors' addresses, shapes and strides (which also fix M, N, K, so the grid, the split and the
     scalars); the dtype and 16-byte alignment of each tensor passed per call (the output and the
     workspace come from the allocator, aligned); alpha's form (``alpha_flags``, ``alpha_meta``'s
-    constexprs), the output dtype and the tiling arguments. With ``b``'s address and ``b_scale``'s
+    constexprs), the output dtype and the launch. With ``b``'s address and ``b_scale``'s
     alignment class the weight alignment rule's outcome is fixed too."""
-    return (torch._C._cuda_getDevice(), out_dtype, block_m, split_k, max_registers, stages, scale_ahead, step_k,
-            tuple(alpha_flags.items()),
+    return (torch._C._cuda_getDevice(), out_dtype, launch, tuple(alpha_flags.items()),
             xlo.data_ptr(), xlo.dtype, xlo.shape, xlo.stride(), xhi.data_ptr(), xhi.dtype, xhi.shape, xhi.stride(),
             b.data_ptr(), b.dtype, b.shape, b.stride(), b_scale.dtype, b_scale.data_ptr() % 16,
             alpha_a.dtype, alpha_a.data_ptr() % 16 == 0, alpha_b.dtype, alpha_b.data_ptr() % 16 == 0)
