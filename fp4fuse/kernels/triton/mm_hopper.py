@@ -225,7 +225,8 @@ def fills_the_gpu(m: int | torch.SymInt, n: int, sms: int) -> bool:
     waves of ``sms`` programs of ``BLOCK_M x BLOCK_N`` outputs. A partial last wave and padded
     token rows leave multiprocessors idle, and one program's tile takes the same time whatever it
     holds (benchmarks/results/: below 0.8 the kernel lost to dequantize + cuBLAS on every measured
-    shape but one, above it won or tied)."""
+    shape but one, above it won or tied; 2026-11-27-gluon-fill-rule.md says why a lower threshold,
+    which wins on partial single waves measured alone, was not taken)."""
     tiles = -(-m // BLOCK_M) * -(-n // BLOCK_N)
     waves = -(-tiles // sms)
     return MIN_FILL_TENTHS * waves * sms * BLOCK_M * BLOCK_N <= 10 * m * n
