@@ -112,20 +112,8 @@ def torch_offset_fp32_norm(x, w, residual=None, eps=1e-6, residual_first=False):
     return norm(total), total
 
 
-def torch_fp32_weight_norm(x, w, residual=None, eps=1e-6, residual_first=False):
-    """``Olmo2RMSNorm.forward``: fp32 statistics, the weight applied in fp32, one rounding at the end."""
-    def norm(t):
-        tf = t.to(torch.float32)
-        return (w * (tf * torch.rsqrt(tf.pow(2).mean(-1, keepdim=True) + eps))).to(t.dtype)
-    if residual is None:
-        return norm(x)
-    total = residual + x if residual_first else x + residual
-    return norm(total), total
-
-
 NORMS = {"fp4fuse": fp4fuse_norm, "torch_functional": torch_functional_norm,
-         "torch_manual": torch_manual_norm, "torch_fp32": torch_fp32_norm, "torch_offset_fp32": torch_offset_fp32_norm,
-         "torch_fp32_weight": torch_fp32_weight_norm}
+         "torch_manual": torch_manual_norm, "torch_fp32": torch_fp32_norm, "torch_offset_fp32": torch_offset_fp32_norm}
 
 
 def static_quant(x):
@@ -238,8 +226,7 @@ def test_quantize_happens_before_the_gather(sp_pass):
     assert {n.args[1] for n in views} == {torch.uint8, torch.float8_e4m3fn}  # scales travel as uint8
 
 
-@pytest.mark.parametrize("form", ["torch_functional", "torch_manual", "torch_fp32", "torch_offset_fp32",
-                                  "torch_fp32_weight"])
+@pytest.mark.parametrize("form", ["torch_functional", "torch_manual", "torch_fp32", "torch_offset_fp32"])
 @pytest.mark.parametrize("residual_first", [False, True])
 def test_torch_norm_forms(sp_pass, form, residual_first):
     gm = trace(three_layers(NORMS[form], residual_first=residual_first), layer_shapes(), state=NORM_WEIGHTS)
@@ -254,14 +241,6 @@ def test_the_offset_form_in_fp32_is_the_manual_form_with_one_plus_weight(sp_pass
     gm = trace(three_layers(torch_offset_fp32_norm), layer_shapes(), state=NORM_WEIGHTS, dtype=torch.float32)
     assert run(sp_pass, gm) == 5
     assert counts(sp_pass) == {"first.torch_manual": 1, "middle.torch_manual": 1, "last.torch_manual": 1,
-                               "quant_before_gather": 2}
-
-
-def test_the_fp32_weight_form_in_fp32_is_the_llama_form(sp_pass):
-    """In fp32 the OLMo 2 form's casts vanish and it is the Llama form (torch_fp32), registered first."""
-    gm = trace(three_layers(torch_fp32_weight_norm), layer_shapes(), state=NORM_WEIGHTS, dtype=torch.float32)
-    assert run(sp_pass, gm) == 5
-    assert counts(sp_pass) == {"first.torch_fp32": 1, "middle.torch_fp32": 1, "last.torch_fp32": 1,
                                "quant_before_gather": 2}
 
 

@@ -46,8 +46,7 @@ from fp4fuse.patterns.base import (
     registration_mode,
 )
 from fp4fuse.patterns.sequence_parallel import (
-    EXAMPLE_EPS, NORM_SETS, NormFamily, TorchFP32Norm, TorchFP32WeightNorm, TorchFunctionalNorm, TorchManualNorm,
-    TorchOffsetFP32Norm,
+    EXAMPLE_EPS, NORM_SETS, NormFamily, TorchFP32Norm, TorchFunctionalNorm, TorchManualNorm, TorchOffsetFP32Norm,
 )
 
 __all__ = ["NormQuantFusion", "NormQuantMatch", "TorchNormQuants"]
@@ -248,8 +247,6 @@ _TORCH_FORMS = {
                    "rounded to x's dtype before the weight multiply",
     TorchOffsetFP32Norm: "the Hugging Face Gemma RMSNorm form, (x.float() * rsqrt(...) * (1 + weight.float()))"
                          ".to(dtype): fp32 throughout, rounded once",
-    TorchFP32WeightNorm: "the Hugging Face OLMo 2 RMSNorm form, (weight * (x.float() * rsqrt(...))).to(dtype): "
-                         "the weight applied in fp32, rounded once",
 }
 
 

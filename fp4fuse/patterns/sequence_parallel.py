@@ -14,9 +14,6 @@ reads global distributed state). Norm families (:data:`NORM_SETS`):
   rounding at the end: ``(xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 +
   weight.float())).to(x.dtype)``. In fp32 it is the manual form with ``1 + weight`` as the weight,
   which is registered first and matches it there;
-* ``torch_fp32_weight``: the Hugging Face OLMo 2 form, the weight applied in float32 and one rounding
-  at the end: ``(weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)``.
-  In fp32 it is the ``torch_fp32`` form, registered first, which matches it there;
 * ``torch_layer_norm``: ``torch.nn.functional.layer_norm(x, (hidden,), weight, bias, eps)``
   (``nn.LayerNorm``: Starcoder2); its bias is proven the same on every rank like the weight.
 
@@ -499,14 +496,6 @@ class TorchOffsetFP32Norm(_TorchNorm):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
 
 
-class TorchFP32WeightNorm(_TorchNorm):
-    name = "torch_fp32_weight"
-
-    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, *bias: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
-
-
 class TorchLayerNorm(_TorchNorm):
     """``F.layer_norm(x, (hidden,), weight, bias, eps)`` (``nn.LayerNorm``: Starcoder2, StableLM)."""
 
@@ -558,7 +547,7 @@ class NormSet:
 NORM_SETS: tuple[NormSet, ...] = (
     NormSet("fp4fuse", (FP4FuseNorm,),
             (torch.ops.fp4fuse.rms_norm.default, torch.ops.fp4fuse.fused_add_rms_norm.default), True),
-    NormSet("torch", (TorchFunctionalNorm, TorchManualNorm, TorchFP32Norm, TorchOffsetFP32Norm, TorchFP32WeightNorm),
+    NormSet("torch", (TorchFunctionalNorm, TorchManualNorm, TorchFP32Norm, TorchOffsetFP32Norm),
             (torch.ops.aten.rsqrt.default,), False),
     NormSet("torch_layer_norm", (TorchLayerNorm,), (torch.ops.aten.var_mean.correction,), False),
 )
