@@ -30,7 +30,7 @@ from fp4fuse.config import FusionConfig, RankCheck
 from fp4fuse.ops import sp_ops  # noqa: F401  (registers fp4fuse::shard_rows)
 from fp4fuse.passes.sequence_parallel import SequenceParallelismPass
 from fp4fuse.patterns.base import aot_trace
-from fp4fuse.patterns.thresholds import sp_unshared_min_tokens
+from fp4fuse.patterns.thresholds import SPThresholds, sp_thresholds, sp_unquantized_min_tokens, sp_unshared_min_tokens
 
 W = 2
 H = 64
@@ -855,6 +855,57 @@ def test_unshared_quantizations_without_the_collective_gemms_are_left_alone_on_c
     forced = SequenceParallelismPass(FusionConfig(enable_sequence_parallelism=True, min_tokens=0))
     run(forced, trace_qkv("own", 16384))
     assert counts(forced) == {"first.fp4fuse": 1, "quant_before_gather": 3}
+
+
+def test_unquantized_threshold_rule():
+    """Sequence parallelism's threshold for a first or middle norm output that no quantization or
+    matmul reads: never on CUDA, 0 elsewhere, an explicit min_tokens wherever it is set; the pass's
+    thresholds bundle it with the other two."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert sp_unquantized_min_tokens(None, cuda) is None
+    assert sp_unquantized_min_tokens(None, cpu) == 0
+    assert sp_unquantized_min_tokens(16, cuda) == sp_unquantized_min_tokens(16, cpu) == 16
+    assert sp_thresholds(None, True, 2, cuda) == SPThresholds(4096, 4096, None)
+    assert sp_thresholds(None, True, 2, cpu) == SPThresholds(0, 0, 0)
+
+
+def trace_post_norm(reader: str, tokens: int) -> torch.fx.GraphModule:
+    """A sandwich norm (Gemma 2 / 3: the norm on the all-reduced sublayer output, before the
+    residual add) traced with fake CUDA tensors, its output read by ``reader``: ``add``, the
+    residual add alone; ``quant``, also an NVFP4 quantization (a static scale); ``mm``, a bf16 matmul."""
+    def fn(x, residual, w, gs, wt):
+        n = torch_offset_fp32_norm(all_reduce(x), w)
+        total = residual + n
+        if reader == "quant":
+            return (*fp4.scaled_fp4_quant(n, gs), total)
+        if reader == "mm":
+            return n @ wt, total
+        return (total,)
+
+    with FakeTensorMode():
+        args = [torch.empty(shape, dtype=dtype, device="cuda") for shape, dtype in
+                [((tokens, H), BF16)] * 2 + [((H,), BF16), ((1,), torch.float32), ((H, H), BF16)]]
+    return as_model_state(aot_trace(fn, args), {2: "layers.0.post_attention_layernorm.weight",
+                                                3: "mlp.input_scale", 4: "mlp.weight"})
+
+
+def test_post_norms_read_by_neither_a_quantization_nor_a_matmul_are_left_alone_on_cuda(caplog):
+    """On CUDA a sandwich norm whose output only the residual add reads stays an all-reduce, with the
+    reason; read by a quantization or a matmul too, it is rewritten from the usual 4096 tokens; an
+    explicit min_tokens rewrites it as well."""
+    caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
+    sp = SequenceParallelismPass(FusionConfig(enable_sequence_parallelism=True))
+    gm = trace_post_norm("add", 8192)
+    assert run(sp, gm) == 0
+    assert reduce_ops(gm) == ["sum"]
+    assert_skipped(sp, caplog, "the norm output is read by aten.add.Tensor, neither an NVFP4 quantization nor a "
+                   "matmul", "first.torch_offset_fp32")
+    for reader in ("quant", "mm"):
+        assert run(sp, trace_post_norm(reader, 8192)) >= 1, reader
+        assert counts(sp)["first.torch_offset_fp32"] == 1
+    forced = SequenceParallelismPass(FusionConfig(enable_sequence_parallelism=True, min_tokens=0))
+    assert run(forced, trace_post_norm("add", 8192)) == 1
+    assert counts(forced) == {"first.torch_offset_fp32": 1}
 
 
 def test_qkv_quants_with_dynamic_scales_share_one_gather(sp_pass):

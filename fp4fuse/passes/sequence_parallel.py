@@ -12,7 +12,8 @@ Steps of one call:
    apply them. Each match is checked -- token count (the product of the
    leading dims) divisible by the group size and at least ``min_tokens`` (a symbolic count gets
    guards, see ``guard_token_count``; a norm output that quantizations with global scales of their
-   own read takes ``fp4fuse.patterns.thresholds.sp_unshared_min_tokens``), per-row weight,
+   own read, or a first or middle norm's output that neither a quantization nor a matmul reads,
+   takes its own threshold from ``fp4fuse.patterns.thresholds.sp_thresholds``), per-row weight,
    unbroadcast residual, norm weight and
    residual the same on every rank (fp4fuse.patterns.rank_uniform) -- and skipped with a
    DEBUG-logged reason, or rewritten into a form that is correct on its own:
@@ -67,7 +68,7 @@ from fp4fuse.patterns import base, collectives, quant_before_gather, rank_unifor
 from fp4fuse.patterns.base import CollectiveKind, erase_if_unused, fake_value, find_collectives, get_arg, is_call
 from fp4fuse.patterns.quant_before_gather import QuantBeforeGather
 from fp4fuse.patterns.rank_uniform import RankCheckSite, RankUniformity
-from fp4fuse.patterns.thresholds import sp_min_tokens, sp_unshared_min_tokens
+from fp4fuse.patterns.thresholds import SPThresholds, sp_thresholds
 from fp4fuse.patterns.sequence_parallel import (
     NORM_SETS, Epilogue, NormSet, SPGroup, epilogues_of_all_reduces, round_residual_adds, views_before_all_reduces,
     views_before_row_biases,
@@ -122,9 +123,9 @@ class SequenceParallelismPass(GraphPass):
 
     def __init__(self, config: FusionConfig) -> None:
         super().__init__(config)
-        #: per (group, (min_tokens, unshared_min_tokens)): the thresholds the group's patterns check
-        self._patterns: dict[tuple[SPGroup, tuple[int, int | None]], pm.PatternMatcherPass] = {}
-        self._registered: set[tuple[SPGroup, tuple[int, int | None], str, torch.dtype, int, Epilogue]] = set()
+        #: per (group, thresholds): the thresholds the group's patterns check
+        self._patterns: dict[tuple[SPGroup, SPThresholds], pm.PatternMatcherPass] = {}
+        self._registered: set[tuple[SPGroup, SPThresholds, str, torch.dtype, int, Epilogue]] = set()
         self.uniformity = RankUniformity(config.rank_check)
         self.quant_before_gather = QuantBeforeGather(config, self.uniformity)
         self.folded_residuals = 0
@@ -196,8 +197,7 @@ class SequenceParallelismPass(GraphPass):
         """The group's pattern pass, with the norm families, dtypes and activation ranks of
         ``graph`` registered (each once per pass instance)."""
         device = self._device_of(group, graph)
-        thresholds = (sp_min_tokens(self.config.min_tokens, device),
-                      sp_unshared_min_tokens(self.config.min_tokens, self.config.enable_async_tp, group.size, device))
+        thresholds = sp_thresholds(self.config.min_tokens, self.config.enable_async_tp, group.size, device)
         pm_pass = self._patterns.get((group, thresholds))
         if pm_pass is None:
             pm_pass = self._patterns[group, thresholds] = pm.PatternMatcherPass(pass_name=f"{self.name}[{group.name}]")
@@ -207,8 +207,7 @@ class SequenceParallelismPass(GraphPass):
                 key = (group, thresholds, norm_set.name, dtype, ndim, epilogue)
                 if key in self._registered:
                     continue
-                for pattern in norm_set.build_patterns(group, self.uniformity, dtype, ndim, thresholds[0], epilogue,
-                                                       thresholds[1]):
+                for pattern in norm_set.build_patterns(group, self.uniformity, dtype, ndim, epilogue, thresholds):
                     pattern.register(pm_pass, self.recorder)
                 self._registered.add(key)
         return pm_pass

@@ -81,11 +81,12 @@ from fp4fuse.patterns.base import (
     hoist_before, insert_call, is_call, replacement_point, shapes_known_equal, threshold_reason,
 )
 from fp4fuse.patterns.rank_uniform import RankUniformity
+from fp4fuse.patterns.thresholds import SPThresholds
 
 __all__ = [
     "EXAMPLE_EPS", "EXAMPLE_SCALE", "Epilogue", "NORM_SETS", "NormFamily", "NormSet", "Position", "SPGroup",
-    "SPMatch", "SPPattern", "epilogues_of_all_reduces", "guard_token_count", "round_residual_adds",
-    "scales_of_quantizations",
+    "SPMatch", "SPPattern", "epilogues_of_all_reduces", "guard_token_count", "readers_through_views",
+    "round_residual_adds", "scales_of_quantizations",
     "views_before_all_reduces", "views_before_row_biases",
 ]
 
@@ -94,6 +95,9 @@ logger = logging.getLogger(__name__)
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+#: What reads a gathered norm output such that the gather can pay: a quantization (the gather then
+#: moves its 4-bit codes) or a matmul (a collective GEMM can overlap the gather).
+_GATHER_PAYS_FOR = (torch.ops.fp4fuse.scaled_fp4_quant.default, aten.mm.default, aten.addmm.default, aten.bmm.default)
 
 # The eps of a pattern is a wildcard (register_replacement's scalar_workaround): any float of the
 # traced pattern equal to this value becomes a keyword argument. It must survive a round trip
@@ -214,6 +218,23 @@ class SPMatch:
                    math.prod(shape[:-1]), shape)
 
 
+def readers_through_views(outputs: Any) -> list[fx.Node]:
+    """The nodes that read ``outputs`` (nodes, None entries ignored), looking through views: each
+    reader that is not itself a view, once."""
+    readers: dict[fx.Node, None] = {}
+    frontier = [n for n in outputs if isinstance(n, fx.Node)]
+    seen = set(frontier)
+    while frontier:
+        for user in frontier.pop().users:
+            if is_call(user, *_VIEWS):
+                if user not in seen:
+                    seen.add(user)
+                    frontier.append(user)
+            else:
+                readers[user] = None
+    return list(readers)
+
+
 def scales_of_quantizations(outputs: Any) -> set[fx.Node | None]:
     """The global scales of the NVFP4 quantizations reading ``outputs`` (nodes, None entries
     ignored; read through views): a graph input or attribute (model state: a static scale held by
@@ -222,16 +243,10 @@ def scales_of_quantizations(outputs: Any) -> set[fx.Node | None]:
     ``fp4fuse.passes.sequence_parallel``, step 4). More than one element: the readers cannot share
     one quantization."""
     scales: set[fx.Node | None] = set()
-    frontier = [n for n in outputs if isinstance(n, fx.Node)]
-    seen = set(frontier)
-    while frontier:
-        for user in frontier.pop().users:
-            if is_call(user, *_VIEWS) and user not in seen:
-                seen.add(user)
-                frontier.append(user)
-            elif is_call(user, torch.ops.fp4fuse.scaled_fp4_quant.default):
-                scale = QuantCall.of(user).global_scale
-                scales.add(scale if isinstance(scale, fx.Node) and scale.op in ("placeholder", "get_attr") else None)
+    for reader in readers_through_views(outputs):
+        if is_call(reader, torch.ops.fp4fuse.scaled_fp4_quant.default):
+            scale = QuantCall.of(reader).global_scale
+            scales.add(scale if isinstance(scale, fx.Node) and scale.op in ("placeholder", "get_attr") else None)
     return scales
 
 
@@ -310,19 +325,20 @@ class SPPattern(ReplacementPattern):
     row bias or residual that may differ across ranks
     (:class:`~fp4fuse.patterns.rank_uniform.RankUniformity`), and a token count that is not
     divisible by the group size or is below ``min_tokens`` (a symbolic count is guarded instead,
-    see :func:`guard_token_count`). A norm output that NVFP4 quantizations with global scales of
-    their own read (:func:`scales_of_quantizations`: more than one) takes ``unshared_min_tokens``
-    instead where it is larger, and None skips it (``fp4fuse.patterns.thresholds.sp_unshared_min_tokens``).
+    see :func:`guard_token_count`). ``thresholds`` (``fp4fuse.patterns.thresholds.SPThresholds``)
+    holds that minimum and two more, each taken instead where larger, None skipping the match: for a
+    norm output that NVFP4 quantizations with global scales of their own read
+    (:func:`scales_of_quantizations`: more than one), and for a first or middle norm's output that
+    neither a quantization nor a matmul reads (:func:`readers_through_views`).
     ``ndim`` is the rank of the activations the pattern is traced with (a norm over ``dim=-1``
     traces to the positive dim, so each rank needs its own pattern).
     """
 
     def __init__(self, family: NormFamily, position: Position, group: SPGroup, uniformity: RankUniformity,
-                 dtype: torch.dtype = torch.bfloat16, min_tokens: int = 0, ndim: int = 2,
-                 epilogue: Epilogue = Epilogue.NONE, unshared_min_tokens: int | None = 0) -> None:
+                 dtype: torch.dtype = torch.bfloat16, ndim: int = 2, epilogue: Epilogue = Epilogue.NONE,
+                 thresholds: SPThresholds = SPThresholds()) -> None:
         self.family, self.position, self.group, self.uniformity = family, position, group, uniformity
-        self.dtype, self.min_tokens, self.ndim, self.epilogue = dtype, min_tokens, ndim, epilogue
-        self.unshared_min_tokens = unshared_min_tokens
+        self.dtype, self.ndim, self.epilogue, self.thresholds = dtype, ndim, epilogue, thresholds
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -422,20 +438,39 @@ class SPPattern(ReplacementPattern):
         return reason
 
     def _token_count_reason(self, match: pm.Match, tokens: int | torch.SymInt) -> str | None:
-        """:func:`guard_token_count` against ``min_tokens``, or, where quantizations with global
-        scales of their own read the norm output, against ``unshared_min_tokens`` if larger."""
-        if self.unshared_min_tokens == self.min_tokens:
-            return guard_token_count(tokens, self.group.size, self.min_tokens)
-        scales = scales_of_quantizations(match.output_nodes())
+        """:func:`guard_token_count` against the least token count ``thresholds`` gives this match:
+        ``min_tokens``, or the larger ``unquantized`` / ``unshared`` one where the norm output is
+        read as those thresholds describe."""
+        limits = self.thresholds
+        outputs = match.output_nodes()
+        if limits.unquantized != limits.min_tokens and self.position is not Position.LAST:
+            readers = readers_through_views(outputs[:1])
+            if readers and not any(is_call(r, *_GATHER_PAYS_FOR) for r in readers):
+                names = ", ".join(sorted({str(r.target) for r in readers}))
+                why = (f"the norm output is read by {names}, neither an NVFP4 quantization nor a matmul: after the "
+                       "rewrite it would be gathered unquantized, and no collective GEMM could overlap that gather")
+                return self._threshold_reason(tokens, limits.unquantized, why,
+                                              "on this device such a rewrite measured slower than none")
+        if limits.unshared == limits.min_tokens:
+            return guard_token_count(tokens, self.group.size, limits.min_tokens)
+        scales = scales_of_quantizations(outputs)
         if len(scales) < 2:
-            return guard_token_count(tokens, self.group.size, self.min_tokens)
+            return guard_token_count(tokens, self.group.size, limits.min_tokens)
         why = (f"the norm output is quantized with {len(scales)} global scales of their own (static per-projection "
                "scales: the pass cannot prove them equal), so after the rewrite each would quantize and gather it on "
                "its own; sequence parallelism alone lost then at every size measured")
-        if self.unshared_min_tokens is None:
-            return f"{why}, and the collective GEMMs, with which it pays, are off (enable_async_tp)"
-        reason = guard_token_count(tokens, self.group.size, max(self.min_tokens, self.unshared_min_tokens))
-        return None if reason is None else f"{reason}: {why}, below where the GEMM + reduce-scatter fires"
+        return self._threshold_reason(tokens, limits.unshared, why,
+                                      "the collective GEMMs, with which it pays, are off (enable_async_tp)",
+                                      ", below where the GEMM + reduce-scatter fires")
+
+    def _threshold_reason(self, tokens: int | torch.SymInt, least: int | None, why: str, never: str,
+                          below: str = "") -> str | None:
+        """Why a match of ``tokens`` rows that ``why`` describes is skipped: always where its
+        threshold ``least`` is None (because ``never``), else below it (``below`` appended), or None."""
+        if least is None:
+            return f"{why}, and {never}"
+        reason = guard_token_count(tokens, self.group.size, max(self.thresholds.min_tokens, least))
+        return None if reason is None else f"{reason}: {why}{below}"
 
     def scalar_workaround(self) -> dict[str, float]:
         return {"eps": EXAMPLE_EPS, **({"scale": EXAMPLE_SCALE} if self.epilogue is Epilogue.SCALED else {})}
@@ -525,8 +560,8 @@ class NormSet:
         return any(graph.find_nodes(op="call_function", target=t) for t in self.marker_ops)
 
     def build_patterns(self, group: SPGroup, uniformity: RankUniformity, dtype: torch.dtype,
-                       ndim: int = 2, min_tokens: int = 0, epilogue: Epilogue = Epilogue.NONE,
-                       unshared_min_tokens: int | None = 0) -> list[SPPattern]:
+                       ndim: int = 2, epilogue: Epilogue = Epilogue.NONE,
+                       thresholds: SPThresholds = SPThresholds()) -> list[SPPattern]:
         """Every family and position (and, for the torch forms, both add orders) for ``group``, one
         activation dtype and one activation rank, with one ``epilogue`` and its thresholds
         (:class:`SPPattern`). A dtype-generic set (fp4fuse's ops) traces the same for every dtype;
@@ -538,8 +573,7 @@ class NormSet:
                 orders = (False,) if family is FP4FuseNorm or pos is Position.FIRST else (False, True)
                 for residual_first in orders:
                     norm = family() if family is FP4FuseNorm else family(residual_first)
-                    patterns.append(SPPattern(norm, pos, group, uniformity, example_dtype, min_tokens, ndim, epilogue,
-                                              unshared_min_tokens))
+                    patterns.append(SPPattern(norm, pos, group, uniformity, example_dtype, ndim, epilogue, thresholds))
         return patterns
 
 

@@ -8,7 +8,9 @@ default) the crossovers measured where a rewrite can pay.
   the end-to-end crossover of ``benchmarks/bench_e2e.py`` at TP=2
   (``benchmarks/results/2026-11-27-sp-shared-quant-2xh100.md``); a norm output that NVFP4
   quantizations with global scales of their own read (:func:`sp_unshared_min_tokens`) from where
-  the GEMM + reduce-scatter before the norm fires, and never without the collective GEMMs.
+  the GEMM + reduce-scatter before the norm fires, and never without the collective GEMMs; a norm
+  output before the last that neither a quantization nor a matmul reads
+  (:func:`sp_unquantized_min_tokens`) never.
 * Elsewhere (CPU, gloo) nothing overlaps and no crossover exists to measure: every size fuses, which
   keeps the rewrites exercised (the CPU tests, the demo).
 
@@ -17,12 +19,15 @@ guard on the side chosen (``fp4fuse.patterns.base.threshold_reason``).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from fp4fuse.distributed.symm_mem import policy
 from fp4fuse.distributed.symm_mem.policy import CollectiveGemmKind
 
-__all__ = ["SP_MIN_TOKENS_CUDA", "async_tp_min_rows", "sp_min_tokens", "sp_unshared_min_tokens"]
+__all__ = ["SPThresholds", "SP_MIN_TOKENS_CUDA", "async_tp_min_rows", "sp_min_tokens", "sp_thresholds",
+           "sp_unquantized_min_tokens", "sp_unshared_min_tokens"]
 
 #: Sequence parallelism's threshold on CUDA (total rows of the activation). Four collectives replace
 #: one all-reduce, so small token counts, where collectives are latency-bound, cannot gain; on HF
@@ -54,6 +59,40 @@ def sp_unshared_min_tokens(min_tokens: int | None, async_tp: bool, world: int, d
         return None
     return max(sp_min_tokens(min_tokens, device),
                async_tp_min_rows(min_tokens, CollectiveGemmKind.MATMUL_REDUCE_SCATTER, world, device))
+
+
+def sp_unquantized_min_tokens(min_tokens: int | None, device: torch.device) -> int | None:
+    """Sequence parallelism's threshold for a norm output, at the first or a middle norm, that no
+    NVFP4 quantization and no matmul reads (a post-norm whose output feeds the residual add:
+    Gemma 2 / 3's sandwich norms, OLMo 2). None: never.
+
+    ``min_tokens`` when set; elsewhere than CUDA 0, as :func:`sp_min_tokens`; on CUDA never. After
+    the rewrite such an output is gathered in its own dtype (no quantization before the gather)
+    and no collective GEMM can overlap that gather: only the GEMM + reduce-scatter before the norm
+    overlaps. Measured on HF Gemma 2 and OLMo 2 shapes at TP=2 (2x H100) at 4096 and 8192 tokens,
+    the graph with the rewrite was slower than the one without it at both sizes
+    (``benchmarks/results/2026-11-27-hf-families-gpu-2xh100.md``)."""
+    if min_tokens is not None:
+        return min_tokens
+    return None if device.type == "cuda" else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SPThresholds:
+    """The token counts from which a sequence-parallel match is rewritten, by what reads its norm
+    output (None: never): ``min_tokens`` for every match, ``unshared`` where NVFP4 quantizations
+    with global scales of their own read it (:func:`sp_unshared_min_tokens`), ``unquantized`` at
+    a first or middle norm that no quantization and no matmul reads (:func:`sp_unquantized_min_tokens`)."""
+
+    min_tokens: int = 0
+    unshared: int | None = 0
+    unquantized: int | None = 0
+
+
+def sp_thresholds(min_tokens: int | None, async_tp: bool, world: int, device: torch.device) -> SPThresholds:
+    """:class:`SPThresholds` for activations on ``device`` over ``world`` ranks."""
+    return SPThresholds(sp_min_tokens(min_tokens, device), sp_unshared_min_tokens(min_tokens, async_tp, world, device),
+                        sp_unquantized_min_tokens(min_tokens, device))
 
 
 def async_tp_min_rows(min_tokens: int | None, kind: CollectiveGemmKind, world: int, device: torch.device) -> int:
