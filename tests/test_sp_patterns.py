@@ -612,12 +612,17 @@ def assert_skipped(sp, caplog, reason_part: str, key_part: str = "") -> None:
     assert any(reason_part in r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG)
 
 
+def assert_left_alone(sp, gm, caplog, all_reduces: int, reason_part: str, key_part: str = "") -> None:
+    """``sp`` rewrites nothing in ``gm``, whose ``all_reduces`` sums stay, and says why."""
+    assert run(sp, gm) == 0
+    assert reduce_ops(gm) == ["sum"] * all_reduces
+    assert_skipped(sp, caplog, reason_part, key_part)
+
+
 def test_token_count_not_divisible(sp_pass, caplog):
     caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
     gm = trace(three_layers(fp4fuse_norm), layer_shapes(tokens=7), state=NORM_WEIGHTS)
-    assert run(sp_pass, gm) == 0
-    assert reduce_ops(gm) == ["sum"] * 3
-    assert_skipped(sp_pass, caplog, "token count 7 is not divisible by the group size 2", "fp4fuse")
+    assert_left_alone(sp_pass, gm, caplog, 3, "token count 7 is not divisible by the group size 2", "fp4fuse")
 
 
 def test_min_tokens(caplog):
@@ -802,11 +807,8 @@ def test_unshared_quantizations_wait_for_the_gemm_reduce_scatter_on_cuda(monkeyp
     caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
     monkeypatch.setenv("FP4FUSE_OVERLAP_MIN_ROWS", "10000")
     sp = SequenceParallelismPass(FusionConfig(enable_async_tp=True))
-    gm = trace_qkv("own", 8192)
-    assert run(sp, gm) == 0
-    assert reduce_ops(gm) == ["sum"]
-    assert_skipped(sp, caplog, "token count 8192 is below min_tokens=10000: the norm output is quantized with 3 "
-                   "global scales of their own", "first.fp4fuse")
+    assert_left_alone(sp, trace_qkv("own", 8192), caplog, 1, "token count 8192 is below min_tokens=10000: the norm "
+                      "output is quantized with 3 global scales of their own", "first.fp4fuse")
     run(sp, trace_qkv("shared", 8192))
     assert counts(sp) == {"first.fp4fuse": 1, "shared_quantization": 2, "quant_before_gather": 1}
     run(sp, trace_qkv("own", 10000))
@@ -895,11 +897,8 @@ def test_post_norms_read_by_neither_a_quantization_nor_a_matmul_are_left_alone_o
     explicit min_tokens rewrites it as well."""
     caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
     sp = SequenceParallelismPass(FusionConfig(enable_sequence_parallelism=True))
-    gm = trace_post_norm("add", 8192)
-    assert run(sp, gm) == 0
-    assert reduce_ops(gm) == ["sum"]
-    assert_skipped(sp, caplog, "the norm output is read by aten.add.Tensor, neither an NVFP4 quantization nor a "
-                   "matmul", "first.torch_offset_fp32")
+    assert_left_alone(sp, trace_post_norm("add", 8192), caplog, 1, "the norm output is read by aten.add.Tensor, "
+                      "neither an NVFP4 quantization nor a matmul", "first.torch_offset_fp32")
     for reader in ("quant", "mm"):
         assert run(sp, trace_post_norm(reader, 8192)) >= 1, reader
         assert counts(sp)["first.torch_offset_fp32"] == 1
