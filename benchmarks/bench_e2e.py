@@ -390,7 +390,7 @@ def _rank_main(args: BenchArgs) -> dict[str, Any]:
     say(f"building {args.layers}-layer Llama (hidden {args.hidden}, ffn {args.ffn}) at TP={args.tp}")
     models = _build_models(args, device, group)
     results: dict[str, Any] = {"times": {}, "counts": {}, "max_rel_diff": {}, "output_sha1": {}, "errors": {},
-                               "profiles": {},
+                               "profiles": {}, "graphs": {},
                                "emulate_precision_casts": torch._inductor.config.emulate_precision_casts}
     for mode in args.modes:
         variants = _compiled_variants(args, models, mode)
@@ -400,12 +400,17 @@ def _rank_main(args: BenchArgs) -> dict[str, Any]:
             if not args.static:
                 torch._dynamo.mark_dynamic(ids, 0)
             outs, calls = {}, {}
-            for name, (model, _) in list(variants.items()):
+            for name, (model, fusion) in list(variants.items()):
                 say(f"{mode} T={tokens}: compiling / warming up {name}")
+                compiled_before = fusion.calls if fusion is not None else 0
                 try:
                     with _ForcedOverlap(name == "forced"), _grad_context(mode)():
                         for _ in range(3):
                             out = model(input_ids=ids).last_hidden_state
+                        if fusion is not None:  # which graph this count runs: a new one (with its own counts) or not
+                            new = fusion.calls - compiled_before
+                            results["graphs"][f"{mode}/{tokens}/{name}"] = {
+                                "compiled": new, "counts": dict(fusion.last_match_counts) if new else None}
                         calls[name] = (lambda m=model: m(input_ids=ids).last_hidden_state)
                         if mode == "replay":
                             graph, out = _captured(calls[name])
@@ -519,6 +524,19 @@ def render_markdown(raw: dict[str, Any]) -> str:
     lines += ["## Fusions per compiled model (cumulative over its graphs)", ""]
     for key, counts in sorted(raw["counts"].items()):
         lines.append(f"- `{key}`: " + (", ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "none"))
+    graphs = raw.get("graphs", {})
+    if graphs:
+        lines += ["", "## The graph each token count ran (new graphs with their own counts)", ""]
+        def order(key: str) -> tuple[str, int, str]:
+            mode, tokens, name = key.split("/")
+            return mode, int(tokens), name
+
+        for key, graph in sorted(graphs.items(), key=lambda item: order(item[0])):
+            counts = graph["counts"]
+            what = ("reused an earlier graph" if not graph["compiled"] else
+                    f"{graph['compiled']} new graph(s): " + (", ".join(f"{k}={v}" for k, v in sorted(counts.items()))
+                                                            or "nothing fused"))
+            lines.append(f"- `{key}`: {what}")
     for key, error in sorted(raw.get("errors", {}).items()):
         lines.append(f"- failed: `{key}`: {error[:300]}")
     diffs = raw.get("max_rel_diff", {})
