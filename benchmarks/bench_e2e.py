@@ -527,6 +527,7 @@ def render_markdown(raw: dict[str, Any]) -> str:
     graphs = raw.get("graphs", {})
     if graphs:
         lines += ["", "## The graph each token count ran (new graphs with their own counts)", ""]
+
         def order(key: str) -> tuple[str, int, str]:
             mode, tokens, name = key.split("/")
             return mode, int(tokens), name

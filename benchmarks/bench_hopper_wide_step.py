@@ -41,14 +41,12 @@ def _variants(hopper, m: int, n: int, k: int, sms: int) -> dict[str, dict]:
     depth where it fits, else the deepest that does (``max_stages``), and none under 3 stages (the
     256-token tile's 128-element steps fit only 2)."""
     if m > hopper.DECODE_MAX_M:
-        tiles = {128: 1, hopper.BLOCK_M: hopper.split_for(m, n, k, sms)}
+        splits = {128: 1, hopper.BLOCK_M: hopper.split_for(m, n, k, sms)}
     else:
-        tiles = {min(b for b in hopper.BLOCK_M_CHOICES if b >= m): None}
-        if m > 64:
-            tiles[128] = None
+        tiles = {min(b for b in hopper.BLOCK_M_CHOICES if b >= m)} | ({128} if m > 64 else set())
+        splits = {block_m: hopper.hopper_split(m, n, k, sms, block_m) for block_m in tiles}
     out = {}
-    for block_m in sorted(tiles):
-        split = tiles[block_m] or hopper.hopper_split(m, n, k, sms, block_m)
+    for block_m, split in sorted(splits.items()):
         for step_k in hopper.STEP_K_CHOICES:
             if k % step_k:
                 continue

@@ -761,10 +761,10 @@ def hopper_sweep_main(argv: list[str] | None, doc: str, shapes: tuple, default_m
                       raw_key: str) -> int:
     """The ``main`` of a Hopper Gluon GEMM sweep script (``bench_hopper_stages.py``,
     ``bench_hopper_wide_step.py``): ``--ms`` (default ``default_ms``), ``--shapes`` (default
-    ``shapes``) and ``--json``; at each
-    ``shapes`` x M point ``variants(hopper, m, n, k, sms)`` (name -> ``mm_fp4_hopper`` keyword
-    arguments) timed by :func:`_hopper_point`, one ``label`` line a point, the rows written to the
-    raw file under ``raw_key``. 2 where the machine has no CUDA GPU or no Gluon GEMM."""
+    ``shapes``) and ``--json``; at each ``shapes`` x M point ``variants(hopper, m, n, k, sms)``
+    (name -> ``mm_fp4_hopper`` keyword arguments) timed by :func:`_hopper_point`, one ``label``
+    line a point, the rows written to the raw file under ``raw_key``. 2 where the machine has no
+    CUDA GPU or no Gluon GEMM."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--ms", help="comma-separated row counts (default: %s)" % ",".join(map(str, default_ms)))
     parser.add_argument("--shapes", help="comma-separated NxK weight shapes (default: %s)"

@@ -444,7 +444,7 @@ class SPPattern(ReplacementPattern):
         limits = self.thresholds
         outputs = match.output_nodes()
         if limits.unquantized != limits.min_tokens and self.position is not Position.LAST:
-            readers = readers_through_views(outputs[:1])
+            readers = readers_through_views(outputs[:1])  # the norm output: the pattern's first output
             if readers and not any(is_call(r, *_GATHER_PAYS_FOR) for r in readers):
                 names = ", ".join(sorted({str(r.target) for r in readers}))
                 why = (f"the norm output is read by {names}, neither an NVFP4 quantization nor a matmul: after the "

@@ -522,7 +522,8 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_s
         if not t.is_contiguous():  # the kernel reads every operand as dense rows
             raise ValueError(f"mm_fp4_hopper: {name} must be contiguous (row-major); got strides {t.stride()}")
     m, n, k = a.shape[0], b.shape[0], a.shape[1] * 2
-    block_m, split_k, stages, step_k = launch.block_m, launch.split_k, launch.stages, launch.step_k
+    block_m, split_k, stages, scale_ahead, step_k = (launch.block_m, launch.split_k, launch.stages,
+                                                     launch.scale_ahead, launch.step_k)
     if step_k not in STEP_K_CHOICES:
         raise ValueError(f"mm_fp4_hopper: step_k must be one of {STEP_K_CHOICES}; got {step_k}")
     word = _SCALE_WORD[step_k].itemsize
@@ -541,9 +542,9 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_s
         raise ValueError(f"mm_fp4_hopper: stages must be 2 to {max_stages(block_m, step_k)} for {block_m}-token tiles "
                          f"and {step_k}-element steps (the ring, {stage_bytes(block_m, step_k)} bytes a stage, must "
                          f"fit {SMEM_BYTES - EPILOGUE_SMEM_BYTES} bytes of shared memory); got {stages}")
-    if launch.scale_ahead not in (0, 1):
+    if scale_ahead not in (0, 1):
         raise ValueError(f"mm_fp4_hopper: scale_ahead must be 0 or 1 (K steps the weight scales load ahead); "
-                         f"got {launch.scale_ahead}")
+                         f"got {scale_ahead}")
 
 
 def mm_fp4_hopper_halves(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
