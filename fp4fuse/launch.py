@@ -21,12 +21,15 @@ pickles); once one rank has failed (recorded its error, even while its process i
 or exited without a result) the others get ``grace`` seconds to finish before they are terminated;
 the whole run is bounded by ``timeout`` seconds (:class:`TimeoutError` names the ranks still
 running). A terminated rank keeps what it recorded: only a rank with neither a result nor an
-error is reported as terminated.
+error is reported as terminated. A rank killed by a signal (SIGABRT from a C++ ``std::terminate``,
+SIGSEGV) leaves the Python stacks of all its threads, written by :mod:`faulthandler`, and the
+:class:`RankError` quotes them.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import logging
 import multiprocessing
 import os
@@ -164,7 +167,7 @@ def _collect(procs: list, result_dir: str, unfinished: set[int], timeout: float)
         elif rank in unfinished:
             stragglers.append(rank)
         else:
-            failures[rank] = f"exited with code {proc.exitcode} without a result"
+            failures[rank] = f"exited with code {proc.exitcode} without a result" + _stacks_at_death(result_dir, rank)
     if failures:
         first = min(failures)
         for rank in stragglers:
@@ -182,6 +185,8 @@ def _rank_main(
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(threads)
+    fault_file = open(_fault_path(result_dir, rank), "w")  # noqa: SIM115 - open until the process ends
+    faulthandler.enable(file=fault_file, all_threads=True)
     try:
         if backend is not None:
             if backend == "nccl":
@@ -213,6 +218,19 @@ def _ok_path(result_dir: str, rank: int) -> str:
 
 def _err_path(result_dir: str, rank: int) -> str:
     return os.path.join(result_dir, f"rank{rank}.error.pt")
+
+
+def _fault_path(result_dir: str, rank: int) -> str:
+    return os.path.join(result_dir, f"rank{rank}.faulthandler.txt")
+
+
+def _stacks_at_death(result_dir: str, rank: int) -> str:
+    """What faulthandler wrote when the rank was killed by a fatal signal ('' if nothing)."""
+    with contextlib.suppress(OSError), open(_fault_path(result_dir, rank)) as f:
+        stacks = f.read().strip()
+        if stacks:
+            return f"\n--- Python stacks at the fatal signal (faulthandler) ---\n{stacks}"
+    return ""
 
 
 @contextlib.contextmanager

@@ -33,6 +33,12 @@ def _die_without_result() -> None:
     time.sleep(600)
 
 
+def _abort_like_a_cpp_terminate() -> None:
+    if int(os.environ["RANK"]) == 0:
+        os.abort()  # SIGABRT, as std::terminate raises it in a C++ worker thread
+    time.sleep(600)
+
+
 def _sleep_forever() -> None:
     time.sleep(600)
 
@@ -66,6 +72,15 @@ def test_rank_dying_without_result_is_named_and_stragglers_are_stopped():
     assert info.value.rank == 0
     assert info.value.failures == {0: "exited with code 3 without a result",
                                    1: "still running after another rank failed (terminated)"}
+
+
+def test_rank_killed_by_a_signal_reports_its_python_stacks():
+    with pytest.raises(RankError) as info:
+        run_on_ranks(_abort_like_a_cpp_terminate, 2, backend=None, timeout=120, grace=1.0)
+    report = info.value.failures[0]
+    assert report.startswith("exited with code -6 without a result"), report
+    assert "Python stacks at the fatal signal" in report and "_abort_like_a_cpp_terminate" in report, report
+    assert info.value.failures[1] == "still running after another rank failed (terminated)"
 
 
 def test_timeout_raises_instead_of_hanging():
