@@ -29,6 +29,10 @@ so Inductor's FX graph cache stays on and never serves a graph compiled under ot
 other code. A pass that bakes process-group state into its rewrites (``reads_process_groups``)
 adds this process's rank and group layout.
 
+Constructing a ``FusionPass`` makes the compile caches' guard expressions parenthesize each guard
+(fp4fuse.passes.cache_guards): without it a cached graph compiled under a rewrite's guard can be
+served to sizes that fail the guard.
+
 A graph served from the FX graph cache does not run the passes again; the counts recorded when it
 was compiled travel with its cache entry (fp4fuse.passes.cache_record) and are added to
 ``match_counts`` (and to ``cached_match_counts`` / ``cached_graphs``), so a second run of a
@@ -53,7 +57,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from fp4fuse.config import FusionConfig, compile_time_env
-from fp4fuse.passes import cache_record
+from fp4fuse.passes import cache_guards, cache_record
 from fp4fuse.passes.all_reduce import SymmAllReducePass
 from fp4fuse.passes.async_tp import AsyncTPPass
 from fp4fuse.passes.base import GraphPass, process_group_fingerprint
@@ -120,6 +124,7 @@ class FusionPass(CustomGraphPass):
 
     def __init__(self, config: FusionConfig | None = None) -> None:
         self.config = config if config is not None else FusionConfig()
+        cache_guards.install()
         if self.config.log_level_number is not None:
             apply_log_level(self.config.log_level_number)
         self.passes: list[GraphPass] = [NoOpViewCleanupPass(self.config)]
@@ -205,6 +210,7 @@ class FusionPass(CustomGraphPass):
         for graph_pass in self.passes:
             hasher.update(graph_pass.uuid().encode())
         hasher.update(Path(__file__).read_bytes())
+        hasher.update(cache_guards.SOURCE_KEY.encode())
         hasher.update(json.dumps(compile_time_env(), sort_keys=True).encode())
         if any(p.reads_process_groups for p in self.passes):
             hasher.update(json.dumps(process_group_fingerprint(), sort_keys=True).encode())
