@@ -7,6 +7,8 @@ from __future__ import annotations
 import glob
 import os
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -42,6 +44,15 @@ def test_each_guard_of_a_cached_graph_keeps_its_meaning():
     expression = shape_env.produce_guards_expression([rows])
     for value in range(2, 40):
         assert shape_env.evaluate_guards_expression(expression, [value]) == _meaning(value), (value, expression)
+
+
+def test_an_unpickled_fusion_pass_installs_the_fix_in_its_process():
+    """Inductor's compile subprocess receives the pass pickled: it must write the same expressions."""
+    check = ("import pickle, sys; pickle.loads(sys.stdin.buffer.read()); "
+             "from fp4fuse.passes import cache_guards; print(cache_guards.installed())")
+    done = subprocess.run([sys.executable, "-c", check], input=pickle.dumps(FusionPass()), capture_output=True,
+                          timeout=120, check=True)
+    assert done.stdout.decode().split()[-1] == "True", done.stderr.decode()[-2000:]
 
 
 def test_torch_alone_misreads_the_disjunction():

@@ -146,6 +146,12 @@ class FusionPass(CustomGraphPass):
         self.last_skips: list[Skip] = []
         self.calls = 0
 
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled (Inductor's compile subprocess, ``fx_compile_mode=subprocess``): that process writes
+        the same guard expressions as this one (fp4fuse.passes.cache_guards)."""
+        cache_guards.install()
+        self.__dict__.update(state)
+
     @property
     def pass_names(self) -> list[str]:
         return [p.name for p in self.passes]
