@@ -147,7 +147,7 @@ class FusionPass(CustomGraphPass):
         self.calls = 0
 
     def __setstate__(self, state: dict) -> None:
-        """Unpickled (Inductor's compile subprocess, ``fx_compile_mode=subprocess``): that process writes
+        """Unpickled (Inductor's compile subprocess, ``TORCHINDUCTOR_FX_COMPILE_MODE=subprocess``): it writes
         the same guard expressions as this one (fp4fuse.passes.cache_guards)."""
         cache_guards.install()
         self.__dict__.update(state)
