@@ -21,9 +21,13 @@ pickles); once one rank has failed (recorded its error, even while its process i
 or exited without a result) the others get ``grace`` seconds to finish before they are terminated;
 the whole run is bounded by ``timeout`` seconds (:class:`TimeoutError` names the ranks still
 running). A terminated rank keeps what it recorded: only a rank with neither a result nor an
-error is reported as terminated. A rank killed by a signal (SIGABRT from a C++ ``std::terminate``,
-SIGSEGV) leaves the Python stacks of all its threads, written by :mod:`faulthandler`, and the
-:class:`RankError` quotes them.
+error is reported as terminated.
+
+What the ranks write to their standard error (fd 2: Python, C++ and the process group's own
+messages) goes through a file per rank, relayed line by line to this process's ``sys.stderr``
+while they run. A rank that dies without a result (a C++ ``std::terminate``'s SIGABRT, a SIGSEGV)
+is reported with the end of that file: the C++ message, and the Python stacks of all its threads
+at the fatal signal (:mod:`faulthandler`).
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import sys
 import tempfile
 import time
 import traceback
@@ -102,8 +107,9 @@ def run_on_ranks(
         with _environ(env or {}):
             for p in procs:
                 p.start()
+        relay = _StderrRelay(tmp, world_size)
         try:
-            unfinished = _wait(procs, tmp, timeout, grace)
+            unfinished = _wait(procs, tmp, timeout, grace, relay)
         finally:
             for p in procs:
                 if p.is_alive():
@@ -113,10 +119,11 @@ def run_on_ranks(
                 if p.is_alive():
                     p.kill()
                     p.join()
+            relay.pump(final=True)
         return _collect(procs, tmp, unfinished, timeout)
 
 
-def _wait(procs: list, result_dir: str, timeout: float, grace: float) -> set[int]:
+def _wait(procs: list, result_dir: str, timeout: float, grace: float, relay: _StderrRelay) -> set[int]:
     """Wait for the ranks; return those still running when the deadline passed.
 
     A rank has failed once it recorded an error (even while it is still exiting) or exited
@@ -124,6 +131,7 @@ def _wait(procs: list, result_dir: str, timeout: float, grace: float) -> set[int
     deadline = time.monotonic() + timeout
     failed_deadline: float | None = None
     while True:
+        relay.pump()
         alive = {rank for rank, p in enumerate(procs) if p.is_alive()}
         if not alive:
             return set()
@@ -167,7 +175,7 @@ def _collect(procs: list, result_dir: str, unfinished: set[int], timeout: float)
         elif rank in unfinished:
             stragglers.append(rank)
         else:
-            failures[rank] = f"exited with code {proc.exitcode} without a result" + _stacks_at_death(result_dir, rank)
+            failures[rank] = f"exited with code {proc.exitcode} without a result" + _stderr_tail(result_dir, rank)
     if failures:
         first = min(failures)
         for rank in stragglers:
@@ -185,8 +193,10 @@ def _rank_main(
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(threads)
-    fault_file = open(_fault_path(result_dir, rank), "w")  # noqa: SIM115 - open until the process ends
-    faulthandler.enable(file=fault_file, all_threads=True)
+    stderr_file = os.open(_stderr_path(result_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(stderr_file, 2)  # C++ writes too; the parent relays it (_StderrRelay)
+    os.close(stderr_file)
+    faulthandler.enable(all_threads=True)  # to fd 2
     try:
         if backend is not None:
             if backend == "nccl":
@@ -220,17 +230,46 @@ def _err_path(result_dir: str, rank: int) -> str:
     return os.path.join(result_dir, f"rank{rank}.error.pt")
 
 
-def _fault_path(result_dir: str, rank: int) -> str:
-    return os.path.join(result_dir, f"rank{rank}.faulthandler.txt")
+def _stderr_path(result_dir: str, rank: int) -> str:
+    return os.path.join(result_dir, f"rank{rank}.stderr")
 
 
-def _stacks_at_death(result_dir: str, rank: int) -> str:
-    """What faulthandler wrote when the rank was killed by a fatal signal ('' if nothing)."""
-    with contextlib.suppress(OSError), open(_fault_path(result_dir, rank)) as f:
-        stacks = f.read().strip()
-        if stacks:
-            return f"\n--- Python stacks at the fatal signal (faulthandler) ---\n{stacks}"
+#: how much of a dead rank's standard error its report quotes (characters, from the end)
+_STDERR_TAIL_CHARS = 6000
+
+
+def _stderr_tail(result_dir: str, rank: int) -> str:
+    """The end of what a rank wrote to its standard error ('' if nothing)."""
+    with contextlib.suppress(OSError), open(_stderr_path(result_dir, rank), errors="replace") as f:
+        text = f.read()[-_STDERR_TAIL_CHARS:].strip()
+        if text:
+            return f"\n--- the end of its standard error ---\n{text}"
     return ""
+
+
+class _StderrRelay:
+    """Copies the ranks' standard-error files to ``sys.stderr``, whole lines at a time (a rank's
+    partial line waits for its end, or for the final pump)."""
+
+    def __init__(self, result_dir: str, world_size: int) -> None:
+        self._paths = [_stderr_path(result_dir, rank) for rank in range(world_size)]
+        self._offsets = [0] * world_size
+        self._partial = [b""] * world_size
+
+    def pump(self, final: bool = False) -> None:
+        for rank, path in enumerate(self._paths):
+            with contextlib.suppress(OSError), open(path, "rb") as f:
+                f.seek(self._offsets[rank])
+                chunk = f.read()
+                self._offsets[rank] += len(chunk)
+                self._partial[rank] += chunk
+            data = self._partial[rank]
+            cut = len(data) if final else data.rfind(b"\n") + 1
+            if cut:
+                text = data[:cut].decode(errors="replace")
+                sys.stderr.write(text if text.endswith("\n") else text + "\n")
+                sys.stderr.flush()
+            self._partial[rank] = data[cut:]
 
 
 @contextlib.contextmanager

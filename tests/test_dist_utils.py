@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
@@ -35,6 +36,7 @@ def _die_without_result() -> None:
 
 def _abort_like_a_cpp_terminate() -> None:
     if int(os.environ["RANK"]) == 0:
+        os.write(2, b"rank 0 about to abort\n")
         os.abort()  # SIGABRT, as std::terminate raises it in a C++ worker thread
     time.sleep(600)
 
@@ -74,13 +76,30 @@ def test_rank_dying_without_result_is_named_and_stragglers_are_stopped():
                                    1: "still running after another rank failed (terminated)"}
 
 
-def test_rank_killed_by_a_signal_reports_its_python_stacks():
+def test_rank_killed_by_a_signal_reports_the_end_of_its_stderr():
     with pytest.raises(RankError) as info:
         run_on_ranks(_abort_like_a_cpp_terminate, 2, backend=None, timeout=120, grace=1.0)
     report = info.value.failures[0]
     assert report.startswith("exited with code -6 without a result"), report
-    assert "Python stacks at the fatal signal" in report and "_abort_like_a_cpp_terminate" in report, report
+    # the message written just before the abort, then faulthandler's stacks of the dying rank
+    tail = report.split("--- the end of its standard error ---", 1)[1]
+    assert "rank 0 about to abort" in tail and "Fatal Python error: Aborted" in tail, report
+    assert "_abort_like_a_cpp_terminate" in tail, report
     assert info.value.failures[1] == "still running after another rank failed (terminated)"
+
+
+def _write_to_stderr() -> int:
+    rank = int(os.environ["RANK"])
+    os.write(2, f"rank {rank} wrote this to fd 2\n".encode())  # as C++ code writes
+    print(f"rank {rank} printed this to sys.stderr", file=sys.stderr, flush=True)
+    return rank
+
+
+def test_ranks_stderr_reaches_this_process(capsys):
+    assert run_on_ranks(_write_to_stderr, 2, backend=None, timeout=120) == [0, 1]
+    err = capsys.readouterr().err
+    for rank in (0, 1):
+        assert f"rank {rank} wrote this to fd 2\n" in err and f"rank {rank} printed this to sys.stderr\n" in err, err
 
 
 def test_timeout_raises_instead_of_hanging():
