@@ -43,15 +43,16 @@ def test_each_guard_of_a_cached_graph_keeps_its_meaning():
     shape_env, rows = _guarded_shape_env()
     expression = shape_env.produce_guards_expression([rows])
     for value in range(2, 40):
-        assert shape_env.evaluate_guards_expression(expression, [value]) == _meaning(value), (value, expression)
+        admitted = shape_env.evaluate_guards_expression(expression, [value])
+        assert admitted == _meaning(value), (value, expression)
 
 
 def test_an_unpickled_fusion_pass_installs_the_fix_in_its_process():
     """Inductor's compile subprocess receives the pass pickled: it must write the same expressions."""
     check = ("import pickle, sys; pickle.loads(sys.stdin.buffer.read()); "
              "from fp4fuse.passes import cache_guards; print(cache_guards.installed())")
-    done = subprocess.run([sys.executable, "-c", check], input=pickle.dumps(FusionPass()), capture_output=True,
-                          timeout=120, check=True)
+    done = subprocess.run([sys.executable, "-c", check], input=pickle.dumps(FusionPass()),
+                          capture_output=True, timeout=120, check=True)
     assert done.stdout.decode().split()[-1] == "True", done.stderr.decode()[-2000:]
 
 
@@ -108,7 +109,8 @@ def test_a_warm_cache_serves_each_size_the_graph_compiled_for_its_side(tmp_path)
         for warm, sizes in ((False, (5, 40, 8)), (True, (8, 40, 5))):
             torch._dynamo.reset()
             hits = counters["aot_autograd"]["autograd_cache_hit"]
-            compiled = torch.compile(_double_and_sum, options={"post_grad_custom_post_pass": _TimesThreeFromThreshold()})
+            options = {"post_grad_custom_post_pass": _TimesThreeFromThreshold()}
+            compiled = torch.compile(_double_and_sum, options=options)
             for rows in sizes:
                 x = torch.randn(rows, 3, generator=torch.Generator().manual_seed(rows))
                 torch._dynamo.mark_dynamic(x, 0)
