@@ -585,11 +585,13 @@ def test_hugging_face_layers_with_a_dynamic_batch(sp_pass, seq):
 
 def test_a_dynamic_batch_hinted_at_one_row_per_rank_is_left_alone(sp_pass, caplog):
     """Two tokens over two ranks: tracing the shards at one row would specialize the batch (sizes
-    0 and 1 are static to torch.compile), breaking a ``mark_dynamic``; no rewrite, no guard."""
+    0 and 1 are static to torch.compile), breaking a ``mark_dynamic``. No rewrite and no
+    specialization; one guard keeps this graph to fewer than two rows per rank."""
     caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
     shape_env, gm = symbolic_hf_trace(batch_hint=2, seq=1)
     assert run(sp_pass, gm) == 0
-    assert not shape_env.guards and not shape_env.replacements
+    assert not shape_env.replacements
+    assert [_admits(shape_env, t) for t in (2, 3, 4, 5)] == [True, True, False, False]
     assert_skipped(sp_pass, caplog, "(hint 2) gives 1 row per rank")
 
 
@@ -995,12 +997,28 @@ def test_symbolic_tokens_get_a_divisibility_guard(sp_pass):
     assert any("Mod(" in g and "2" in g for g in guards), guards
 
 
-def test_symbolic_tokens_with_an_odd_hint_are_left_alone(sp_pass, caplog):
+def _admits(shape_env: ShapeEnv, tokens: int) -> bool:
+    """Whether ``tokens`` meets every guard installed so far (each guard's own expression)."""
+    (symbol,) = {s for g in shape_env.guards for s in g.expr.free_symbols}
+    return all(bool(g.expr.subs(symbol, tokens)) for g in shape_env.guards)
+
+
+def test_symbolic_tokens_with_an_odd_hint_are_left_alone_under_a_guard(sp_pass, caplog):
+    """The graph left alone is guarded to odd counts: served first from a warm cache, it must not
+    take the even counts that the sharded graph serves."""
     caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
     shape_env, gm = symbolic_trace(tokens_hint=9)
     assert run(sp_pass, gm) == 0
-    assert not [g for g in shape_env.guards if "Mod(" in str(g.expr)]
+    assert [_admits(shape_env, t) for t in (7, 9, 11, 8, 10)] == [True] * 3 + [False] * 2
     assert_skipped(sp_pass, caplog, "(hint 9) is not divisible by the group size 2")
+
+
+def test_symbolic_tokens_with_one_row_per_rank_are_left_alone_under_a_guard(sp_pass, caplog):
+    caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
+    shape_env, gm = symbolic_trace(tokens_hint=2)
+    assert run(sp_pass, gm) == 0
+    assert [_admits(shape_env, t) for t in (2, 3, 4, 6)] == [True, True, False, False]
+    assert_skipped(sp_pass, caplog, "(hint 2) gives 1 row per rank")
 
 
 def test_symbolic_tokens_and_min_tokens():

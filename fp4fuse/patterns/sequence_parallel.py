@@ -276,8 +276,10 @@ def guard_token_count(tokens: int | torch.SymInt, group_size: int, min_tokens: i
     specialize the shard size), gets the guard ``tokens % size == 0`` (``torch._check`` on a backed
     size installs one), and ``min_tokens`` is decided by the hint with a guard on either
     side (:func:`fp4fuse.patterns.base.threshold_reason`), so the compiled graph only ever runs on
-    sizes it is correct and wanted for; other sizes recompile. A count without a hint (unbacked) is
-    left alone.
+    sizes it is correct and wanted for; other sizes recompile. A hint that fails the divisibility or
+    the two rows is guarded on its side too (``tokens % size != 0``, ``tokens < 2 * size``): the
+    graph left alone is correct for every count, but served first (a warm cache after a restart) it
+    would otherwise run every later count unsharded. A count without a hint (unbacked) is left alone.
     """
     if isinstance(tokens, int):
         if tokens % group_size:
@@ -288,11 +290,14 @@ def guard_token_count(tokens: int | torch.SymInt, group_size: int, min_tokens: i
         return f"dynamic token count {tokens} has no size hint (unbacked); cannot guard it"
     hint = int(node.hint)
     if hint % group_size:
-        return f"dynamic token count {tokens} (hint {hint}) is not divisible by the group size {group_size}"
+        torch._check(tokens % group_size != 0)
+        return (f"dynamic token count {tokens} (hint {hint}) is not divisible by the group size {group_size} "
+                "(guarded: a divisible count recompiles)")
     if hint // group_size < 2:
+        torch._check(tokens < 2 * group_size)
         return (f"dynamic token count {tokens} (hint {hint}) gives {hint // group_size} row per rank: tracing the "
                 "sharded graph at that hint would specialize the count (sizes 0 and 1 are static to torch.compile), "
-                "which breaks a mark_dynamic constraint; a first call with more tokens compiles a graph that fuses")
+                "which breaks a mark_dynamic constraint; guarded: a call with more tokens compiles a graph that fuses")
     reason = threshold_reason(tokens, min_tokens)
     if reason is None:
         torch._check(tokens % group_size == 0)

@@ -33,7 +33,9 @@ vocab-parallel embedding:
 
 A dynamic batch (what a serving engine compiles: decode steps ``[batch, 1]``, ``mark_dynamic`` on
 the batch) fuses as the static model does under a divisibility guard, and a batch that fails the
-guard recompiles into a graph that fuses nothing, with the reasons.
+guard recompiles into a graph that fuses nothing, with the reasons (and a guard of its own). After
+``torch._dynamo.reset()`` (a restart, the caches kept) the same two graphs come from the compile
+caches, each to the batches of its guards, whichever batch comes first.
 
 With a replicated embedding and ``always``: first = 0 and layer 0's q, k, v stay unfused
 (dynamic scales: quant_before_gather = all_gather_mm_fp4_gathered = 2L - 1, shared_quantization =
@@ -66,6 +68,9 @@ TIMEOUT_S = 600.0
 #: decode steps ``[batch, 1]`` with ``mark_dynamic`` on the batch: compiled at 4 tokens (2 rows per rank),
 #: reused at 6 (the divisibility guard holds), recompiled at 5 (it fails; nothing shards)
 DYNAMIC_BATCHES = (4, 6, 5)
+#: the same model again after ``torch._dynamo.reset()``, as a restarted server calls it: the odd batch
+#: first, so that each graph comes from the compile caches, which hold both graphs under one key
+WARM_BATCHES = (5, 4)
 
 
 # Dynamo names the model ``L['self']``, or ``L['args'][0]`` where transformers wraps ``forward`` (5.24 does),
@@ -132,7 +137,8 @@ RUNS = (Run("qwen2-static", "qwen2", static=True, layers=2), Run("gemma3-bf16", 
         Run("llama-replicated", "llama", batches=(1,), vocab_parallel=False, unfused=False),
         Run("llama-replicated-always", "llama", batches=(1,), rank_check="always", vocab_parallel=False,
             unfused=False, same_as="llama-replicated"),
-        Run("llama-dynamic", "llama", batches=DYNAMIC_BATCHES, dynamic=True))
+        Run("llama-dynamic", "llama", batches=DYNAMIC_BATCHES, dynamic=True),
+        Run("llama-dynamic-warm", "llama", batches=WARM_BATCHES, dynamic=True))
 LAYERS = {run.name: run.layers for run in RUNS}
 
 
@@ -164,13 +170,16 @@ def _rank_main(runs: tuple) -> dict:
             ids = tiny.token_ids(batch, seq=1 if run.dynamic else SEQ)
             if run.dynamic:
                 torch._dynamo.mark_dynamic(ids, 0)
-            calls = fusion.calls
+            calls, served, served_counts = fusion.calls, fusion.cached_graphs, fusion.cached_match_counts
             with torch.no_grad(), torch._inductor.config.patch(emulate_precision_casts=run.dtype != "float32"):
                 out = fused(ids, use_cache=False).logits
                 ref = plain(ids, use_cache=False).logits if plain is not None else logits.get((run.same_as, batch))
             logits[run.name, batch] = out
             results[run.name, batch] = {
                 "graphs": fusion.calls - calls, "shape": tuple(out.shape),
+                "served": fusion.cached_graphs - served,
+                "served_counts": {k: v for k, v in (fusion.cached_match_counts - served_counts).items()
+                                  if k.startswith(("sequence", "async"))},
                 "equal": bool(torch.equal(out, ref)) if ref is not None else None,
                 "counts": {k: v for k, v in fusion.last_match_counts.items() if k.startswith(("sequence", "async"))},
                 "skips": [(s.key, s.reason) for s in fusion.last_skips if s.key.startswith(("sequence", "async"))],
@@ -310,3 +319,17 @@ def test_a_dynamic_batch_fuses_under_a_guard_and_recompiles_where_it_fails(resul
     assert odd["graphs"] == 1 and odd["counts"] == {}
     assert odd["skips"] and all("(hint 5) is not divisible by the group size 2" in reason
                                 for key, reason in odd["skips"] if key.startswith("sequence_parallel"))
+
+
+def test_a_warm_cache_serves_each_batch_the_graph_of_its_guards(results):
+    """A restart (``torch._dynamo.reset()``, the caches kept): the odd batch first, then an even one.
+    The compile caches hold both graphs of the dynamic batch under one key and must serve each
+    batch the one whose guards it meets, on both ranks alike (otherwise they run different
+    collectives and hang): the graph that leaves the all-reduces alone for 5, the sharded one for 4.
+    fp4fuse.passes.cache_guards is what makes the caches read those guards right."""
+    odd, even = (results["llama-dynamic-warm", b] for b in WARM_BATCHES)
+    for got, batch in zip((odd, even), WARM_BATCHES):
+        assert got["graphs"] == 0 and got["served"] == 1, (batch, got)
+        assert got["shape"] == (batch, 1, hf_tiny.VOCAB) and got["equal"], (batch, got)
+    assert odd["served_counts"] == {}
+    assert even["served_counts"] == expected_counts(LAYERS["llama-dynamic-warm"], static=False)
