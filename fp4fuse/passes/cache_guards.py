@@ -7,7 +7,7 @@ choices differ by the guards they installed (fp4fuse's ``rows % group_size == 0`
 whose guard expression holds for the call's sizes. ``ShapeEnv.produce_guards_expression`` writes
 that expression as the guards joined with ``" and "``, and prints a disjunction guard (a
 ``sympy.Or``, as a view's size check installs: ``Eq(a, b) | Eq(Mod(a, b), 0)``) as ``a or b``,
-without parentheses (torch 2.11 and 2.13). Python reads ``g1 and a or b and g2`` as
+without parentheses (seen in torch 2.13). Python reads ``g1 and a or b and g2`` as
 ``(g1 and a) or (b and g2)``, so an entry is served to sizes that fail its guards.
 
 Seen with Hugging Face Phi-3 at TP=2 (CPU, gloo): with warm caches, one rank ran the graph compiled
