@@ -17,26 +17,21 @@ count, miscomputes or fails.
 
 :func:`install` (called by ``FusionPass()``) replaces the method with one that parenthesizes every
 guard; it changes no guard, only how the expression is written, for every compile of the process.
-Entries that older code wrote are not served to it: the method's source is part of
-``FusionPass.uuid()`` (:data:`SOURCE_KEY`).
+Entries that older code wrote are not served to it: this module's source is part of
+``FusionPass.uuid()``.
 """
 from __future__ import annotations
 
 import functools
-import hashlib
 import inspect
 import logging
-from pathlib import Path
 from typing import Any, Sequence
 
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-__all__ = ["SOURCE_KEY", "install", "installed"]
+__all__ = ["install", "installed"]
 
 logger = logging.getLogger(__name__)
-
-#: what the compile caches' keys take from this module (FusionPass.uuid)
-SOURCE_KEY = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
 
 #: the signature the replacement is written against
 _EXPECTED_PARAMETERS = ("self", "placeholders", "guards", "ignore_static")

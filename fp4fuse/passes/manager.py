@@ -201,8 +201,8 @@ class FusionPass(CustomGraphPass):
                     record.skipped, rest)
 
     def uuid(self) -> str:
-        """sha256 over the config's ``hash_key()``, each pass's ``uuid()`` in pipeline order, this
-        module's source, the run-time switches the passes read while compiling
+        """sha256 over the config's ``hash_key()``, each pass's ``uuid()`` in pipeline order, the
+        source of this module and of fp4fuse.passes.cache_guards, the run-time switches the passes read while compiling
         (``fp4fuse.config.compile_time_env``) and, where a pass needs it, the process-group layout.
 
         Inductor calls it for every FX-graph-cache lookup: each call opens a cache lookup
@@ -215,8 +215,8 @@ class FusionPass(CustomGraphPass):
         hasher = hashlib.sha256(self.config.hash_key().encode())
         for graph_pass in self.passes:
             hasher.update(graph_pass.uuid().encode())
-        hasher.update(Path(__file__).read_bytes())
-        hasher.update(cache_guards.SOURCE_KEY.encode())
+        for module_file in (__file__, cache_guards.__file__):  # this module, and how the caches write guards
+            hasher.update(Path(module_file).read_bytes())
         hasher.update(json.dumps(compile_time_env(), sort_keys=True).encode())
         if any(p.reads_process_groups for p in self.passes):
             hasher.update(json.dumps(process_group_fingerprint(), sort_keys=True).encode())
