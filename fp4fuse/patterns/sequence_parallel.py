@@ -456,9 +456,8 @@ class SPPattern(ReplacementPattern):
                        "rewrite it would be gathered unquantized, and no collective GEMM could overlap that gather")
                 return self._threshold_reason(tokens, limits.unquantized, why,
                                               "on this device such a rewrite measured slower than none")
-        if limits.unshared == limits.min_tokens:
-            return guard_token_count(tokens, self.group.size, limits.min_tokens)
-        scales = scales_of_quantizations(outputs)
+        # the scales matter only where their threshold differs
+        scales = scales_of_quantizations(outputs) if limits.unshared != limits.min_tokens else set()
         if len(scales) < 2:
             return guard_token_count(tokens, self.group.size, limits.min_tokens)
         why = (f"the norm output is quantized with {len(scales)} global scales of their own (static per-projection "
