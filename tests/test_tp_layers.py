@@ -191,6 +191,17 @@ def _column_checks(group: TPGroup, tp1: TPGroup) -> dict[str, bool]:
     parts = [p.split(list(col.local_parts), dim=-1) for p in _gather(col(x))]
     gathered = torch.cat([torch.cat([p[i] for p in parts], dim=-1) for i in range(3)], dim=-1)
     checks["column_tp2_equals_tp1"] = torch.equal(gathered, one(x))
+    # gather_output (colwise_gather_output): every rank returns the whole output, in feature order, and
+    # the gather traces without a graph break (fullgraph; torch 2.11's funcol gather along the last
+    # dimension broke the graph at every gathered linear)
+    whole = ColumnParallelNVFP4Linear(full, group, NVFP4Quantizer(), BF16, full_bias=bias, gather_output=True)
+    one_whole = ColumnParallelNVFP4Linear(full, tp1, NVFP4Quantizer(), BF16, full_bias=bias)
+    compiled = torch.compile(whole, backend="aot_eager", fullgraph=True)
+    for lead in ((3, 5), (7,), ()):
+        xg = torch.randn(*lead, 64, generator=_gen(11)).to(BF16)
+        expected = one_whole(xg)
+        checks[f"column_gathered_{lead}"] = torch.equal(whole(xg), expected)
+        checks[f"column_gathered_compiled_{lead}"] = torch.equal(compiled(xg), expected)
     return checks
 
 

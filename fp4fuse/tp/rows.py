@@ -7,7 +7,10 @@ ops and its leading shape restored on the output. A 2-D input passes through unt
 
 A column-parallel linear whose output every rank needs whole gathers its output features
 (``gather_features``); a row-parallel linear given a whole input takes this rank's features of it
-(``local_features``).
+(``local_features``). The feature gather is an all-gather of rows followed by a chunk + cat written
+here, not funcol's gather along the last dimension: torch 2.11's ``all_gather_tensor`` reassembles
+through ``torch._utils._maybe_view_chunk_cat``, which Dynamo refuses to trace, so every gathered
+linear was a graph break there (HF Phi-3, GLM and OLMo 2 plans), and no rewrite could span it.
 
 A row-parallel linear sums its partial product over the group on the 2-D rows (``mm -> all_reduce``
 stays adjacent in the graph, the form the fusion passes match), then adds the bias once, after the
@@ -57,7 +60,8 @@ def gather_features(y: torch.Tensor, group: TPGroup) -> torch.Tensor:
     on every rank (a functional all-gather along the last dimension)."""
     if group.size == 1:
         return y
-    return _ALL_GATHER(y.contiguous(), gather_dim=y.dim() - 1, group=group.name)
+    stacked = _ALL_GATHER(y.contiguous(), gather_dim=0, group=group.name)  # [size * lead0, ..., N / size]
+    return torch.cat(torch.chunk(stacked, group.size, dim=0), dim=-1)
 
 
 def local_features(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
