@@ -1,0 +1,321 @@
+// An NVFP4 W4A4 GEMM for M <= 16 rows on sm_89+ in CUDA C++ (mma.sync m16n8k16, fp16 operands, fp32
+// accumulation): an experiment against fp4fuse's Triton decode GEMM, timed by
+// benchmarks/bench_cuda_decode.py. Not used by fp4fuse (results in benchmarks/results/).
+//
+// out[m, n] = alpha * 2^28 * sum_k (e2m1(a[m,k]) 2^-14 s_a) * (e2m1(w[n,k]) 2^-14 s_w), each operand
+// decoded exactly into fp16 in registers (the Triton kernels' numerics).
+// Swapped product: a warp's 16 weight rows x 16 k-slots are the MMA's A operand, the activation
+// (16 k-slots x 8 tokens) its B operand; two B fragments cover 16 tokens. The activation is decoded
+// once per CTA and round into shared memory in B-fragment order; the weight goes from global memory
+// straight to registers (16-byte loads, PREFETCH chunks ahead), is decoded there and never stored.
+// K order: in a chunk of 128 * SUB elements, thread t (lane % 4) owns elements
+// [128 SUB t / 4, +32 SUB) of each of its rows (16 SUB contiguous code bytes, 2 SUB block scales).
+// Each 32-bit code word yields 4 fp16x2 registers whose halves pair the codes at one nibble position
+// of the word's two 16-bit lanes (a: bits 0-3 / 16-19, b: 4-7 / 20-23, c: 8-11 / 24-27,
+// d: 12-15 / 28-31). MMA j of a 128-element sub-chunk takes its word j/2: slots (2t, 2t+1) <- a
+// (j even) or c (j odd), slots (2t+8, 2t+9) <- b or d. Both operands use this order, so the
+// product over K is the same; the kernel's output is bitwise the Triton decode GEMM's.
+// Split-K over blockIdx.y, deterministic: fp32 partials, the last CTA of a column sums them in
+// split order. Needs N % 16 == 0 and K % (128 * SUB) == 0 (the launcher's checks).
+// Header-free (NVRTC compiles it with no include path): PTX for every fp16/fp8/bf16 operation.
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+struct __align__(16) u32x4 { u32 x, y, z, w; };
+struct __align__(8) u32x2 { u32 x, y; };
+
+#ifndef NWARPS
+#define NWARPS 8
+#endif
+#ifndef TILES
+#define TILES 1            // 16-row tiles per warp
+#endif
+#ifndef ROUND
+#define ROUND (NWARPS / 2)  // chunks per activation round: one decode task (16 * SUB B of a token) per thread
+#endif
+#ifndef PREFETCH
+#define PREFETCH 3         // weight chunks loaded ahead
+#endif
+#define RING (PREFETCH + 1)
+static_assert(ROUND % RING == 0, "ROUND must be a multiple of PREFETCH + 1");
+
+#ifndef SUB
+#define SUB 1              // 128-element sub-chunks per chunk: a thread reads 16 * SUB contiguous bytes of a row
+#endif
+#define NTHREADS (NWARPS * 32)
+#define CE (128 * SUB)     // K elements per chunk
+#define CTA_ROWS (NWARPS * TILES * 16)
+
+__device__ __forceinline__ u32 dec_a(u32 w) { return ((w << 9) & 0x0E000E00u) | ((w << 12) & 0x80008000u); }
+__device__ __forceinline__ u32 dec_b(u32 w) { return ((w << 5) & 0x0E000E00u) | ((w << 8) & 0x80008000u); }
+__device__ __forceinline__ u32 dec_c(u32 w) { return ((w << 1) & 0x0E000E00u) | ((w << 4) & 0x80008000u); }
+__device__ __forceinline__ u32 dec_d(u32 w) { return ((w >> 3) & 0x0E000E00u) | (w & 0x80008000u); }
+
+__device__ __forceinline__ u32 hmul2u(u32 x, u32 s) {
+  u32 r;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(x), "r"(s));
+  return r;
+}
+
+// two e4m3 bytes (low 16 bits) -> f16x2
+__device__ __forceinline__ u32 e4m3x2_to_f16x2(u16 v) {
+  u32 r;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(v));
+  return r;
+}
+__device__ __forceinline__ u32 lo2(u32 s) { return __byte_perm(s, 0, 0x1010); }
+__device__ __forceinline__ u32 hi2(u32 s) { return __byte_perm(s, 0, 0x3232); }
+
+__device__ __forceinline__ void mma16816(float* d, u32 a0, u32 a1, u32 a2, u32 a3,
+                                         u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32x4 ldg_stream(const void* p) {
+  u32x4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ float ld_cg(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
+
+// decoded activation of one chunk: [j 0..7][lane 0..31][h 0..1][2 words] = 8 * 32 * 4 words
+#define CHUNK_WORDS (SUB * 8 * 32 * 4)
+
+template <int S> struct ScaleT;
+template <> struct ScaleT<1> { typedef u16 T; };
+template <> struct ScaleT<2> { typedef u32 T; };
+template <> struct ScaleT<4> { typedef u32x2 T; };
+typedef ScaleT<SUB>::T scale_t;
+// the two block scales (2s, 2s+1) of sub-chunk s as the low 16 bits
+__device__ __forceinline__ u16 scale_pair(u16 v, int) { return v; }
+__device__ __forceinline__ u16 scale_pair(u32 v, int s) { return (u16)(v >> (16 * s)); }
+__device__ __forceinline__ u16 scale_pair(u32x2 v, int s) { return (u16)((s < 2 ? v.x : v.y) >> (16 * (s & 1))); }
+
+struct Params {
+  const u8* a; const u8* as; const u8* w; const u8* ws;
+  const float* alpha; void* out; float* partials; int* counters;
+  int M, N, K, splits, chunks_per_split, out_bf16;
+};
+
+__device__ __forceinline__ void store_out(const Params& p, size_t idx, float v) {
+  if (p.out_bf16) {
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    reinterpret_cast<u16*>(p.out)[idx] = h;
+  } else {
+    reinterpret_cast<float*>(p.out)[idx] = v;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS)
+fp4fuse_decode16(const u8* a, const u8* as, const u8* w, const u8* ws, const float* alpha, void* out,
+                 float* partials, int* counters, int M, int N, int K, int splits, int chunks_per_split,
+                 int out_bf16) {
+  Params p;
+  p.a = a; p.as = as; p.w = w; p.ws = ws; p.alpha = alpha; p.out = out; p.partials = partials;
+  p.counters = counters; p.M = M; p.N = N; p.K = K; p.splits = splits; p.chunks_per_split = chunks_per_split;
+  p.out_bf16 = out_bf16;
+  extern __shared__ u32x4 smem4[];
+  u32* smem = reinterpret_cast<u32*>(smem4);  // ROUND * CHUNK_WORDS words
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int KB = p.K / 2, KG = p.K / 16;
+  const int n_cta = blockIdx.x * CTA_ROWS;
+  const int split = blockIdx.y;
+  const int c_begin = split * p.chunks_per_split;
+  int c_end = c_begin + p.chunks_per_split;
+  const int nchunks = p.K / CE;
+  if (c_end > nchunks) c_end = nchunks;
+
+  float acc[TILES][2][4];
+#pragma unroll
+  for (int i = 0; i < TILES; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][h][e] = 0.f;
+
+  // this warp's rows
+  int row0[TILES];
+  bool tile_ok[TILES];
+#pragma unroll
+  for (int i = 0; i < TILES; ++i) {
+    row0[i] = n_cta + (warp * TILES + i) * 16;
+    tile_ok[i] = row0[i] < p.N;  // N % 16 == 0
+  }
+
+  // activation decode task of this thread in a round: chunk rc, token tok, slice ts
+  const int task = threadIdx.x;              // ROUND * 16 * 4 tasks (== NTHREADS when ROUND*64 == NTHREADS)
+  const int a_rc = task / 64, a_tok = (task / 4) % 16, a_ts = task % 4;
+  const bool a_task = task < ROUND * 64;
+
+  // weight prefetch ring (registers)
+  u32x4 wq[RING][TILES][2][SUB];
+  scale_t wsc[RING][TILES][2];
+
+  auto load_w = [&](int c, int slot) {
+#pragma unroll
+    for (int i = 0; i < TILES; ++i)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (tile_ok[i] && c < c_end) {
+          const int row = row0[i] + g + 8 * r;
+          const u8* wp = p.w + (size_t)row * KB + c * (64 * SUB) + (16 * SUB) * t;
+#pragma unroll
+          for (int s = 0; s < SUB; ++s) wq[slot][i][r][s] = ldg_stream(wp + 16 * s);
+          wsc[slot][i][r] = *reinterpret_cast<const scale_t*>(p.ws + (size_t)row * KG + c * (8 * SUB) + (2 * SUB) * t);
+        }
+      }
+  };
+
+  // activation prefetch (one round ahead)
+  u32x4 aq[SUB];
+  scale_t asc;
+  auto load_a = [&](int round_c0) {
+    const int c = round_c0 + a_rc;
+    if (a_task && a_tok < p.M && c < c_end) {
+      const u8* ap = p.a + (size_t)a_tok * KB + c * (64 * SUB) + (16 * SUB) * a_ts;
+#pragma unroll
+      for (int s = 0; s < SUB; ++s) aq[s] = *reinterpret_cast<const u32x4*>(ap + 16 * s);
+      asc = *reinterpret_cast<const scale_t*>(p.as + (size_t)a_tok * KG + c * (8 * SUB) + (2 * SUB) * a_ts);
+    } else {
+#pragma unroll
+      for (int s = 0; s < SUB; ++s) aq[s] = u32x4{0u, 0u, 0u, 0u};
+      asc = scale_t{};
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < PREFETCH; ++s) load_w(c_begin + s, s);
+  load_a(c_begin);
+
+  for (int rc0 = c_begin; rc0 < c_end; rc0 += ROUND) {
+    __syncthreads();  // previous round's readers are done
+    if (a_task) {
+      const int h = a_tok >> 3, lanep = ((a_tok & 7) << 2) | a_ts;
+#pragma unroll
+      for (int sc_i = 0; sc_i < SUB; ++sc_i) {
+        const u32 s2 = e4m3x2_to_f16x2(scale_pair(asc, sc_i));
+        const u32 sl = lo2(s2), sh = hi2(s2);
+        const u32 wd[4] = {aq[sc_i].x, aq[sc_i].y, aq[sc_i].z, aq[sc_i].w};
+        u32* base = smem + a_rc * CHUNK_WORDS + sc_i * (8 * 32 * 4);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const u32 x = wd[j >> 1];
+          const u32 sc = (j < 4) ? sl : sh;
+          u32 r0, r1;
+          if ((j & 1) == 0) { r0 = dec_a(x); r1 = dec_b(x); } else { r0 = dec_c(x); r1 = dec_d(x); }
+          r0 = hmul2u(r0, sc); r1 = hmul2u(r1, sc);
+          *reinterpret_cast<u32x2*>(base + ((j * 32 + lanep) * 2 + h) * 2) = u32x2{r0, r1};
+        }
+      }
+    }
+    load_a(rc0 + ROUND);
+    __syncthreads();
+
+#pragma unroll
+    for (int cc = 0; cc < ROUND; ++cc) {
+      const int c = rc0 + cc;
+      if (c >= c_end) break;
+      const int slot = cc % RING;
+      // prefetch chunk c + PREFETCH into the slot chunk c - 1 used
+      load_w(c + PREFETCH, (cc + PREFETCH) % RING);
+      const u32* bbase = smem + cc * CHUNK_WORDS;
+#pragma unroll
+      for (int i = 0; i < TILES; ++i) {
+        if (!tile_ok[i]) continue;
+#pragma unroll
+        for (int sc_i = 0; sc_i < SUB; ++sc_i) {
+          const u32x4 q0 = wq[slot][i][0][sc_i], q1 = wq[slot][i][1][sc_i];
+          const u32 s0 = e4m3x2_to_f16x2(scale_pair(wsc[slot][i][0], sc_i));
+          const u32 s1 = e4m3x2_to_f16x2(scale_pair(wsc[slot][i][1], sc_i));
+          const u32 w0[4] = {q0.x, q0.y, q0.z, q0.w};
+          const u32 w1[4] = {q1.x, q1.y, q1.z, q1.w};
+          const u32* bsub = bbase + sc_i * (8 * 32 * 4);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const u32 x0 = w0[j >> 1], x1 = w1[j >> 1];
+            const u32 sc0 = (j < 4) ? lo2(s0) : hi2(s0);
+            const u32 sc1 = (j < 4) ? lo2(s1) : hi2(s1);
+            u32 a0, a1, a2, a3;
+            if ((j & 1) == 0) { a0 = dec_a(x0); a1 = dec_a(x1); a2 = dec_b(x0); a3 = dec_b(x1); }
+            else { a0 = dec_c(x0); a1 = dec_c(x1); a2 = dec_d(x0); a3 = dec_d(x1); }
+            a0 = hmul2u(a0, sc0); a2 = hmul2u(a2, sc0);
+            a1 = hmul2u(a1, sc1); a3 = hmul2u(a3, sc1);
+            const u32x4 bb = *reinterpret_cast<const u32x4*>(bsub + (j * 32 + lane) * 4);
+            mma16816(acc[i][0], a0, a1, a2, a3, bb.x, bb.y);
+            mma16816(acc[i][1], a0, a1, a2, a3, bb.z, bb.w);
+          }
+        }
+      }
+    }
+  }
+
+  // epilogue. acc[i][h][e]: row g + 8*(e>=2), token 8h + 2t + (e&1)
+  const float undo = 268435456.0f;  // 2^28
+  if (p.splits == 1) {
+    const float alpha_v = *p.alpha;
+#pragma unroll
+    for (int i = 0; i < TILES; ++i) {
+      if (!tile_ok[i]) continue;
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int n = row0[i] + g + ((e >> 1) << 3);
+          const int m = 8 * h + 2 * t + (e & 1);
+          if (m < p.M) {
+            const float v = (acc[i][h][e] * undo) * alpha_v;
+            store_out(p, (size_t)m * p.N + n, v);
+          }
+        }
+    }
+    return;
+  }
+  // split-K: partials[split][n][16], last CTA of this column sums in split order
+  float* part = p.partials + (size_t)split * p.N * 16;
+#pragma unroll
+  for (int i = 0; i < TILES; ++i) {
+    if (!tile_ok[i]) continue;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int n = row0[i] + g + ((e >> 1) << 3);
+        const int m = 8 * h + 2 * t + (e & 1);
+        part[(size_t)n * 16 + m] = acc[i][h][e];
+      }
+  }
+  __threadfence();
+  __syncthreads();
+  __shared__ int is_last;
+  if (threadIdx.x == 0) {
+    const int prev = atomicAdd(p.counters + blockIdx.x, 1);
+    is_last = (prev == p.splits - 1);
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  const float alpha_v = *p.alpha;
+  // CTA_ROWS rows x 16 tokens
+  for (int idx = threadIdx.x; idx < CTA_ROWS * 16; idx += NTHREADS) {
+    const int n = n_cta + idx / 16, m = idx % 16;
+    if (n >= p.N || m >= p.M) continue;
+    float s = 0.f;
+    for (int sp = 0; sp < p.splits; ++sp) s += ld_cg(p.partials + ((size_t)sp * p.N + n) * 16 + m);
+    const float v = (s * undo) * alpha_v;
+    store_out(p, (size_t)m * p.N + n, v);
+  }
+  if (threadIdx.x == 0) p.counters[blockIdx.x] = 0;
+}
+
