@@ -117,6 +117,21 @@ __device__ __forceinline__ void store_out(const Params& p, size_t idx, float v) 
   }
 }
 
+// f(value, n, m) for each accumulator of this thread: acc[i][h][e] is weight row
+// row0[i] + g + 8 * (e >= 2), token 8h + 2t + (e & 1) (the m16n8 C fragment)
+template <class F>
+__device__ __forceinline__ void each_output(const float (&acc)[TILES][2][4], const int (&row0)[TILES],
+                                            const bool (&tile_ok)[TILES], int g, int t, F f) {
+#pragma unroll
+  for (int i = 0; i < TILES; ++i) {
+    if (!tile_ok[i]) continue;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) f(acc[i][h][e], row0[i] + g + ((e >> 1) << 3), 8 * h + 2 * t + (e & 1));
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(NTHREADS)
 fp4fuse_decode16(const u8* a, const u8* as, const u8* w, const u8* ws, const float* alpha, void* out,
                  float* partials, int* counters, int M, int N, int K, int splits, int chunks_per_split,
@@ -261,41 +276,18 @@ fp4fuse_decode16(const u8* a, const u8* as, const u8* w, const u8* ws, const flo
     }
   }
 
-  // epilogue. acc[i][h][e]: row g + 8*(e>=2), token 8h + 2t + (e&1)
+  // epilogue
   const float undo = 268435456.0f;  // 2^28
   if (p.splits == 1) {
     const float alpha_v = *p.alpha;
-#pragma unroll
-    for (int i = 0; i < TILES; ++i) {
-      if (!tile_ok[i]) continue;
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int n = row0[i] + g + ((e >> 1) << 3);
-          const int m = 8 * h + 2 * t + (e & 1);
-          if (m < p.M) {
-            const float v = (acc[i][h][e] * undo) * alpha_v;
-            store_out(p, (size_t)m * p.N + n, v);
-          }
-        }
-    }
+    each_output(acc, row0, tile_ok, g, t, [&](float v, int n, int m) {
+      if (m < p.M) store_out(p, (size_t)m * p.N + n, (v * undo) * alpha_v);
+    });
     return;
   }
   // split-K: partials[split][n][16], last CTA of this column sums in split order
   float* part = p.partials + (size_t)split * p.N * 16;
-#pragma unroll
-  for (int i = 0; i < TILES; ++i) {
-    if (!tile_ok[i]) continue;
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int n = row0[i] + g + ((e >> 1) << 3);
-        const int m = 8 * h + 2 * t + (e & 1);
-        part[(size_t)n * 16 + m] = acc[i][h][e];
-      }
-  }
+  each_output(acc, row0, tile_ok, g, t, [&](float v, int n, int m) { part[(size_t)n * 16 + m] = v; });
   __threadfence();
   __syncthreads();
   __shared__ int is_last;
