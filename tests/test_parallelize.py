@@ -19,6 +19,9 @@ activations ``[batch, seq, hidden]`` in every linear):
   rounding of an e2m1 decision point could flip one code on another CPU, which moves the logits by
   ~1e-4 to 1e-3; anything wrong (a shard, a scale, a bias, the dynamic row-parallel rule) moves them
   by 0.2 or more (measured: the TP=1 dynamic rule against the TP=2 model, 0.23-0.26). Bound 2e-3.
+* OLMo 2, GLM and Phi-3 (NVFP4, dynamic scales) traced whole by Dynamo (``fullgraph=True``, eager
+  backend): the eager logits bit for bit. A graph break in a TP layer would keep every rewrite from
+  spanning it; on torch 2.11 each gathered output was one (fp4fuse.tp.rows).
 """
 from __future__ import annotations
 
@@ -246,6 +249,9 @@ def _rank_main() -> dict[str, torch.Tensor]:
             model = builders[variant]()
             for batch in (1, 3):
                 logits[f"{kind}/{variant}/batch{batch}"] = hf_tiny.logits(model, hf_tiny.token_ids(batch))
+        if kind in GATHER_SPLIT_KINDS:  # one graph: no rewrite spans a graph break
+            traced = torch.compile(builders["nvfp4_dynamic_tp2"](), backend="eager", fullgraph=True)
+            logits[f"{kind}/fullgraph"] = hf_tiny.logits(traced, hf_tiny.token_ids(3))
     return logits
 
 
@@ -267,3 +273,6 @@ def test_hf_models_at_tp2_equal_their_references():
                     err = hf_tiny.rel_error(logits[key], expected[variant.removesuffix("_tp2").removesuffix("_tp1")])
                     bound = EXACT_SPLIT_SUM if variant == "bf16" else QUANTIZED
                     assert err < bound, f"rank {rank}: {key}: relative error {err:.3g} >= {bound}"
+    for kind in GATHER_SPLIT_KINDS:  # traced whole (fullgraph), the eager model's logits bit for bit
+        for rank, logits in enumerate(results):
+            assert torch.equal(logits[f"{kind}/fullgraph"], logits[f"{kind}/nvfp4_dynamic_tp2/batch3"]), (rank, kind)
