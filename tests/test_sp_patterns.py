@@ -940,6 +940,19 @@ def test_unmatched_all_reduce_is_reported(sp_pass, caplog):
     assert run(sp_pass, gm) == 0
     assert_skipped(sp_pass, caplog, "no sequence-parallel norm pattern starts at this all_reduce (its result is read "
                    "by aten.mul.Tensor)", "unmatched")
+    assert not any("leaves this graph" in s.reason for s in sp_pass.skips)
+
+
+def test_all_reduce_at_the_end_of_a_graph_names_graph_breaks(sp_pass, caplog):
+    """A graph that ends at the all-reduce (the model's graph broken after it, the norm in the next
+    graph): the skip says so and how to find the break."""
+    caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
+    gm = trace(lambda x: all_reduce(x), [(8, H)])
+    assert run(sp_pass, gm) == 0
+    assert_skipped(sp_pass, caplog, "(its result is read by output)", "unmatched")
+    unmatched = [s.reason for s in sp_pass.skips if "unmatched" in s.key]
+    assert len(unmatched) == 1 and "its result leaves this graph" in unmatched[0], unmatched
+    assert "TORCH_LOGS=graph_breaks" in unmatched[0]
 
 
 def test_gathered_activation_with_another_reader(sp_pass, caplog):

@@ -241,12 +241,17 @@ class SequenceParallelismPass(GraphPass):
         for c in find_collectives(graph, CollectiveKind.ALL_REDUCE):
             if c.group_name != group.name or c.reduce_op != "sum" or c.node.name in reported:
                 continue
-            readers = sorted({str(getattr(u, "target", u)) for w in c.node.users for u in w.users})
+            users = {u for w in c.node.users for u in w.users}
+            readers = sorted({str(getattr(u, "target", u)) for u in users})
+            leaves = any(u.op == "output" for u in users)
             self.recorder.skipped("unmatched", c.node, (
                 f"no sequence-parallel norm pattern starts at this all_reduce (its result is read by "
                 f"{', '.join(readers) or 'nothing'}); the patterns need all_reduce [* number | + row bias] -> "
                 f"[residual add ->] norm, the norm written as one of "
-                f"{', '.join(f.name for s in NORM_SETS for f in s.families)}"))
+                f"{', '.join(f.name for s in NORM_SETS for f in s.families)}"
+                + ("; its result leaves this graph: where Dynamo broke the model's graph after this all_reduce "
+                   "(TORCH_LOGS=graph_breaks names each break and its cause), the norm is in the next graph "
+                   "and no rewrite can span the break" if leaves else "")))
 
     def _share_quantizations(self, graph: fx.Graph) -> None:
         """Step 4's merge of equal computations, where two or more quants read gathered activations:
