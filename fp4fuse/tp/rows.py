@@ -57,7 +57,8 @@ def row_parallel_sum(partial: torch.Tensor, group: TPGroup, bias: torch.Tensor |
 def gather_features(y: torch.Tensor, group: TPGroup) -> torch.Tensor:
     """``y [..., N / size]`` on each rank -> ``[..., N]``, rank ``r``'s features at
     ``[r * N / size, (r + 1) * N / size)``: the whole output of a column-parallel linear, the same
-    on every rank (a functional all-gather along the last dimension)."""
+    on every rank (a functional all-gather of rows, reassembled along the last dimension: module
+    docstring)."""
     if group.size == 1:
         return y
     stacked = _ALL_GATHER(y.contiguous(), gather_dim=0, group=group.name)  # [size * lead0, ..., N / size]
