@@ -97,6 +97,27 @@ def write_raw(path: str | None, **results: Any) -> None:
             json.dump(raw, f, indent=1)
 
 
+def patched_module(module: Any, name: str, replacements: dict[str, str], directory: str) -> Any:
+    """A copy of ``module`` whose source has each key of ``replacements`` (found verbatim exactly once,
+    or RuntimeError) replaced by its value, written to ``directory`` as ``{name}.py`` and imported from
+    there (Triton reads a kernel's source from its file)."""
+    import importlib.util
+    source = open(module.__file__).read()
+    for old, new in replacements.items():
+        if source.count(old) != 1:
+            raise RuntimeError(f"patched_module({name}): {module.__name__}'s source changed; this text is not "
+                               f"there exactly once:\n{old}")
+        source = source.replace(old, new)
+    path = os.path.join(directory, f"{name}.py")
+    with open(path, "w") as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    copy = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = copy  # dataclasses look their module up while it executes
+    spec.loader.exec_module(copy)
+    return copy
+
+
 def bench(fn, warmup: int = 10, rep: int = 40) -> float:
     """Median milliseconds of ``fn`` (L2 cleared before each call)."""
     return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import sys
 import tempfile
 from pathlib import Path
@@ -67,18 +66,9 @@ VARIANTS = {"unroll2": _unrolled(2), "unroll4": _unrolled(4), "notail": "       
 
 def variant_modules(directory: Path) -> dict[str, object]:
     """The shipped module and one copy per entry of VARIANTS, imported from ``directory``."""
-    source = Path(mm_decode.__file__).read_text()
-    if source.count(_SHIPPED) != 1:
-        raise RuntimeError("bench_split_k_tail: finish_tile's reduction changed; update _SHIPPED")
     modules: dict[str, object] = {"shipped": mm_decode}
     for name, body in VARIANTS.items():
-        path = directory / f"mm_decode_{name}.py"
-        path.write_text(source.replace(_SHIPPED, body))
-        spec = importlib.util.spec_from_file_location(f"mm_decode_{name}", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up while it executes
-        spec.loader.exec_module(module)  # Triton reads a kernel's source from its file
-        modules[name] = module
+        modules[name] = bench_ops.patched_module(mm_decode, f"mm_decode_{name}", {_SHIPPED: body}, str(directory))
     return modules
 
 

@@ -18,6 +18,30 @@
 // Split-K over blockIdx.y, deterministic: fp32 partials, the last CTA of a column sums them in
 // split order. Needs N % 16 == 0 and K % (128 * SUB) == 0 (the launcher's checks).
 // Header-free (NVRTC compiles it with no include path): PTX for every fp16/fp8/bf16 operation.
+//
+// Probe switches (macros; each off by default, which is the kernel above). They take the kernel
+// apart to see where its time goes (bench_cuda_decode.py --probe; results in benchmarks/results/).
+// Marked "timing only" where the output is wrong on purpose.
+//   LOAD_ONLY      weight loads only: the loaded words feed an XOR sink, no decode, no MMA (timing only)
+//   NO_MMA         loads and decode, the decoded registers feed the sink instead of the MMAs (timing only)
+//   NO_ACT         no activation rounds (no activation loads, decode, shared-memory stores or CTA barriers;
+//                  timing only, with LOAD_ONLY or NO_MMA)
+//   NO_TAIL        every split stores its own partial as the output: no arrival, no reduction (timing only)
+//   PREPACKED      the weight read as if prepacked: a warp tile's (chunk, sub-chunk, row half) is 512
+//                  contiguous bytes, 16 a lane (addressing only: the values are not prepacked; timing only)
+//   SMEM_RING      weight (and its scales) through a per-warp cp.async ring of PREFETCH + 1 stages in
+//                  shared memory instead of registers (needs TILES 1, SUB >= 2; exact)
+//   TAIL_NOFENCE   no fence around the split-K arrival (timing only)
+//   TAIL_NOREDUCE  arrival, then the last CTA writes its own partial (timing only)
+//   TAIL_ACQREL    fence.acq_rel.gpu instead of __threadfence (fence.sc) around the arrival (exact)
+//   TAIL_FAST      partials token-major ([split][16][N]): coalesced reads and output stores (exact)
+//   TAIL_PAR=S     TAIL_FAST, and every load of the reduction issued before the first add, for up to S
+//                  splits (exact for splits <= S)
+//   CLUSTER_TAIL=S the S splits of a column are one thread-block cluster (__cluster_dims__(1, S, 1)):
+//                  partials in shared memory, each CTA sums a slice over distributed shared memory (exact;
+//                  launch with exactly S splits)
+//   CLUSTER_PUSH   with CLUSTER_TAIL: each CTA stores its partial into rank 0's shared memory, one
+//                  cluster barrier, rank 0 sums (exact)
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
@@ -37,7 +61,9 @@ struct __align__(8) u32x2 { u32 x, y; };
 #define PREFETCH 3         // weight chunks loaded ahead
 #endif
 #define RING (PREFETCH + 1)
+#ifndef SMEM_RING
 static_assert(ROUND % RING == 0, "ROUND must be a multiple of PREFETCH + 1");
+#endif
 
 #ifndef SUB
 #define SUB 1              // 128-element sub-chunks per chunk: a thread reads 16 * SUB contiguous bytes of a row
@@ -79,6 +105,25 @@ __device__ __forceinline__ u32x4 ldg_stream(const void* p) {
   u32x4 r;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ void cp_async16(u32 saddr, const void* g) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(saddr), "l"(g) : "memory");
+}
+__device__ __forceinline__ void cp_async4(u32 saddr, const void* g) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(saddr), "l"(g) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+__device__ __forceinline__ u32x4 lds128(u32 saddr) {
+  u32x4 r;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(saddr));
+  return r;
+}
+__device__ __forceinline__ u32 lds32(u32 saddr) {
+  u32 r;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(saddr));
   return r;
 }
 
@@ -132,7 +177,28 @@ __device__ __forceinline__ void each_output(const float (&acc)[TILES][2][4], con
   }
 }
 
-extern "C" __global__ void __launch_bounds__(NTHREADS)
+#ifdef CLUSTER_TAIL
+#define CLUSTER_ATTR __cluster_dims__(1, CLUSTER_TAIL, 1)
+#else
+#define CLUSTER_ATTR
+#endif
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+__device__ __forceinline__ float ld_cluster(u32 local_addr, u32 rank) {
+  u32 remote;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local_addr), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+extern "C" __global__ void CLUSTER_ATTR __launch_bounds__(NTHREADS)
 fp4fuse_decode16(const u8* a, const u8* as, const u8* w, const u8* ws, const float* alpha, void* out,
                  float* partials, int* counters, int M, int N, int K, int splits, int chunks_per_split,
                  int out_bf16) {
@@ -152,6 +218,7 @@ fp4fuse_decode16(const u8* a, const u8* as, const u8* w, const u8* ws, const flo
   const int nchunks = p.K / CE;
   if (c_end > nchunks) c_end = nchunks;
 
+  u32 sink = 0;
   float acc[TILES][2][4];
 #pragma unroll
   for (int i = 0; i < TILES; ++i)
@@ -174,6 +241,36 @@ fp4fuse_decode16(const u8* a, const u8* as, const u8* w, const u8* ws, const flo
   const int a_rc = task / 64, a_tok = (task / 4) % 16, a_ts = task % 4;
   const bool a_task = task < ROUND * 64;
 
+#ifdef SMEM_RING
+  static_assert(TILES == 1 && SUB >= 2, "SMEM_RING: one tile a warp, 4-byte scale words");
+  // per warp and stage: codes [row half][sub][lane] 16 B, then scales [row half][lane] 2 * SUB B
+  constexpr int WSTAGE = 2 * SUB * 512 + 2 * 32 * 2 * SUB;
+  const u32 ring = smem_addr(smem + ROUND * CHUNK_WORDS) + (u32)(warp * (PREFETCH + 1) * WSTAGE);
+  auto load_w = [&](int c, int) {
+    if (tile_ok[0] && c < c_end) {
+      const u32 stage = ring + (u32)((c % (PREFETCH + 1)) * WSTAGE);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = row0[0] + g + 8 * r;
+#ifdef PREPACKED
+        const size_t tile16 = (size_t)(row0[0] / 16);
+        const u8* wp = p.w + ((tile16 * (p.K / CE) + c) * (2 * SUB) + r) * 512 + lane * 16;
+#pragma unroll
+        for (int s = 0; s < SUB; ++s) cp_async16(stage + ((r * SUB + s) * 32 + lane) * 16, wp + 1024 * s);
+#else
+        const u8* wp = p.w + (size_t)row * KB + c * (64 * SUB) + (16 * SUB) * t;
+#pragma unroll
+        for (int s = 0; s < SUB; ++s) cp_async16(stage + ((r * SUB + s) * 32 + lane) * 16, wp + 16 * s);
+#endif
+#pragma unroll
+        for (int s = 0; s < SUB / 2; ++s)
+          cp_async4(stage + 2 * SUB * 512 + (r * 32 + lane) * (2 * SUB) + 4 * s,
+                    p.ws + (size_t)row * KG + c * (8 * SUB) + (2 * SUB) * t + 4 * s);
+      }
+    }
+    cp_commit();
+  };
+#else
   // weight prefetch ring (registers)
   u32x4 wq[RING][TILES][2][SUB];
   scale_t wsc[RING][TILES][2];
@@ -185,13 +282,22 @@ fp4fuse_decode16(const u8* a, const u8* as, const u8* w, const u8* ws, const flo
       for (int r = 0; r < 2; ++r) {
         if (tile_ok[i] && c < c_end) {
           const int row = row0[i] + g + 8 * r;
+#ifdef PREPACKED
+          // prepacked order: a warp tile's (chunk, sub, row half) is 512 contiguous bytes, 16 a lane
+          const size_t tile16 = (size_t)(row0[i] / 16);
+          const u8* wp = p.w + ((tile16 * (p.K / CE) + c) * (2 * SUB) + r) * 512 + lane * 16;
+#pragma unroll
+          for (int s = 0; s < SUB; ++s) wq[slot][i][r][s] = ldg_stream(wp + 1024 * s);
+#else
           const u8* wp = p.w + (size_t)row * KB + c * (64 * SUB) + (16 * SUB) * t;
 #pragma unroll
           for (int s = 0; s < SUB; ++s) wq[slot][i][r][s] = ldg_stream(wp + 16 * s);
+#endif
           wsc[slot][i][r] = *reinterpret_cast<const scale_t*>(p.ws + (size_t)row * KG + c * (8 * SUB) + (2 * SUB) * t);
         }
       }
   };
+#endif
 
   // activation prefetch (one round ahead)
   u32x4 aq[SUB];
@@ -215,6 +321,7 @@ fp4fuse_decode16(const u8* a, const u8* as, const u8* w, const u8* ws, const flo
   load_a(c_begin);
 
   for (int rc0 = c_begin; rc0 < c_end; rc0 += ROUND) {
+#ifndef NO_ACT
     __syncthreads();  // previous round's readers are done
     if (a_task) {
       const int h = a_tok >> 3, lanep = ((a_tok & 7) << 2) | a_ts;
@@ -237,6 +344,7 @@ fp4fuse_decode16(const u8* a, const u8* as, const u8* w, const u8* ws, const flo
     }
     load_a(rc0 + ROUND);
     __syncthreads();
+#endif
 
 #pragma unroll
     for (int cc = 0; cc < ROUND; ++cc) {
@@ -245,15 +353,28 @@ fp4fuse_decode16(const u8* a, const u8* as, const u8* w, const u8* ws, const flo
       const int slot = cc % RING;
       // prefetch chunk c + PREFETCH into the slot chunk c - 1 used
       load_w(c + PREFETCH, (cc + PREFETCH) % RING);
+#ifdef SMEM_RING
+      cp_wait<PREFETCH>();
+#endif
       const u32* bbase = smem + cc * CHUNK_WORDS;
 #pragma unroll
       for (int i = 0; i < TILES; ++i) {
         if (!tile_ok[i]) continue;
 #pragma unroll
         for (int sc_i = 0; sc_i < SUB; ++sc_i) {
+#ifdef SMEM_RING
+          const u32 stage = ring + (u32)((c % (PREFETCH + 1)) * WSTAGE);
+          const u32x4 q0 = lds128(stage + ((0 * SUB + sc_i) * 32 + lane) * 16);
+          const u32x4 q1 = lds128(stage + ((1 * SUB + sc_i) * 32 + lane) * 16);
+          const u32 sw0 = lds32(stage + 2 * SUB * 512 + (0 * 32 + lane) * (2 * SUB) + 4 * (sc_i / 2));
+          const u32 sw1 = lds32(stage + 2 * SUB * 512 + (1 * 32 + lane) * (2 * SUB) + 4 * (sc_i / 2));
+          const u32 s0 = e4m3x2_to_f16x2((u16)(sw0 >> (16 * (sc_i & 1))));
+          const u32 s1 = e4m3x2_to_f16x2((u16)(sw1 >> (16 * (sc_i & 1))));
+#else
           const u32x4 q0 = wq[slot][i][0][sc_i], q1 = wq[slot][i][1][sc_i];
           const u32 s0 = e4m3x2_to_f16x2(scale_pair(wsc[slot][i][0], sc_i));
           const u32 s1 = e4m3x2_to_f16x2(scale_pair(wsc[slot][i][1], sc_i));
+#endif
           const u32 w0[4] = {q0.x, q0.y, q0.z, q0.w};
           const u32 w1[4] = {q1.x, q1.y, q1.z, q1.w};
           const u32* bsub = bbase + sc_i * (8 * 32 * 4);
@@ -267,15 +388,24 @@ fp4fuse_decode16(const u8* a, const u8* as, const u8* w, const u8* ws, const flo
             else { a0 = dec_c(x0); a1 = dec_c(x1); a2 = dec_d(x0); a3 = dec_d(x1); }
             a0 = hmul2u(a0, sc0); a2 = hmul2u(a2, sc0);
             a1 = hmul2u(a1, sc1); a3 = hmul2u(a3, sc1);
+#if defined(LOAD_ONLY)
+            sink ^= x0 ^ x1 ^ s0 ^ s1;
+#elif defined(NO_MMA)
+            sink ^= a0 ^ a1 ^ a2 ^ a3;
+#else
             const u32x4 bb = *reinterpret_cast<const u32x4*>(bsub + (j * 32 + lane) * 4);
             mma16816(acc[i][0], a0, a1, a2, a3, bb.x, bb.y);
             mma16816(acc[i][1], a0, a1, a2, a3, bb.z, bb.w);
+#endif
           }
         }
       }
     }
   }
 
+#if defined(LOAD_ONLY) || defined(NO_MMA)
+  acc[0][0][0] = __int_as_float(sink);
+#endif
   // epilogue
   const float undo = 268435456.0f;  // 2^28
   if (p.splits == 1) {
@@ -285,10 +415,70 @@ fp4fuse_decode16(const u8* a, const u8* as, const u8* w, const u8* ws, const flo
     });
     return;
   }
+#ifdef CLUSTER_PUSH
+  {  // the splits of this column are one cluster: each pushes its partial into rank 0's shared memory, rank 0 sums
+    float* inbox = reinterpret_cast<float*>(smem) + ROUND * CHUNK_WORDS;  // [CLUSTER_TAIL][CTA_ROWS][16]
+    const u32 base = smem_addr(inbox) + 4u * (u32)(split * CTA_ROWS * 16);
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(remote) : "r"(base));
+    each_output(acc, row0, tile_ok, g, t, [&](float v, int n, int m) {
+      asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(remote + 4u * (u32)((n - n_cta) * 16 + m)), "f"(v) : "memory");
+    });
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+    if (split != 0) return;
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+    const float alpha_v = *p.alpha;
+    for (int idx = threadIdx.x; idx < CTA_ROWS * 16; idx += NTHREADS) {
+      const int n = n_cta + idx / 16, m = idx % 16;
+      float sum = 0.f;
+#pragma unroll
+      for (int r = 0; r < CLUSTER_TAIL; ++r) sum += inbox[r * CTA_ROWS * 16 + idx];
+      if (n < p.N && m < p.M) store_out(p, (size_t)m * p.N + n, (sum * undo) * alpha_v);
+    }
+    return;
+  }
+#endif
+#ifdef CLUSTER_TAIL
+  {  // the splits of this column are one cluster: partials in shared memory, each CTA sums a slice in split order
+    __syncthreads();  // the activation's readers are done with shared memory
+    float* part = reinterpret_cast<float*>(smem);  // [CTA_ROWS][16]
+    each_output(acc, row0, tile_ok, g, t, [&](float v, int n, int m) { part[(n - n_cta) * 16 + m] = v; });
+    cluster_sync();
+    const u32 base = smem_addr(part);
+    const int per = CTA_ROWS * 16 / CLUSTER_TAIL;
+    const float alpha_v = *p.alpha;
+    for (int idx = split * per + threadIdx.x; idx < (split + 1) * per; idx += NTHREADS) {
+      const int n = n_cta + idx / 16, m = idx % 16;
+      float sum = 0.f;
+#pragma unroll
+      for (int r = 0; r < CLUSTER_TAIL; ++r) sum += ld_cluster(base + 4u * idx, r);
+      if (n < p.N && m < p.M) store_out(p, (size_t)m * p.N + n, (sum * undo) * alpha_v);
+    }
+    cluster_sync();  // no CTA leaves while others read its shared memory
+    return;
+  }
+#endif
+#ifdef NO_TAIL
+  {  // timing probe: every split stores its partial straight into out (wrong sums), no arrival/reduction
+    const float alpha_v = 1.0f;
+    each_output(acc, row0, tile_ok, g, t, [&](float v, int n, int m) {
+      if (m < p.M) store_out(p, (size_t)m * p.N + n, (v * undo) * alpha_v);
+    });
+    return;
+  }
+#endif
   // split-K: partials[split][n][16], last CTA of this column sums in split order
   float* part = p.partials + (size_t)split * p.N * 16;
+#if defined(TAIL_FAST) || defined(TAIL_PAR)
+  each_output(acc, row0, tile_ok, g, t, [&](float v, int n, int m) { part[(size_t)m * p.N + n] = v; });
+#else
   each_output(acc, row0, tile_ok, g, t, [&](float v, int n, int m) { part[(size_t)n * 16 + m] = v; });
+#endif
+#if defined(TAIL_ACQREL)
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+#elif !defined(TAIL_NOFENCE)
   __threadfence();
+#endif
   __syncthreads();
   __shared__ int is_last;
   if (threadIdx.x == 0) {
@@ -297,8 +487,56 @@ fp4fuse_decode16(const u8* a, const u8* as, const u8* w, const u8* ws, const flo
   }
   __syncthreads();
   if (!is_last) return;
+#ifdef TAIL_NOREDUCE
+  each_output(acc, row0, tile_ok, g, t, [&](float v, int n, int m) {
+    if (m < p.M) store_out(p, (size_t)m * p.N + n, (v * undo) * 1.0f);
+  });
+  if (threadIdx.x == 0) p.counters[blockIdx.x] = 0;
+  return;
+#endif
+#if defined(TAIL_ACQREL)
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+#elif !defined(TAIL_NOFENCE)
   __threadfence();
+#endif
   const float alpha_v = *p.alpha;
+#ifdef TAIL_PAR
+  {  // every load of the reduction issued before the first add: one round trip to L2
+    constexpr int PER = CTA_ROWS * 16 / NTHREADS, MAXS = TAIL_PAR;
+    float vals[PER][MAXS];
+#pragma unroll
+    for (int q = 0; q < PER; ++q) {
+      const int idx = threadIdx.x + q * NTHREADS;
+      const int m = idx / CTA_ROWS, n = n_cta + idx % CTA_ROWS;
+#pragma unroll
+      for (int sp = 0; sp < MAXS; ++sp)
+        vals[q][sp] = (sp < p.splits && n < p.N && m < p.M) ? ld_cg(p.partials + ((size_t)sp * 16 + m) * p.N + n) : 0.f;
+    }
+#pragma unroll
+    for (int q = 0; q < PER; ++q) {
+      const int idx = threadIdx.x + q * NTHREADS;
+      const int m = idx / CTA_ROWS, n = n_cta + idx % CTA_ROWS;
+      float sum = 0.f;
+#pragma unroll
+      for (int sp = 0; sp < MAXS; ++sp) if (sp < p.splits) sum += vals[q][sp];
+      if (n < p.N && m < p.M) store_out(p, (size_t)m * p.N + n, (sum * undo) * alpha_v);
+    }
+    if (threadIdx.x == 0) p.counters[blockIdx.x] = 0;
+    return;
+  }
+#endif
+#ifdef TAIL_FAST
+  // token-major: consecutive threads read consecutive rows' partials and write consecutive outputs
+  for (int idx = threadIdx.x; idx < CTA_ROWS * p.M; idx += NTHREADS) {
+    const int m = idx / CTA_ROWS, n = n_cta + idx % CTA_ROWS;
+    if (n >= p.N) continue;
+    float s = 0.f;
+    for (int sp = 0; sp < p.splits; ++sp) s += ld_cg(p.partials + ((size_t)sp * 16 + m) * p.N + n);
+    store_out(p, (size_t)m * p.N + n, (s * undo) * alpha_v);
+  }
+  if (threadIdx.x == 0) p.counters[blockIdx.x] = 0;
+  return;
+#endif
   // CTA_ROWS rows x 16 tokens
   for (int idx = threadIdx.x; idx < CTA_ROWS * 16; idx += NTHREADS) {
     const int n = n_cta + idx / 16, m = idx % 16;
