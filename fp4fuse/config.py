@@ -209,7 +209,7 @@ RUNTIME_ENV_VARS: tuple[RuntimeEnvVar, ...] = (
     RuntimeEnvVar("FP4FUSE_DISABLE_OVERLAP", "never overlap the collective GEMMs", True),
     RuntimeEnvVar("FP4FUSE_AG_SCHEDULE", "all-gather GEMM schedule: auto, decode-gather, per-shard", True),
     RuntimeEnvVar("FP4FUSE_SYMM_ALL_REDUCE_MAX_BYTES",
-                  "largest all-reduce fp4fuse::all_reduce_sum sums through symmetric memory (0: never)", True),
+                  "largest all-reduce fp4fuse::all_reduce_sum sums through symmetric memory (0: never)", True, True),
     RuntimeEnvVar("FP4FUSE_COLLECTIVE_CHECK", "cross-rank argument check: always, first, off", True),
     RuntimeEnvVar("FP4FUSE_BACKEND", "CUDA kernel family: reference, triton, flashinfer", True, True),
     RuntimeEnvVar("FP4FUSE_SYMM_MEM_TIMEOUT_MS", "device-side wait limit of the symmetric-memory pipelines", False),

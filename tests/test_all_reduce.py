@@ -78,6 +78,38 @@ def test_what_could_change_bits_stays_nccl_with_the_reason(fake_group):
     assert "only sums" in reasons[0] and "torch.float16" in reasons[1] and "1 ranks" in reasons[2], reasons
 
 
+def test_an_all_reduce_above_the_limit_at_every_size_stays_functional(fake_group, monkeypatch):
+    """Larger than FP4FUSE_SYMM_ALL_REDUCE_MAX_BYTES at every size the graph serves: NCCL either way,
+    so the graph keeps its own (in-place) all-reduce. At the limit, or of a size the graph does not
+    bound (symbolic), the op decides per call."""
+    monkeypatch.setenv(symm_all_reduce.ENV_MAX_BYTES, "4096")
+
+    def fn(big, at_limit, small):
+        return (funcol.all_reduce(big, "sum", fake_group), funcol.all_reduce(at_limit, "sum", fake_group),
+                funcol.all_reduce(small, "sum", fake_group))
+
+    gm, p = _run_pass(fn, ((33, 32), torch.float32), ((32, 32), torch.float32), ((5, 48), torch.bfloat16))
+    assert p.match_counts == {KEY: 2}
+    assert [n.meta["val"].shape[0] for n in gm.graph.nodes if n.target is ops.all_reduce_sum.default] == [32, 5]
+    assert [s.key for s in p.skips] == [KEY]
+    assert "4224 bytes at every size this graph serves > FP4FUSE_SYMM_ALL_REDUCE_MAX_BYTES=4096" in p.skips[0].reason
+
+    def unbounded(x):
+        return funcol.all_reduce(x * 2, "sum", fake_group)
+
+    gm = torch.fx.experimental.proxy_tensor.make_fx(unbounded, tracing_mode="symbolic")(torch.ones(300, 32))
+    p = SymmAllReducePass(FusionConfig())
+    p(gm.graph)
+    assert p.match_counts == {KEY: 1} and p.skips == []
+
+
+def test_the_all_reduce_limit_is_part_of_the_compiled_graphs_cache_key(monkeypatch):
+    from fp4fuse.config import compile_time_env
+
+    monkeypatch.setenv(symm_all_reduce.ENV_MAX_BYTES, "1024")
+    assert compile_time_env()[symm_all_reduce.ENV_MAX_BYTES] == "1024"
+
+
 def test_unserved_reason_names_the_rule():
     assert symm_all_reduce.unserved_reason(2, torch.bfloat16) is None
     assert symm_all_reduce.unserved_reason(2, torch.float32) is None

@@ -10,8 +10,12 @@ symmetric-memory kernels finish sooner (fp4fuse.distributed.symm_mem.all_reduce,
 measurements). The op keeps NCCL for the calls it does not serve -- too large
 (``FP4FUSE_SYMM_ALL_REDUCE_MAX_BYTES``), misaligned, a group symmetric memory cannot serve, a
 capture the workspace is too small for -- deciding per call on what every rank agrees on, so no
-size threshold is needed at compile time and ``FusionConfig.min_tokens`` does not apply. On CPU
-the op is the functional all-reduce itself (the rewrite is exercised, nothing changes).
+size threshold is needed at compile time and ``FusionConfig.min_tokens`` does not apply. One
+exception: an all-reduce larger than that limit at every size the graph serves (statically known:
+a fixed size, or a token count whose guards bound it from below) stays the functional all-reduce.
+The op would send it to NCCL anyway, after copying its input into a new output, where the graph's
+own all-reduce sums in place (Inductor reinplaces it). On CPU the op is the functional all-reduce
+itself (the rewrite is exercised, nothing changes).
 
 Fires only where the result is bitwise the functional all-reduce's: reduce op ``sum``, a group of
 two ranks (a sum of two values does not depend on the order; above two, NCCL's ring and the
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fp4fuse.distributed.groups import group_size_of
 from fp4fuse.distributed.symm_mem import all_reduce as symm_all_reduce
@@ -62,6 +67,11 @@ def _reason(collective: FunctionalCollective) -> str | None:
         return reason
     if not x.is_contiguous():
         return f"the input is not contiguous (strides {tuple(x.stride())})"
+    limit = symm_all_reduce.max_bytes()
+    nbytes = x.numel() * x.element_size()
+    if statically_known_true(nbytes > limit):
+        return (f"{nbytes} bytes at every size this graph serves > {symm_all_reduce.ENV_MAX_BYTES}={limit}: NCCL "
+                "either way, and the graph's own all-reduce sums in place where fp4fuse's op would copy its input")
     return None
 
 
