@@ -78,10 +78,10 @@ def test_what_could_change_bits_stays_nccl_with_the_reason(fake_group):
     assert "only sums" in reasons[0] and "torch.float16" in reasons[1] and "1 ranks" in reasons[2], reasons
 
 
-def test_an_all_reduce_above_the_limit_at_every_size_stays_functional(fake_group, monkeypatch):
-    """Larger than FP4FUSE_SYMM_ALL_REDUCE_MAX_BYTES at every size the graph serves: NCCL either way,
-    so the graph keeps its own (in-place) all-reduce. At the limit, or of a size the graph does not
-    bound (symbolic), the op decides per call."""
+def test_an_all_reduce_above_the_limit_at_the_compiled_size_stays_functional(fake_group, monkeypatch):
+    """Larger than FP4FUSE_SYMM_ALL_REDUCE_MAX_BYTES at the size the graph is compiled for: NCCL
+    either way, so the graph keeps its own (in-place) all-reduce. At the limit or below, the op
+    decides per call; a symbolic size is judged at its example value."""
     monkeypatch.setenv(symm_all_reduce.ENV_MAX_BYTES, "4096")
 
     def fn(big, at_limit, small):
@@ -92,15 +92,20 @@ def test_an_all_reduce_above_the_limit_at_every_size_stays_functional(fake_group
     assert p.match_counts == {KEY: 2}
     assert [n.meta["val"].shape[0] for n in gm.graph.nodes if n.target is ops.all_reduce_sum.default] == [32, 5]
     assert [s.key for s in p.skips] == [KEY]
-    assert "4224 bytes at every size this graph serves > FP4FUSE_SYMM_ALL_REDUCE_MAX_BYTES=4096" in p.skips[0].reason
+    assert "4224 bytes at the size this graph is compiled for > FP4FUSE_SYMM_ALL_REDUCE_MAX_BYTES=4096" \
+        in p.skips[0].reason
 
-    def unbounded(x):
+    def symbolic(x):
         return funcol.all_reduce(x * 2, "sum", fake_group)
 
-    gm = torch.fx.experimental.proxy_tensor.make_fx(unbounded, tracing_mode="symbolic")(torch.ones(300, 32))
-    p = SymmAllReducePass(FusionConfig())
-    p(gm.graph)
-    assert p.match_counts == {KEY: 1} and p.skips == []
+    for rows, rewritten in ((300, False), (31, True)):  # 300 x 32 x 4 bytes above the limit, 31 x 32 x 4 below
+        gm = torch.fx.experimental.proxy_tensor.make_fx(symbolic, tracing_mode="symbolic")(torch.ones(rows, 32))
+        assert any(isinstance(n.meta.get("val"), torch.Tensor) and not isinstance(n.meta["val"].shape[0], int)
+                   for n in gm.graph.nodes)  # the row count is symbolic
+        p = SymmAllReducePass(FusionConfig())
+        p(gm.graph)
+        assert (p.match_counts == {KEY: 1}) == rewritten, (rows, p.skips)
+        assert rewritten or "38400 bytes at the size this graph is compiled for" in p.skips[0].reason
 
 
 def test_the_all_reduce_limit_is_part_of_the_compiled_graphs_cache_key(monkeypatch):

@@ -10,12 +10,14 @@ symmetric-memory kernels finish sooner (fp4fuse.distributed.symm_mem.all_reduce,
 measurements). The op keeps NCCL for the calls it does not serve -- too large
 (``FP4FUSE_SYMM_ALL_REDUCE_MAX_BYTES``), misaligned, a group symmetric memory cannot serve, a
 capture the workspace is too small for -- deciding per call on what every rank agrees on, so no
-size threshold is needed at compile time and ``FusionConfig.min_tokens`` does not apply. One
-exception: an all-reduce larger than that limit at every size the graph serves (statically known:
-a fixed size, or a token count whose guards bound it from below) stays the functional all-reduce.
-The op would send it to NCCL anyway, after copying its input into a new output, where the graph's
-own all-reduce sums in place (Inductor reinplaces it). On CPU the op is the functional all-reduce
-itself (the rewrite is exercised, nothing changes).
+size threshold is needed for correctness and ``FusionConfig.min_tokens`` does not apply. One
+size rule, for speed only: an all-reduce larger than that limit at the size the graph is compiled
+for (its example size; every size, where that is statically known) stays the functional
+all-reduce. The op would send it to NCCL, after copying its input into a new output, where the
+graph's own all-reduce sums in place (Inductor reinplaces it): at 4096 tokens of a 4096-wide model
+that copy was 16 us an all-reduce (benchmarks/results/). Both paths give NCCL's bits, so a graph
+that also serves smaller sizes stays correct there, on NCCL. On CPU the op is the functional
+all-reduce itself (the rewrite is exercised, nothing changes).
 
 Fires only where the result is bitwise the functional all-reduce's: reduce op ``sum``, a group of
 two ranks (a sum of two values does not depend on the order; above two, NCCL's ring and the
@@ -69,10 +71,21 @@ def _reason(collective: FunctionalCollective) -> str | None:
         return f"the input is not contiguous (strides {tuple(x.stride())})"
     limit = symm_all_reduce.max_bytes()
     nbytes = x.numel() * x.element_size()
-    if statically_known_true(nbytes > limit):
-        return (f"{nbytes} bytes at every size this graph serves > {symm_all_reduce.ENV_MAX_BYTES}={limit}: NCCL "
-                "either way, and the graph's own all-reduce sums in place where fp4fuse's op would copy its input")
+    example = _example(nbytes)
+    if statically_known_true(nbytes > limit) or (example is not None and example > limit):
+        return (f"{example if example is not None else nbytes} bytes at the size this graph is compiled for > "
+                f"{symm_all_reduce.ENV_MAX_BYTES}={limit}: NCCL either way, and the graph's own all-reduce sums in "
+                "place where fp4fuse's op would copy its input")
     return None
+
+
+def _example(size: int | torch.SymInt) -> int | None:
+    """``size`` itself, or the value of its symbolic expression at the example inputs the graph is
+    compiled for (None where the tracer kept none)."""
+    if isinstance(size, int):
+        return size
+    hint = size.node.hint
+    return int(hint) if hint is not None else None
 
 
 class SymmAllReducePass(GraphPass):
