@@ -66,7 +66,7 @@ class Variant:
         self.kernel = torch.cuda._compile_kernel(source, "fp4fuse_decode16")
         sub, warps = self.macros["SUB"], self.macros["NWARPS"]
         self.threads = 32 * warps
-        self.rows = 16 * warps * self.macros["TILES"]  # weight rows per CTA
+        self.rows = 16 * warps // int(self.switches.get("KSPLIT_WARPS", 1)) * self.macros["TILES"]  # weight rows per CTA
         self.chunk = 128 * sub                          # K elements per chunk
         self.cluster = int(self.switches.get("CLUSTER_TAIL", 0)) or None
         self.max_split = int(self.switches["TAIL_PAR"]) if "TAIL_PAR" in self.switches else None

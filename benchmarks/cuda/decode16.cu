@@ -40,6 +40,10 @@
 //   CLUSTER_TAIL=S the S splits of a column are one thread-block cluster (__cluster_dims__(1, S, 1)):
 //                  partials in shared memory, each CTA sums a slice over distributed shared memory (exact;
 //                  launch with exactly S splits)
+//   KSPLIT_WARPS=W the CTA's warps form NWARPS / W row tiles, W warps each: warp group q takes every W-th
+//                  chunk from q, and the W accumulators of a tile are added in group order through shared
+//                  memory after the loop (exact; not the plain kernel's order, so not its bits). With one
+//                  split this is split-K without the global tail. Needs ROUND % (W * (PREFETCH + 1)) == 0.
 //   CLUSTER_PUSH   with CLUSTER_TAIL: each CTA stores its partial into rank 0's shared memory, one
 //                  cluster barrier, rank 0 sums (exact)
 typedef unsigned int u32;
@@ -61,16 +65,22 @@ struct __align__(8) u32x2 { u32 x, y; };
 #define PREFETCH 3         // weight chunks loaded ahead
 #endif
 #define RING (PREFETCH + 1)
-#ifndef SMEM_RING
-static_assert(ROUND % RING == 0, "ROUND must be a multiple of PREFETCH + 1");
+#ifndef KSPLIT_WARPS
+#define KSPLIT_WARPS 1     // warps sharing each row tile, each over every KSPLIT_WARPS-th chunk (KSPLIT_WARPS switch)
 #endif
+#ifndef SMEM_RING
+static_assert(ROUND % (RING * KSPLIT_WARPS) == 0, "ROUND must be a multiple of (PREFETCH + 1) * KSPLIT_WARPS");
+#endif
+static_assert(NWARPS % KSPLIT_WARPS == 0 && ROUND % KSPLIT_WARPS == 0, "KSPLIT_WARPS must divide NWARPS and ROUND");
+static_assert(ROUND * 64 <= NWARPS * 32, "one activation decode task (16 * SUB bytes of a token) per thread: ROUND <= NWARPS / 2");
 
 #ifndef SUB
 #define SUB 1              // 128-element sub-chunks per chunk: a thread reads 16 * SUB contiguous bytes of a row
 #endif
 #define NTHREADS (NWARPS * 32)
 #define CE (128 * SUB)     // K elements per chunk
-#define CTA_ROWS (NWARPS * TILES * 16)
+#define ROW_WARPS (NWARPS / KSPLIT_WARPS)
+#define CTA_ROWS (ROW_WARPS * TILES * 16)
 
 __device__ __forceinline__ u32 dec_a(u32 w) { return ((w << 9) & 0x0E000E00u) | ((w << 12) & 0x80008000u); }
 __device__ __forceinline__ u32 dec_b(u32 w) { return ((w << 5) & 0x0E000E00u) | ((w << 8) & 0x80008000u); }
@@ -209,6 +219,8 @@ fp4fuse_decode16(const u8* a, const u8* as, const u8* w, const u8* ws, const flo
   extern __shared__ u32x4 smem4[];
   u32* smem = reinterpret_cast<u32*>(smem4);  // ROUND * CHUNK_WORDS words
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  // K group and row tile of this warp (spelled out for one group: the plain kernel's code as it was)
+  const int kgroup = KSPLIT_WARPS == 1 ? 0 : warp / ROW_WARPS, rwarp = KSPLIT_WARPS == 1 ? warp : warp % ROW_WARPS;
   const int g = lane >> 2, t = lane & 3;
   const int KB = p.K / 2, KG = p.K / 16;
   const int n_cta = blockIdx.x * CTA_ROWS;
@@ -232,7 +244,7 @@ fp4fuse_decode16(const u8* a, const u8* as, const u8* w, const u8* ws, const flo
   bool tile_ok[TILES];
 #pragma unroll
   for (int i = 0; i < TILES; ++i) {
-    row0[i] = n_cta + (warp * TILES + i) * 16;
+    row0[i] = n_cta + (rwarp * TILES + i) * 16;
     tile_ok[i] = row0[i] < p.N;  // N % 16 == 0
   }
 
@@ -317,7 +329,7 @@ fp4fuse_decode16(const u8* a, const u8* as, const u8* w, const u8* ws, const flo
   };
 
 #pragma unroll
-  for (int s = 0; s < PREFETCH; ++s) load_w(c_begin + s, s);
+  for (int s = 0; s < PREFETCH; ++s) load_w(c_begin + kgroup + KSPLIT_WARPS * s, s);
   load_a(c_begin);
 
   for (int rc0 = c_begin; rc0 < c_end; rc0 += ROUND) {
@@ -348,11 +360,15 @@ fp4fuse_decode16(const u8* a, const u8* as, const u8* w, const u8* ws, const flo
 
 #pragma unroll
     for (int cc = 0; cc < ROUND; ++cc) {
+      if (cc % KSPLIT_WARPS != kgroup) continue;  // this warp's chunks: every KSPLIT_WARPS-th
       const int c = rc0 + cc;
-      if (c >= c_end) break;
-      const int slot = cc % RING;
-      // prefetch chunk c + PREFETCH into the slot chunk c - 1 used
-      load_w(c + PREFETCH, (cc + PREFETCH) % RING);
+      if (c >= c_end) {
+        if (KSPLIT_WARPS == 1) break;  // (a break keeps the plain kernel's code as it was)
+        continue;
+      }
+      const int slot = (cc / KSPLIT_WARPS) % RING;
+      // prefetch this warp's chunk PREFETCH ahead into the slot its previous chunk used
+      load_w(c + KSPLIT_WARPS * PREFETCH, (cc / KSPLIT_WARPS + PREFETCH) % RING);
 #ifdef SMEM_RING
       cp_wait<PREFETCH>();
 #endif
@@ -405,6 +421,29 @@ fp4fuse_decode16(const u8* a, const u8* as, const u8* w, const u8* ws, const flo
 
 #if defined(LOAD_ONLY) || defined(NO_MMA)
   acc[0][0][0] = __int_as_float(sink);
+#endif
+#if KSPLIT_WARPS > 1
+  {  // the K groups of each row tile add their accumulators in group order through shared memory
+    static_assert(NWARPS * TILES * 8 * 32 <= ROUND * CHUNK_WORDS, "shared memory for the K groups' sums");
+    __syncthreads();  // the activation's readers are done
+    float* red = reinterpret_cast<float*>(smem);  // [warp][tile][8][lane]
+#pragma unroll
+    for (int i = 0; i < TILES; ++i)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) red[((warp * TILES + i) * 8 + e) * 32 + lane] = acc[i][e >> 2][e & 3];
+    __syncthreads();
+    if (kgroup == 0) {
+#pragma unroll
+      for (int q = 1; q < KSPLIT_WARPS; ++q)
+#pragma unroll
+        for (int i = 0; i < TILES; ++i)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[i][e >> 2][e & 3] += red[(((warp + q * ROW_WARPS) * TILES + i) * 8 + e) * 32 + lane];
+    } else {
+#pragma unroll
+      for (int i = 0; i < TILES; ++i) tile_ok[i] = false;  // only K group 0 writes this tile
+    }
+  }
 #endif
   // epilogue
   const float undo = 268435456.0f;  // 2^28
