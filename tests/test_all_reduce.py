@@ -108,13 +108,6 @@ def test_an_all_reduce_above_the_limit_at_the_compiled_size_stays_functional(fak
         assert rewritten or "38400 bytes at the size this graph is compiled for" in p.skips[0].reason
 
 
-def test_the_all_reduce_limit_is_part_of_the_compiled_graphs_cache_key(monkeypatch):
-    from fp4fuse.config import compile_time_env
-
-    monkeypatch.setenv(symm_all_reduce.ENV_MAX_BYTES, "1024")
-    assert compile_time_env()[symm_all_reduce.ENV_MAX_BYTES] == "1024"
-
-
 def test_unserved_reason_names_the_rule():
     assert symm_all_reduce.unserved_reason(2, torch.bfloat16) is None
     assert symm_all_reduce.unserved_reason(2, torch.float32) is None

@@ -117,22 +117,25 @@ def test_uuid_stable_and_config_sensitive():
 
 def test_uuid_covers_the_switches_the_passes_read_while_compiling(monkeypatch):
     """``FP4FUSE_OVERLAP_MIN_ROWS`` (the collective GEMMs' and sequence parallelism's thresholds),
-    ``FP4FUSE_BACKEND`` and ``FP4FUSE_DISABLE_GLUON`` (which kernels a lowered call takes) decide what
-    a compiled graph holds: a warm FX graph cache must not serve a graph compiled under other
-    values. A switch only the ops read at run time (``FP4FUSE_AG_SCHEDULE``) leaves the uuid alone."""
-    for var in ("FP4FUSE_OVERLAP_MIN_ROWS", "FP4FUSE_BACKEND", "FP4FUSE_DISABLE_GLUON", "FP4FUSE_AG_SCHEDULE"):
+    ``FP4FUSE_SYMM_ALL_REDUCE_MAX_BYTES`` (the all-reduce rewrite's size rule), ``FP4FUSE_BACKEND``
+    and ``FP4FUSE_DISABLE_GLUON`` (which kernels a lowered call takes) decide what a compiled graph
+    holds: a warm FX graph cache must not serve a graph compiled under other values. A switch only
+    the ops read at run time (``FP4FUSE_AG_SCHEDULE``) leaves the uuid alone."""
+    compiled = ("FP4FUSE_OVERLAP_MIN_ROWS", "FP4FUSE_SYMM_ALL_REDUCE_MAX_BYTES", "FP4FUSE_BACKEND",
+                "FP4FUSE_DISABLE_GLUON")
+    for var in (*compiled, "FP4FUSE_AG_SCHEDULE"):
         monkeypatch.delenv(var, raising=False)
     fusion = FusionPass(FusionConfig(enable_async_tp=True))
     base = fusion.uuid()
     changed = {}
-    for var, value in (("FP4FUSE_OVERLAP_MIN_ROWS", "0"), ("FP4FUSE_BACKEND", "reference"),
-                       ("FP4FUSE_DISABLE_GLUON", "1"), ("FP4FUSE_AG_SCHEDULE", "per-shard")):
+    for var, value in (("FP4FUSE_OVERLAP_MIN_ROWS", "0"), ("FP4FUSE_SYMM_ALL_REDUCE_MAX_BYTES", "4096"),
+                       ("FP4FUSE_BACKEND", "reference"), ("FP4FUSE_DISABLE_GLUON", "1"),
+                       ("FP4FUSE_AG_SCHEDULE", "per-shard")):
         monkeypatch.setenv(var, value)
         changed[var] = fusion.uuid()
         monkeypatch.delenv(var)
     assert fusion.uuid() == base
-    assert len({base, changed["FP4FUSE_OVERLAP_MIN_ROWS"], changed["FP4FUSE_BACKEND"],
-                changed["FP4FUSE_DISABLE_GLUON"]}) == 4
+    assert len({base, *(changed[var] for var in compiled)}) == 1 + len(compiled)
     assert changed["FP4FUSE_AG_SCHEDULE"] == base
 
 

@@ -14,9 +14,9 @@ size threshold is needed for correctness and ``FusionConfig.min_tokens`` does no
 size rule, for speed only: an all-reduce larger than that limit at the size the graph is compiled
 for (its example size; every size, where that is statically known) stays the functional
 all-reduce. The op would send it to NCCL, after copying its input into a new output, where the
-graph's own all-reduce sums in place (Inductor reinplaces it): at 4096 tokens of a 4096-wide model
-that copy was 16 us an all-reduce (benchmarks/results/). Both paths give NCCL's bits, so a graph
-that also serves smaller sizes stays correct there, on NCCL. On CPU the op is the functional
+graph's own all-reduce sums in place (Inductor reinplaces it; the copies' cost is in
+benchmarks/results/). Both paths give NCCL's bits, so a graph that also serves smaller sizes stays
+correct there, on NCCL. The limit is therefore a compile-time switch too (``FusionPass.uuid()``). On CPU the op is the functional
 all-reduce itself (the rewrite is exercised, nothing changes).
 
 Fires only where the result is bitwise the functional all-reduce's: reduce op ``sum``, a group of
