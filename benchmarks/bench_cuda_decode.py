@@ -155,10 +155,7 @@ def check(variants: list[Variant], raw: dict) -> None:
         print(f"check {v.name} NaN block scale -> its column only: {ok}", flush=True)
 
 
-def timing(variants: list[Variant], ms: tuple[int, ...], shapes: tuple, raw: dict) -> None:
-    ceil = bench_ops.measure_ceilings()
-    raw["copy_gbs"] = ceil.copy_gbs
-    print(f"copy bandwidth {ceil.copy_gbs:.0f} GB/s", flush=True)
+def timing(variants: list[Variant], ms: tuple[int, ...], shapes: tuple, ceil: bench_ops.Ceilings, raw: dict) -> None:
     for m, n, k, x, a, sa, alpha, weights, w_t in bench_ops._rotating_points(shapes, ms):
         alpha = alpha.float().reshape(1)
         out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
@@ -188,10 +185,9 @@ def timing(variants: list[Variant], ms: tuple[int, ...], shapes: tuple, raw: dic
               f"Triton {us['triton']:.1f} us | {line}", flush=True)
 
 
-def stream(shapes: tuple, raw: dict) -> None:
+def stream(shapes: tuple, ceil: bench_ops.Ceilings, raw: dict) -> None:
     """The plain streaming kernel over each shape's NVFP4 weight bytes, best of its grid shapes."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    ceil = bench_ops.measure_ceilings()
     source = open(STREAM_SOURCE).read()
     kernels = {u: torch.cuda._compile_kernel(f"#define UNROLL {u}\n" + source, "stream_read") for u in (2, 4, 8)}
     for n, k in shapes:
@@ -226,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     shapes = SHAPES if not args.shapes else tuple(tuple(int(d) for d in s.split("x")) for s in args.shapes.split(","))
     raw: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "check": [], "time": [],
                  "stream": []}
+    if args.time or args.stream:  # the copy bandwidth both floors are taken at, measured once
+        ceil = bench_ops.measure_ceilings()
+        raw["copy_gbs"] = ceil.copy_gbs
+        print(f"copy bandwidth {ceil.copy_gbs:.0f} GB/s", flush=True)
     if args.check or args.time:
         t0 = time.time()
         variants = [Variant(spec) for spec in args.variants.split(",")]
@@ -233,9 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.check:
             check(variants, raw)
         if args.time:
-            timing(variants, tuple(int(v) for v in args.ms.split(",")), shapes, raw)
+            timing(variants, tuple(int(v) for v in args.ms.split(",")), shapes, ceil, raw)
     if args.stream:
-        stream(shapes, raw)
+        stream(shapes, ceil, raw)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(raw, f, indent=1)

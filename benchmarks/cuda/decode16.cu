@@ -137,6 +137,15 @@ __device__ __forceinline__ u32 lds32(u32 saddr) {
   return r;
 }
 
+// the fence on each side of a split's arrival (its partial visible before; the others' after)
+__device__ __forceinline__ void split_k_fence() {
+#if defined(TAIL_ACQREL)
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+#elif !defined(TAIL_NOFENCE)
+  __threadfence();
+#endif
+}
+
 __device__ __forceinline__ float ld_cg(const float* p) {
   float v;
   asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
@@ -162,7 +171,10 @@ struct Params {
   int M, N, K, splits, chunks_per_split, out_bf16;
 };
 
-__device__ __forceinline__ void store_out(const Params& p, size_t idx, float v) {
+// out[m, n] = sum * 2^28 (the operands' 2^-14 each, exact) * alpha, rounded once to the output dtype
+__device__ __forceinline__ void store_out(const Params& p, int m, int n, float sum, float alpha) {
+  const size_t idx = (size_t)m * p.N + n;
+  const float v = (sum * 268435456.0f) * alpha;
   if (p.out_bf16) {
     u16 h;
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
@@ -446,11 +458,10 @@ fp4fuse_decode16(const u8* a, const u8* as, const u8* w, const u8* ws, const flo
   }
 #endif
   // epilogue
-  const float undo = 268435456.0f;  // 2^28
   if (p.splits == 1) {
     const float alpha_v = *p.alpha;
     each_output(acc, row0, tile_ok, g, t, [&](float v, int n, int m) {
-      if (m < p.M) store_out(p, (size_t)m * p.N + n, (v * undo) * alpha_v);
+      if (m < p.M) store_out(p, m, n, v, alpha_v);
     });
     return;
   }
@@ -472,7 +483,7 @@ fp4fuse_decode16(const u8* a, const u8* as, const u8* w, const u8* ws, const flo
       float sum = 0.f;
 #pragma unroll
       for (int r = 0; r < CLUSTER_TAIL; ++r) sum += inbox[r * CTA_ROWS * 16 + idx];
-      if (n < p.N && m < p.M) store_out(p, (size_t)m * p.N + n, (sum * undo) * alpha_v);
+      if (n < p.N && m < p.M) store_out(p, m, n, sum, alpha_v);
     }
     return;
   }
@@ -491,7 +502,7 @@ fp4fuse_decode16(const u8* a, const u8* as, const u8* w, const u8* ws, const flo
       float sum = 0.f;
 #pragma unroll
       for (int r = 0; r < CLUSTER_TAIL; ++r) sum += ld_cluster(base + 4u * idx, r);
-      if (n < p.N && m < p.M) store_out(p, (size_t)m * p.N + n, (sum * undo) * alpha_v);
+      if (n < p.N && m < p.M) store_out(p, m, n, sum, alpha_v);
     }
     cluster_sync();  // no CTA leaves while others read its shared memory
     return;
@@ -501,7 +512,7 @@ fp4fuse_decode16(const u8* a, const u8* as, const u8* w, const u8* ws, const flo
   {  // timing probe: every split stores its partial straight into out (wrong sums), no arrival/reduction
     const float alpha_v = 1.0f;
     each_output(acc, row0, tile_ok, g, t, [&](float v, int n, int m) {
-      if (m < p.M) store_out(p, (size_t)m * p.N + n, (v * undo) * alpha_v);
+      if (m < p.M) store_out(p, m, n, v, alpha_v);
     });
     return;
   }
@@ -513,11 +524,7 @@ fp4fuse_decode16(const u8* a, const u8* as, const u8* w, const u8* ws, const flo
 #else
   each_output(acc, row0, tile_ok, g, t, [&](float v, int n, int m) { part[(size_t)n * 16 + m] = v; });
 #endif
-#if defined(TAIL_ACQREL)
-  asm volatile("fence.acq_rel.gpu;" ::: "memory");
-#elif !defined(TAIL_NOFENCE)
-  __threadfence();
-#endif
+  split_k_fence();
   __syncthreads();
   __shared__ int is_last;
   if (threadIdx.x == 0) {
@@ -528,16 +535,12 @@ fp4fuse_decode16(const u8* a, const u8* as, const u8* w, const u8* ws, const flo
   if (!is_last) return;
 #ifdef TAIL_NOREDUCE
   each_output(acc, row0, tile_ok, g, t, [&](float v, int n, int m) {
-    if (m < p.M) store_out(p, (size_t)m * p.N + n, (v * undo) * 1.0f);
+    if (m < p.M) store_out(p, m, n, v, 1.0f);
   });
   if (threadIdx.x == 0) p.counters[blockIdx.x] = 0;
   return;
 #endif
-#if defined(TAIL_ACQREL)
-  asm volatile("fence.acq_rel.gpu;" ::: "memory");
-#elif !defined(TAIL_NOFENCE)
-  __threadfence();
-#endif
+  split_k_fence();
   const float alpha_v = *p.alpha;
 #ifdef TAIL_PAR
   {  // every load of the reduction issued before the first add: one round trip to L2
@@ -558,7 +561,7 @@ fp4fuse_decode16(const u8* a, const u8* as, const u8* w, const u8* ws, const flo
       float sum = 0.f;
 #pragma unroll
       for (int sp = 0; sp < MAXS; ++sp) if (sp < p.splits) sum += vals[q][sp];
-      if (n < p.N && m < p.M) store_out(p, (size_t)m * p.N + n, (sum * undo) * alpha_v);
+      if (n < p.N && m < p.M) store_out(p, m, n, sum, alpha_v);
     }
     if (threadIdx.x == 0) p.counters[blockIdx.x] = 0;
     return;
@@ -571,7 +574,7 @@ fp4fuse_decode16(const u8* a, const u8* as, const u8* w, const u8* ws, const flo
     if (n >= p.N) continue;
     float s = 0.f;
     for (int sp = 0; sp < p.splits; ++sp) s += ld_cg(p.partials + ((size_t)sp * 16 + m) * p.N + n);
-    store_out(p, (size_t)m * p.N + n, (s * undo) * alpha_v);
+    store_out(p, m, n, s, alpha_v);
   }
   if (threadIdx.x == 0) p.counters[blockIdx.x] = 0;
   return;
@@ -582,8 +585,7 @@ fp4fuse_decode16(const u8* a, const u8* as, const u8* w, const u8* ws, const flo
     if (n >= p.N || m >= p.M) continue;
     float s = 0.f;
     for (int sp = 0; sp < p.splits; ++sp) s += ld_cg(p.partials + ((size_t)sp * p.N + n) * 16 + m);
-    const float v = (s * undo) * alpha_v;
-    store_out(p, (size_t)m * p.N + n, v);
+    store_out(p, m, n, s, alpha_v);
   }
   if (threadIdx.x == 0) p.counters[blockIdx.x] = 0;
 }
