@@ -99,6 +99,8 @@ def test_quantizer_is_a_value_object():
     ({"global_scale": float("inf")}, ValueError),
     ({"global_scale": float("nan")}, ValueError),
     ({"global_scale": torch.tensor(1.0)}, TypeError),
+    ({"global_scale": 1e39}, ValueError),   # finite as a Python float, inf as the fp32 quantize uses
+    ({"global_scale": 1e-46}, ValueError),  # flushes to 0 in fp32
     ({"amax_group": 7, "global_scale": 1.0}, ValueError),
 ])
 def test_quantizer_rejects_bad_fields(kwargs, error):

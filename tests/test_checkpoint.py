@@ -227,7 +227,11 @@ def _tiny_file(tmp_path: pathlib.Path, **overrides: torch.Tensor | None) -> path
     ({"proj__input_global_scale": torch.tensor([float("inf")])}, "proj.input_global_scale must hold finite"),
     ({"proj__weight_global_scale": None, "proj__weight_packed": None, "proj__weight_scale": None,
       "proj__weight": torch.randn(32, 48)}, "holds no NVFP4 payload for it"),
-], ids=["missing", "shape", "zero-scale", "inf-input-scale", "unquantized"])
+    # a ModelOpt-style FP8 tensor outside the NVFP4 linears would otherwise load as raw codes cast to the
+    # model's dtype (448 where the values are about 1)
+    ({"norm__weight": torch.ones(48).to(torch.float8_e4m3fn)}, r"norm.weight is torch.float8_e4m3fn; .* takes one of"),
+    ({"norm__weight": torch.ones(48, dtype=torch.int8)}, r"norm.weight is torch.int8"),
+], ids=["missing", "shape", "zero-scale", "inf-input-scale", "unquantized", "fp8-plain", "int8-plain"])
 def test_bad_checkpoints_are_clear_errors(tmp_path, overrides, error):
     with pytest.raises(ValueError, match=error):
         load_checkpoint(_Tiny(), _tiny_file(tmp_path, **overrides))

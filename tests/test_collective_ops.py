@@ -242,11 +242,11 @@ def _check_errors() -> list[str]:
     messages.append(_expect_value_error(
         lambda: ops.fused_fp4_matmul_reduce_scatter(a_rs, b, s_rs, sb, alpha, torch.bfloat16, group),
         "different arguments"))
-    # Local validation errors after agreement are identical on every rank.
+    # Local validation errors after agreement are identical on every rank, and name the op's arguments.
     messages.append(_expect_value_error(
         lambda: ops.fused_all_gather_fp4_matmul(a_ok, s_ok[:, :-1].contiguous(), b, sb, alpha, torch.bfloat16,
                                                 group),
-        "a_scale"))
+        r"\ba_scale_shard\b"))
     # The group is still in step: a correct call works afterwards.
     out = ops.fused_all_gather_fp4_matmul(a_ok, s_ok, b, sb, alpha, torch.bfloat16, group)
     assert out.shape == (world * 16, N)

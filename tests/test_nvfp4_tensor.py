@@ -52,6 +52,26 @@ def test_from_hp_rejects_bad_k():
         NVFP4Tensor.from_hp(torch.randn(4, 24))
 
 
+@pytest.mark.parametrize("orig_dtype", [torch.uint8, torch.int32, torch.float8_e4m3fn, torch.bool])
+def test_constructor_refuses_a_dtype_it_cannot_dequantize_to(orig_dtype):
+    t = NVFP4Tensor.from_hp(weight(0, N, K, torch.float32))
+    with pytest.raises(TypeError, match="orig_dtype"):
+        NVFP4Tensor(t.qdata, t.scale, t.amax, orig_dtype)
+
+
+def test_a_negative_amax_decodes_to_nan_not_to_flipped_signs():
+    """A stored amax below 0 (a corrupt state dict: amaxes are maxima of magnitudes) poisons the tensor,
+    as a non-finite one does; its global scale would otherwise be finite and negative."""
+    w = weight(0, N, K, torch.float32)
+    t = NVFP4Tensor.from_hp(w)
+    bad = NVFP4Tensor(t.qdata, t.scale, -t.amax, torch.float32)
+    assert torch.isnan(bad.global_scale()).all()
+    assert torch.isnan(bad.dequantize()).all()
+    assert torch.isnan(torch.nn.functional.linear(torch.ones(2, K), bad)).all()
+    zero = NVFP4Tensor(t.qdata, t.scale, torch.tensor([-0.0]), torch.float32)  # -0.0 is 0: scale 1
+    assert torch.equal(zero.global_scale(), torch.ones(1))
+
+
 def test_flatten_unflatten_and_replace():
     t = _t()._replace(amax_group=7)
     assert is_traceable_wrapper_subclass(t)

@@ -95,6 +95,16 @@ def test_nvfp4_linear_is_exact_on_representable_operands(out_dtype, static, lead
     assert torch.equal(out, _round_product(x, w, out_dtype) + bias)
 
 
+@pytest.mark.parametrize("lead", [(5,), (2, 5)], ids=["2d", "3d"])
+def test_nvfp4_linear_takes_non_contiguous_input_as_nn_linear_does(lead):
+    """A transposed (non-contiguous) input gives its contiguous copy's output bit for bit, 2-D as 3-D."""
+    g = _gen(4)
+    layer = NVFP4Linear(torch.randn(24, 64, generator=g), NVFP4Quantizer(), FP32)
+    x = torch.randn(*lead[:-1], 64, lead[-1], generator=g).transpose(-1, -2)
+    assert not x.is_contiguous()
+    assert torch.equal(layer(x), layer(x.contiguous()))
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 def test_nvfp4_linear_equals_the_spec_on_random_input(static):
     """Random operands: the expected value fake-quantizes both with the format table

@@ -216,8 +216,11 @@ class NVFP4Quantizer:
                 raise TypeError(f"NVFP4Quantizer.global_scale must be a float or None, "
                                 f"got {type(self.global_scale).__name__}")
             scale = float(self.global_scale)
-            if not (math.isfinite(scale) and scale > 0):
-                raise ValueError(f"NVFP4Quantizer.global_scale must be finite and > 0, got {scale}")
+            # quantize() uses it as fp32: 1e39 overflows there, 1e-46 flushes to 0
+            as_fp32 = float(torch.tensor(scale, dtype=torch.float32)) if math.isfinite(scale) else scale
+            if not (math.isfinite(as_fp32) and as_fp32 > 0):
+                raise ValueError(f"NVFP4Quantizer.global_scale must be finite and > 0 as fp32 (the dtype quantize "
+                                 f"uses), got {scale!r}")
             object.__setattr__(self, "global_scale", scale)
             if self.amax_group is not None:
                 raise ValueError("NVFP4Quantizer: a static global_scale reads no amax; set amax_group "

@@ -82,7 +82,8 @@ def _prepare_all_gather(
     groups.check_ranks_agree(op, group_name, int(kind), {
         "a_shard": a_shard, "a_scale_shard": a_scale_shard, "b": b, "b_scale": b_scale, "alpha": alpha,
     }, out_dtype)
-    validation.check_mm_inputs(a_shard, b, a_scale_shard, b_scale, alpha, out_dtype, op=op)
+    validation.check_mm_inputs(a_shard, b, a_scale_shard, b_scale, alpha, out_dtype, op=op,
+                               a_names=("a_shard", "a_scale_shard"))
     return a_shard.shape[0] * group_size_of(group_name)
 
 

@@ -104,18 +104,21 @@ def _mm_inputs_ok(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_sca
 
 def check_mm_inputs(
     a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
-    alpha: torch.Tensor, out_dtype: torch.dtype, op: str = "mm_fp4",
+    alpha: torch.Tensor, out_dtype: torch.dtype, op: str = "mm_fp4", a_names: tuple[str, str] = ("a", "a_scale"),
 ) -> None:
+    """``mm_fp4``'s operand rules; ``a_names``: what the calling op calls the activation and its
+    scales (errors name them)."""
     if _mm_inputs_ok(a, b, a_scale, b_scale, alpha, out_dtype):
         return
-    check_fp4_operand(op, "a", a, "a_scale", a_scale)
+    a_name, a_scale_name = a_names
+    check_fp4_operand(op, a_name, a, a_scale_name, a_scale)
     check_fp4_operand(op, "b", b, "b_scale", b_scale)
     if a.shape[1] != b.shape[1]:
-        _fail(op, f"a [M, K/2] = {list(a.shape)} and b [N, K/2] = {list(b.shape)} must share K/2")
+        _fail(op, f"{a_name} [M, K/2] = {list(a.shape)} and b [N, K/2] = {list(b.shape)} must share K/2")
     check_scalar_fp32(op, "alpha", alpha)
     if out_dtype not in OUT_DTYPES:
         _fail(op, f"out_dtype must be one of bfloat16, float16, float32, got {out_dtype}")
-    check_same_device(op, {"a": a, "b": b, "a_scale": a_scale, "b_scale": b_scale, "alpha": alpha})
+    check_same_device(op, {a_name: a, "b": b, a_scale_name: a_scale, "b_scale": b_scale, "alpha": alpha})
 
 
 def check_eps(op: str, eps: float) -> None:

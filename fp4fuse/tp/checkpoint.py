@@ -21,8 +21,9 @@ What each module reads (names as the model spells them, e.g. ``model.layers.0.ml
   stores only the input embedding; where ``parallelize`` sharded that embedding the LM head keeps
   a whole table of its own, read from the input embedding's tensor.
 
-Missing tensors, shapes that do not match, scales that are not finite and > 0 and an NVFP4 layer
-whose checkpoint entry is unquantized are errors naming the tensor. Tensors nothing read are
+Missing tensors, shapes that do not match, scales that are not finite and > 0, an NVFP4 layer
+whose checkpoint entry is unquantized and a quantized (FP8, integer) entry for a floating tensor
+outside the NVFP4 linears are errors naming the tensor. Tensors nothing read are
 returned in the report (and logged).
 """
 from __future__ import annotations
@@ -48,6 +49,8 @@ __all__ = ["LoadReport", "load_checkpoint", "tied_word_embedding_keys"]
 logger = logging.getLogger(__name__)
 
 Range = tuple[int, int]
+#: Dtypes of unquantized checkpoint tensors.
+_UNQUANTIZED = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 @dataclasses.dataclass
@@ -189,7 +192,7 @@ class _Loader:
         key = f"{name}.bias"
         if layer.bias is None:
             return
-        self._expect(key, (sl.full_rows,), (torch.bfloat16, torch.float16, torch.float32), "bias [N]")
+        self._expect(key, (sl.full_rows,), _UNQUANTIZED, "bias [N]")
         bias = self._rows(key, sl.rows, None).to(dtype)
         if isinstance(layer, NVFP4Linear):
             layer.set_bias(bias)
@@ -200,7 +203,7 @@ class _Loader:
 
     def dense_linear(self, name: str, layer: nn.Module) -> None:
         sl, key = _slice_of(layer), f"{name}.weight"
-        self._expect(key, (sl.full_rows, sl.full_cols), (torch.bfloat16, torch.float16, torch.float32),
+        self._expect(key, (sl.full_rows, sl.full_cols), _UNQUANTIZED,
                      "an unquantized weight [N, K] (an NVFP4 checkpoint loads into WeightFormat.NVFP4 layers)")
         self._assign(layer, "weight", self._rows(key, sl.rows, sl.cols).to(layer.weight.dtype))
         self._bias(name, layer, sl, layer.weight.dtype)
@@ -210,7 +213,7 @@ class _Loader:
         """This rank's rows ``[vocab_start, vocab_end)`` of the full embedding table."""
         key = f"{name}.weight"
         self._expect(key, (layer.num_embeddings, layer.weight.shape[1]),
-                     (torch.bfloat16, torch.float16, torch.float32), "an embedding table [vocab, hidden]")
+                     _UNQUANTIZED, "an embedding table [vocab, hidden]")
         rows = self._rows(key, ((layer.vocab_start, layer.vocab_end),), None)
         self._assign(layer, "weight", rows.to(layer.weight.dtype))
         self.report.tensors.append(key)
@@ -230,6 +233,19 @@ class _Loader:
             module._parameters[attr] = nn.Parameter(value, requires_grad=current.requires_grad)
         else:
             module._buffers[attr] = value
+
+    def _expect_plain(self, key: str, module: nn.Module, attr: str) -> None:
+        """A tensor read whole and cast to the model's dtype must hold values, not codes: a floating
+        model tensor takes fp16 / bf16 / fp32 / fp64 only (an FP8 or integer entry, e.g. a
+        ModelOpt FP8 LM head with its ``weight_scale``, would load as raw codes), any other one
+        exactly its own dtype."""
+        want = getattr(module, attr).dtype
+        got = self.files.dtype(key)
+        allowed = _UNQUANTIZED if want.is_floating_point else (want,)
+        if got not in allowed:
+            raise ValueError(f"load_checkpoint: {key} is {got}; the model's {type(module).__name__}.{attr} "
+                             f"({want}) takes one of {allowed}: quantized tensors load only into fp4fuse's "
+                             "NVFP4 linears")
 
     def plain_state(self, model: nn.Module, skip: set[str]) -> None:
         """Every persistent parameter / buffer outside the TP linears, tied ones read once; a
@@ -251,6 +267,7 @@ class _Loader:
             if not found:
                 missing.append(aliases[0][0])
                 continue
+            self._expect_plain(found[0], aliases[0][1], aliases[0][2])
             value = self._whole(found[0])
             for _, module, attr in aliases:
                 self._assign(module, attr, value.to(getattr(module, attr).dtype))

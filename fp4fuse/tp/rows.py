@@ -33,7 +33,7 @@ def to_rows(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
     """``x [..., K]`` -> ``(rows [T, K] contiguous, leading shape)``; leading shape None for 2-D x
     (a 1-D ``[K]`` is one row, as for ``nn.Linear``)."""
     if x.dim() == 2:
-        return x, None
+        return x.contiguous(), None
     if x.dim() == 0:
         raise ValueError("TP linear: the input must have a feature dimension, got a 0-d tensor")
     return x.reshape(-1, x.shape[-1]).contiguous(), tuple(x.shape[:-1])

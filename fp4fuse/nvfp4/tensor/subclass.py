@@ -90,6 +90,9 @@ class NVFP4Tensor(torch.Tensor):
         if amax.dtype != torch.float32 or amax.numel() != 1:
             raise ValueError(f"NVFP4Tensor: amax must be one fp32 element, got {amax.dtype} "
                              f"{tuple(amax.shape)}")
+        if not isinstance(orig_dtype, torch.dtype) or not orig_dtype.is_floating_point or orig_dtype.itemsize < 2:
+            raise TypeError(f"NVFP4Tensor: orig_dtype (the dtype it dequantizes to) must be a floating dtype of "
+                            f"16 bits or more, got {orig_dtype}")
         if amax_group is not None and (isinstance(amax_group, bool) or not isinstance(amax_group, int)):
             raise TypeError(f"NVFP4Tensor: amax_group must be an int ID or None, got "
                             f"{type(amax_group).__name__}")
@@ -168,8 +171,12 @@ class NVFP4Tensor(torch.Tensor):
         return cls(q, s, amax, w.dtype, amax_group)
 
     def global_scale(self) -> torch.Tensor:
-        """The encode-convention global scale ``448 * 6 / amax``: fp32 ``[1]``."""
-        return nvfp4.global_scale_from_amax(self.amax)
+        """The encode-convention global scale ``448 * 6 / amax``: fp32 ``[1]``. An amax below 0
+        (only a corrupt state dict or constructor argument can hold one: an amax is a max of
+        magnitudes) gives NaN, as a non-finite one does, so the tensor decodes to NaN instead of
+        to values of the wrong sign; checked on the device, without a host sync."""
+        amax = torch.where(self.amax < 0, torch.full_like(self.amax, float("nan")), self.amax)
+        return nvfp4.global_scale_from_amax(amax)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``q * s / gs`` as a plain tensor of the logical shape in ``dtype`` (default orig_dtype)."""
