@@ -234,16 +234,23 @@ def _quantized(m: int, k: int, gen: torch.Generator):
 
 
 def _check_empty_operands(gen: torch.Generator) -> None:
-    """M = 0 or N = 0: the empty [M, N] (tiled and dequantize + cuBLAS paths); K = 0: alpha * 0."""
-    alpha = torch.tensor([0.3])
+    """M = 0 or N = 0: the empty [M, N] (tiled and dequantize + cuBLAS paths); K = 0: alpha * 0, as the
+    float64 reference gives it (-0 for a negative alpha, NaN for a non-finite one; what the op's
+    CUDA kernel runs for an empty operand, and what a lowered graph's traced launch must match)."""
     for m, n, k in ((0, 5, 32), (4, 0, 32), (0, 0, 48), (3, 5, 0), (triton_mm.DEQUANT_MIN_M, 0, 32)):
         a, sa = triton_quant.scaled_fp4_quant_triton(torch.randn(m, k, generator=gen) + 0.5, torch.tensor([2.0]))
         b, sb = triton_quant.scaled_fp4_quant_triton(torch.randn(n, k, generator=gen) + 0.5, torch.tensor([2.0]))
         assert a.shape == (m, k // 2) and sa.shape == (m, k // 16), f"quant {m}x{k}"
         for out_dtype in (torch.bfloat16, torch.float32):
-            out = triton_mm.mm_fp4_triton(a, b, sa, sb, alpha, out_dtype)
-            assert out.dtype == out_dtype and torch.equal(out, torch.zeros(m, n, dtype=out_dtype)), \
-                f"empty mm {m}x{n}x{k} {out_dtype}"
+            for value in (0.3, -0.3, float("inf"), float("nan")):
+                alpha = torch.tensor([value])
+                out = triton_mm.mm_fp4_triton(a, b, sa, sb, alpha, out_dtype)
+                ref = nvfp4.mm_fp4_reference(a, b, sa, sb, alpha, out_dtype)
+                same = torch.equal(out.isnan(), ref.isnan()) and torch.equal(
+                    torch.where(ref.isnan(), 0, out).view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32),
+                    torch.where(ref.isnan(), 0, ref).view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32))
+                assert out.dtype == out_dtype and out.shape == (m, n) and same, \
+                    f"empty mm {m}x{n}x{k} {out_dtype} alpha={value}: {out} against the reference's {ref}"
 
 
 def _check_alpha_from_global_scales(gen: torch.Generator) -> None:

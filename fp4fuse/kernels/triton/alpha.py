@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["Alpha", "GlobalScales", "alpha_meta", "alpha_operands", "alpha_tensor", "load_alpha"]
+__all__ = ["Alpha", "GlobalScales", "alpha_meta", "alpha_operands", "alpha_tensor", "empty_sum_", "load_alpha"]
 
 
 class GlobalScales(NamedTuple):
@@ -52,6 +52,13 @@ def alpha_meta(alpha: Alpha) -> dict[str, bool]:
     """The constexprs :func:`load_alpha` takes, as launch keywords."""
     folded = isinstance(alpha, GlobalScales)
     return {"ALPHA_FROM_SCALES": folded, "ALPHA_DIV_RN": folded and alpha.div_rn}
+
+
+def empty_sum_(out: torch.Tensor, alpha: Alpha) -> torch.Tensor:
+    """``out`` (``[M, N]``) filled with a K = 0 product: ``alpha * 0`` (an empty sum times alpha,
+    as ``mm_fp4``'s contract and the float64 reference give: ``-0.0`` for a negative alpha, NaN for
+    a non-finite one), rounded to out's dtype."""
+    return out.copy_((alpha_tensor(alpha) * 0).expand(out.shape))
 
 
 def alpha_tensor(alpha: Alpha) -> torch.Tensor:

@@ -55,7 +55,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4fuse.kernels.triton.alpha import Alpha, GlobalScales, alpha_meta, alpha_operands, alpha_tensor, load_alpha
+from fp4fuse.kernels.triton.alpha import (
+    Alpha, GlobalScales, alpha_meta, alpha_operands, alpha_tensor, empty_sum_, load_alpha,
+)
 from fp4fuse.kernels.triton.decode import (
     DECODE_SCALE_UNDO, decode_codes, decode_fp4_halves, decode_scales, grouped_tile, num_sms,
 )
@@ -350,8 +352,8 @@ def mm_fp4_tiled(
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out
-    if kg == 0:  # an empty sum: alpha * 0, as the kernel's epilogue would give (NaN for a NaN alpha)
-        return out.copy_((alpha_tensor(alpha) * 0).expand(m, n))
+    if kg == 0:
+        return empty_sum_(out, alpha)
     if isinstance(alpha, torch.Tensor):
         alpha = alpha_tensor(alpha)
     x_lo, x_hi = decode_fp4_halves(a, a_scale)

@@ -75,7 +75,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4fuse.kernels.triton.alpha import Alpha, alpha_meta, alpha_operands, load_alpha
+from fp4fuse.kernels.triton.alpha import Alpha, alpha_meta, alpha_operands, empty_sum_, load_alpha
 from fp4fuse.kernels.triton.decode import (
     DECODE_SCALE_UNDO, decode_codes, decode_scales, num_sms, readable_rows, split_ranges,
 )
@@ -617,7 +617,7 @@ def mm_fp4_decode(
     if m == 0 or n == 0:
         return out
     if k == 0:
-        return out.zero_()
+        return empty_sum_(out, alpha)
     cfg = config or decode_config_for(config_rows(m), n, k, num_sms(a.device))
     _check_config(cfg, "mm_fp4_decode")
     plan = _plan(cfg, m, n, k)

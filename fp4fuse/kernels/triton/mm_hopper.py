@@ -78,7 +78,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from fp4fuse.config import env_bool
-from fp4fuse.kernels.triton.alpha import Alpha, alpha_meta, alpha_operands, load_alpha
+from fp4fuse.kernels.triton.alpha import Alpha, alpha_meta, alpha_operands, empty_sum_, load_alpha
 from fp4fuse.kernels.triton.decode import (
     DECODE_PTX, DECODE_SCALE_UNDO, decode_fp4_halves, grouped_tile, num_sms, split_ranges,
 )
@@ -561,7 +561,7 @@ def mm_fp4_hopper_halves(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, 
     if m == 0 or n == 0:
         return out if out is not None else torch.empty((m, n), dtype=out_dtype, device=b.device)
     if k == 0:
-        return out.zero_() if out is not None else torch.zeros((m, n), dtype=out_dtype, device=b.device)
+        return empty_sum_(out if out is not None else torch.empty((m, n), dtype=out_dtype, device=b.device), alpha)
     alpha_a, alpha_b = alpha_operands(alpha)
     alpha_flags = alpha_meta(alpha)
     key = None
