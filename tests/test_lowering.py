@@ -249,6 +249,31 @@ def test_dynamic_row_count_is_lowered_under_the_guards_of_its_range(triton_cuda_
     assert all(isinstance(grid[0][0], torch.fx.Node) for grid in grids), grids
 
 
+@pytest.mark.parametrize("rows_hint,autotune,lowered", [
+    (300, {"max_autotune": True}, False),
+    (300, {"max_autotune_gemm": True}, False),
+    (300, {"max_autotune": True, "max_autotune_gemm_backends": "ATEN"}, True),
+    (100, {"max_autotune": True}, True),
+    (300, {}, True),
+])
+def test_gemm_autotuning_keeps_the_dequantize_cublas_product_an_op_call(triton_cuda_target, rows_hint, autotune,
+                                                                         lowered):
+    """Above 256 rows a bf16 product may be dequantize + cuBLAS, whose traced ``aten.mm`` Inductor's
+    GEMM autotuning could compile as a Triton template (other bits than the op's cuBLAS call): under
+    autotuning with a backend besides ATen the call stays, with the reason; below, the row-range
+    guards keep the graph off that path, and it is lowered."""
+    _, _, gm = _dynamic_rows_graph(rows_hint)
+    lowering = KernelLoweringPass(FusionConfig())
+    with torch._inductor.config.patch(autotune):
+        lowering(gm.graph)
+    assert lowering.match_counts.get("lowering.mm_fp4", 0) == int(lowered)
+    assert lowering.match_counts["lowering.scaled_fp4_quant"] == 1
+    reasons = [s.reason for s in lowering.skips]
+    assert any("max_autotune" in r for r in reasons) == (not lowered), reasons
+    mm_calls = gm.graph.find_nodes(op="call_function", target=torch.ops.fp4fuse.mm_fp4.default)
+    assert len(mm_calls) == int(not lowered)
+
+
 def test_other_dynamic_sizes_keep_the_op_call(triton_cuda_target):
     """A dynamic size other than the row count (here every size is symbolic) would change the tile
     shapes: the op call stays, and the skip names the size and the rule. No guard is added."""

@@ -60,7 +60,10 @@ batch marked dynamic) is traced symbolically: every choice the launcher makes on
 comparison with a range (``mm_fp4``: decode tiles up to 16, 32, 64, 128, 256 rows, dequantize +
 cuBLAS above), decided by the size hint and guarded, so the graph serves the counts of that range,
 with the grid and allocations symbolic, and a count outside it recompiles (at most one graph per
-range). Any other dynamic size, or a count without a hint, keeps the op call, with the reason.
+range). Any other dynamic size, or a count without a hint, keeps the op call, with the reason. So
+does a bf16 ``mm_fp4`` above ``DECODE_MAX_M`` rows under Inductor's GEMM autotuning
+(``max_autotune`` with a backend besides ATen): its dequantize + cuBLAS path would leave an
+``aten.mm`` in the graph, which autotuning could compile into a template with other bits.
 ``shard_rows`` becomes a slice at this rank's offset: the rank is baked into the graph,
 so the pass reads process groups and ``FusionPass.uuid()`` carries this process's rank.
 
@@ -172,6 +175,42 @@ def _upper_bound(size: int | torch.SymInt) -> int | None:
         return size
     upper = size.node.shape_env.bound_sympy(size.node.expr).upper
     return int(upper) if upper.is_finite else None
+
+
+def _gemm_backends() -> str:
+    from torch._inductor import config
+
+    return str(config.max_autotune_gemm_backends)
+
+
+def _autotunes_gemms() -> bool:
+    """Whether Inductor may compile a graph's ``aten.mm`` as something other than the cuBLAS call
+    eager makes: ``max_autotune`` / ``max_autotune_gemm`` with a backend besides ATen."""
+    from torch._inductor import config
+
+    backends = {b.strip().upper() for b in _gemm_backends().split(",")}
+    return bool(config.max_autotune or config.max_autotune_gemm) and backends != {"ATEN"}
+
+
+def _autotune_reason(node: fx.Node, call: _Call) -> str | None:
+    """Why an ``mm_fp4`` call stays an op call under GEMM autotuning, or None. Above
+    ``DECODE_MAX_M`` rows a bf16 product may take dequantize + cuBLAS (``mm.mm_fp4_dequant_mm``),
+    whose traced ``aten.mm`` Inductor would then autotune into a template with other bits than the
+    eager op's cuBLAS product. At or below, the launchers' row-range guards keep the graph off that
+    path, so the row count's size hint decides."""
+    if call.op != "mm_fp4" or call.args[5] != torch.bfloat16 or not _autotunes_gemms():
+        return None
+    from fp4fuse.kernels.triton.mm_decode import DECODE_MAX_M  # the backend is Triton here
+
+    rows = fake_value(node.args[0]).shape[0]
+    hint = rows if isinstance(rows, int) else rows.node.shape_env.size_hint(rows.node.expr)
+    if hint is not None and hint <= DECODE_MAX_M:
+        return None
+    return (f"Inductor autotunes GEMMs (max_autotune with backends {_gemm_backends()}): above {DECODE_MAX_M} "
+            "rows the lowered dequantize + cuBLAS product would be an aten.mm Inductor may replace by a "
+            "template with other bits than the op's; the op call stays (max_autotune_gemm_backends='ATEN' "
+            "lowers it)")
+
 
 
 def _inductor_divides_rn() -> bool:
@@ -289,7 +328,7 @@ class KernelLoweringPass(GraphPass):
             args[_ALPHA_ARG] = None  # the launch gets GlobalScales of the two factors
         call = _Call(op, backend, args, [i for i, a in enumerate(args) if isinstance(a, fx.Node)], factors,
                      alpha if factors is not None else None, _inductor_divides_rn())
-        reason = _dynamic_size_reason([fake_value(n) for n in call.inputs])
+        reason = _dynamic_size_reason([fake_value(n) for n in call.inputs]) or _autotune_reason(node, call)
         if reason is not None:
             if record:
                 self.recorder.skipped(op, node, reason)
