@@ -366,18 +366,24 @@ def test_cuda_quant_global_scale_rules(value, dtype):
 @pytest.mark.parametrize("m,n,k", [(0, 5, 32), (4, 0, 32), (0, 0, 48), (3, 5, 0), (300, 0, 64), (0, 300, 64)])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_cuda_empty_operands(m, n, k, out_dtype):
-    """M = 0 or N = 0: the empty [M, N]; K = 0: zeros (an empty sum). Through the op and through
-    the Triton launcher directly."""
+    """M = 0 or N = 0: the empty [M, N]; K = 0: alpha * 0 (an empty sum: -0 for a negative alpha,
+    NaN for a non-finite one), as the float64 reference gives it. Through the op and through the
+    Triton launcher directly (what a lowered graph traces)."""
     _require_triton_backend()
     from fp4fuse.kernels.triton.mm import mm_fp4_triton
     gs = torch.tensor([2.0], device="cuda")
     a, sa = ops.scaled_fp4_quant(torch.randn(m, k, device="cuda") + 0.5, gs)
     b, sb = ops.scaled_fp4_quant(torch.randn(n, k, device="cuda") + 0.5, gs)
     assert a.shape == (m, k // 2) and sa.shape == (m, k // 16) and a.is_cuda
-    alpha = torch.tensor([0.3], device="cuda")
-    for out in (ops.mm_fp4(a, b, sa, sb, alpha, out_dtype), mm_fp4_triton(a, b, sa, sb, alpha, out_dtype)):
-        assert out.is_cuda and out.dtype == out_dtype
-        assert torch.equal(out.cpu(), torch.zeros(m, n, dtype=out_dtype))
+    for value in (0.3, -0.3, float("inf"), float("nan")):
+        alpha = torch.tensor([value], device="cuda")
+        ref = nvfp4.mm_fp4_reference(a.cpu(), b.cpu(), sa.cpu(), sb.cpu(), alpha.cpu(), out_dtype)
+        for out in (ops.mm_fp4(a, b, sa, sb, alpha, out_dtype), mm_fp4_triton(a, b, sa, sb, alpha, out_dtype)):
+            assert out.is_cuda and out.dtype == out_dtype and out.shape == (m, n)
+            got = out.cpu()
+            assert torch.equal(got.isnan(), ref.isnan()), (value, got, ref)
+            assert torch.equal(torch.signbit(got[~ref.isnan()]), torch.signbit(ref[~ref.isnan()])), (value, got, ref)
+            assert torch.equal(got[~ref.isnan()], ref[~ref.isnan()]), (value, got, ref)
 
 
 @pytest.mark.cuda
