@@ -142,3 +142,60 @@ def test_a_graph_that_mutates_an_intermediate_is_left_alone():
     assert cse_pass(gm.graph) == 0
     assert [s.key for s in cse_pass.skips] == ["cse.other"]
     assert "writes to an intermediate tensor in place" in cse_pass.skips[0].reason
+
+
+def _storages(tensors) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def test_outputs_that_alias_equal_nodes_stay_separate_buffers():
+    """Eager returns six separate tensors, each a view or ``getitem`` of one of three pairs of equal
+    nodes; after merging, no two outputs may share memory (an in-place update of one would change
+    the other)."""
+    def f(x, gs):
+        a, b = x.abs(), x.abs()
+        return (QUANT(x, gs)[0], QUANT(x, gs)[0], a.view(-1), b.view(-1),
+                aten._unsafe_view(x.neg(), [-1]), aten._unsafe_view(x.neg(), [-1]))
+
+    args = (torch.randn(4, 32), torch.tensor([7.5]))
+    expected = f(*args)
+    assert len(_storages(expected)) == len(expected)
+    gm = make_fx(f)(*args)
+    merge_common_subexpressions(gm.graph)
+    gm.recompile()
+    got = gm(*args)
+    assert len(_storages(got)) == len(got)
+    assert all(torch.equal(e, g) for e, g in zip(expected, got))
+
+
+def test_a_write_through_a_list_argument_is_a_write_to_an_intermediate():
+    """``_foreach_mul_`` writes to the tensors of its list argument (``Tensor(a!)[]``): the graph
+    writes to an intermediate and is left alone, so the unwritten clone keeps its value."""
+    def f(x):
+        a, b = x.clone(), x.clone()
+        torch._foreach_mul_([a], 2.0)
+        return a + 0, b + 0
+
+    x = torch.arange(4.0)
+    gm = make_fx(f)(x)
+    expected = gm(x)
+    assert merge_common_subexpressions(gm.graph) == {}
+    gm.recompile()
+    got = gm(x)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def test_complex_literals_compare_by_the_bits_of_their_parts():
+    """``complex(0.0, 0.0) == complex(-0.0, -0.0)``, but ``full`` of each fills different bits.
+    (The graph runs in an interpreter: FX's generated code prints ``complex(-0.0, -0.0)`` lossily.)"""
+    def f(x):
+        return tuple(torch.view_as_real(torch.full((2,), value, dtype=torch.complex64)) * x
+                     for value in (complex(0.0, 0.0), complex(-0.0, -0.0), complex(-0.0, -0.0)))
+
+    x = torch.ones(1)
+    expected = f(x)
+    gm = make_fx(f)(x)
+    merge_common_subexpressions(gm.graph)
+    assert _count(gm.graph, aten.full.default) == 2  # the two -0.0 fills are equal
+    for e, g in zip(expected, fx.Interpreter(gm).run(x)):
+        assert torch.equal(e.view(torch.int32), g.view(torch.int32))

@@ -20,11 +20,14 @@ norms), and ``operator.getitem``. Every other call -- a collective, an op that w
 input (a KV-cache update), a higher-order op -- is a barrier: nothing before it is merged with
 anything after it, so no merge can cross a mutation of what the nodes read. Collectives are never
 merged (a merged collective changes what each rank sends, which this pass does not reason about).
-A node the graph outputs keeps its own node for that output (a graph output must not become
-another output); its other readers move to the first equal node. The pass relies on the graph
-being functional, which a post-grad graph is when ``post_grad_custom_post_pass`` runs (Inductor
-reinplaces after it; a mutated graph input is written back by ``copy_`` into its placeholder): a
-graph that writes to any other tensor in place is left alone, with the reason as a skip.
+A node whose value reaches a graph output, directly or through aliasing ops (``getitem``, an op
+whose schema returns an alias ``Tensor(a)``, and ``_unsafe_view`` and ``lift``, which Inductor
+lowers to one), keeps its own node and its readers on that path (two outputs that eager returns
+as separate tensors must not come back as one buffer); its other readers move to the first equal
+node. The pass relies on the graph being functional, which a post-grad graph is when
+``post_grad_custom_post_pass`` runs (Inductor reinplaces after it; a mutated graph input is
+written back by ``copy_`` into its placeholder): a graph that writes to any other tensor in place
+is left alone, with the reason as a skip.
 """
 from __future__ import annotations
 
@@ -44,6 +47,8 @@ OTHER_PATTERN = "other"
 
 _PURE_NAMESPACES = ("aten", "prims")
 _IMPURE_TAGS = (torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise)
+# Schemas that return a fresh tensor, but Inductor lowers them to an alias of their first argument.
+_UNANNOTATED_ALIASES = (torch.ops.aten._unsafe_view.default, torch.ops.aten.lift.default)
 
 
 def _uninitialized(target: torch._ops.OpOverload) -> bool:
@@ -69,8 +74,9 @@ def _is_pure(node: fx.Node) -> bool:
 
 def _key(value: Any, rep: dict[fx.Node, fx.Node]) -> Any:
     """A hashable stand-in for an argument: nodes by their merged representative, containers
-    element by element, floats by their bits (NaN equals NaN, 0.0 differs from -0.0, which ``==``
-    gets the other way round), other literals by type and value."""
+    element by element, floats (and the parts of complex numbers) by their bits (NaN equals NaN,
+    0.0 differs from -0.0, which ``==`` gets the other way round), other literals by type and
+    value."""
     if isinstance(value, fx.Node):
         return ("node", rep.get(value, value))
     if isinstance(value, (list, tuple)):
@@ -79,17 +85,47 @@ def _key(value: Any, rep: dict[fx.Node, fx.Node]) -> Any:
         return ("dict", tuple((k, _key(v, rep)) for k, v in value.items()))
     if isinstance(value, float):
         return ("float", value.hex())
+    if isinstance(value, complex):
+        return ("complex", value.real.hex(), value.imag.hex())
     return (type(value).__name__, value)
 
 
-def _written_args(node: fx.Node) -> list[Any]:
-    """The arguments ``node``'s schema marks as written (``Tensor(a!)``)."""
-    schema = node.target._schema
-    written = []
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            written.append(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
-    return written
+def _annotated_args(node: fx.Node, write: bool) -> list[Any]:
+    """The arguments ``node``'s schema annotates with an alias set (``Tensor(a)``; only written
+    ones, ``Tensor(a!)``, if ``write``), lists and tuples flattened (``Tensor(a!)[]``)."""
+    found = []
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.alias_info is not None and (arg.alias_info.is_write or not write):
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            found.extend(value if isinstance(value, (list, tuple)) else [value])
+    return found
+
+
+def _aliased_inputs(node: fx.Node) -> list[Any]:
+    """The inputs ``node``'s value may alias: the first argument of ``getitem`` and of
+    ``_UNANNOTATED_ALIASES``, the annotated arguments of an op whose schema returns an alias, and
+    none of any other node."""
+    target = node.target
+    if node.op != "call_function" or not node.args:
+        return []
+    if target is operator.getitem or target in _UNANNOTATED_ALIASES:
+        return [node.args[0]]
+    if isinstance(target, torch._ops.OpOverload) \
+            and any(ret.alias_info is not None for ret in target._schema.returns):
+        return _annotated_args(node, write=False)
+    return []
+
+
+def _reaching_outputs(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes whose value reaches a graph output, directly or through ``_aliased_inputs``."""
+    reached: set[fx.Node] = set()
+    stack = [a for out in graph.find_nodes(op="output") for a in out.all_input_nodes]
+    while stack:
+        node = stack.pop()
+        if node not in reached:
+            reached.add(node)
+            stack.extend(a for a in _aliased_inputs(node) if isinstance(a, fx.Node))
+    return reached
 
 
 def mutated_intermediate(graph: fx.Graph) -> fx.Node | None:
@@ -104,7 +140,7 @@ def mutated_intermediate(graph: fx.Graph) -> fx.Node | None:
             continue
         if not node.target._schema.is_mutable:
             continue
-        for base in _written_args(node):
+        for base in _annotated_args(node, write=True):
             while isinstance(base, fx.Node) and base.op == "call_function" and base.args \
                     and isinstance(base.target, torch._ops.OpOverload) and base.target.is_view:
                 base = base.args[0]
@@ -141,9 +177,11 @@ def _merge(graph: fx.Graph) -> dict[str, int]:
         if first is not node:
             rep[node] = first
             merged.append((node, first))
+    kept = _reaching_outputs(graph)  # on such a node, the readers on the path to an output stay
     counts = {QUANT_PATTERN: 0, OTHER_PATTERN: 0}
     for node, first in merged:
-        node.replace_all_uses_with(first, delete_user_cb=lambda user: user.op != "output")
+        node.replace_all_uses_with(
+            first, delete_user_cb=lambda user: node not in kept or (user.op != "output" and user not in kept))
         is_quant = isinstance(node.target, torch._ops.OpOverload) and node.target._opname == QUANT_PATTERN \
             and node.target.namespace == "fp4fuse"
         counts[QUANT_PATTERN if is_quant else OTHER_PATTERN] += 1
