@@ -173,6 +173,20 @@ def rank_checks(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return gm.graph.find_nodes(op="call_function", target=fp4.check_rank_uniform.default)
 
 
+CONSTANTS_LABEL = "the constants compiled into this rank's graph that the rewrites rely on ("
+
+
+def split_constants(check: torch.fx.Node) -> tuple[list[torch.fx.Node], torch.fx.Node, list[str], str]:
+    """A rank check's model state without its last tensor, which is ``full([1], digest)`` of the
+    literal arguments the rewrites rely on (an epsilon, a scale compiled into the graph), and the
+    names without that tensor's label: ``(state, digest, names, constants label)``."""
+    *state, digest = check.args[0]
+    names = check.args[2].split("\n")
+    label = names.pop(len(state))
+    assert digest.target is aten.full.default and digest.args[0] == [1] and label.startswith(CONSTANTS_LABEL)
+    return state, digest, names, label
+
+
 def ops(gm: torch.fx.GraphModule) -> collections.Counter:
     return collections.Counter(n.target for n in gm.graph.nodes if n.op == "call_function")
 
@@ -396,6 +410,46 @@ def test_a_row_bias_from_a_per_call_input_is_left_alone(sp_pass, caplog):
     assert_skipped(sp_pass, caplog, "row-parallel bias", "_biased")
 
 
+def alpha_adds(case):
+    """``add(all_reduce(p), t, alpha=2)`` is ``sum + 2 * t``, not a row bias or residual add: a row
+    bias viewed back to 3-D (with or without a norm after it), and a residual add before a norm."""
+    def row_bias(p, w, b):
+        y = torch.add(all_reduce(p), b, alpha=2.0).view(2, 4, H)
+        return (hf_norm(y, w),) if case == "row_bias_then_norm" else (y,)
+
+    def residual(p, e, w):
+        n, total = torch_functional_norm(all_reduce(p), w, all_reduce(e))
+        return n, total
+
+    def residual_add(x, residual, w, eps=1e-5):  # torch_functional_norm's add, with alpha
+        total = torch.add(x, residual, alpha=2.0)
+        return F.rms_norm(total, (H,), w, eps), total
+
+    def alpha_residual(p, e, w):
+        return residual_add(all_reduce(p), all_reduce(e), w)
+    if case == "residual_add":
+        return alpha_residual, [(8, H), (8, H), (H,)], {2: "norm.weight"}
+    return row_bias, [(8, H), (H,), (H,)], {1: "norm.weight", 2: "o_proj.bias"}
+
+
+@pytest.mark.parametrize("case", ["row_bias", "row_bias_then_norm", "residual_add"])
+def test_an_add_with_alpha_is_neither_a_row_bias_nor_a_residual_add(sp_pass, case, caplog):
+    """An add whose ``alpha`` is not 1 is left as it is (a rebuilt add, or a pattern traced without
+    ``alpha``, would drop the factor): the graph computes what it computed without the pass (run
+    on the fake group, whose all-reduce returns its input), and a pattern match says why it is skipped."""
+    caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
+    fn, shapes, state = alpha_adds(case)
+    gm = trace(fn, shapes, state=state)
+    unrewritten = copy.deepcopy(gm)
+    run(sp_pass, gm)
+    assert counts(sp_pass) == {}
+    args = [torch.randn(s, dtype=BF16, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(shapes)]
+    expected = unrewritten(*args)
+    assert all(torch.equal(out, ref) for out, ref in zip(gm(*args), expected, strict=True))
+    if case == "residual_add":
+        assert_skipped(sp_pass, caplog, "passes alpha=2.0, which the pattern does not", "middle.torch_functional")
+
+
 def test_an_all_reduce_scaled_by_a_tensor_is_left_alone(sp_pass, caplog):
     """A tensor factor (here per hidden column) is not applied to the shard: the match is skipped
     with the reason, while the embedding's number-scaled all-reduce is rewritten."""
@@ -486,9 +540,11 @@ def test_residual_from_a_graph_input_is_trusted_only_when_checked_every_call(sp_
     # nothing rank-specific was baked in: no slice of the residual by a constant offset
     assert not gm.graph.find_nodes(op="call_function", target=aten.slice.Tensor)
     (check,) = rank_checks(gm)
-    assert check.args[:2] == ([weight], [residual])  # model state on the first call, the residual every call
-    assert check.args[2].split("\n") == ["arg2_1 (norm.weight)", "arg1_1"] and check.args[3] == group()
-    assert check.prev is residual or check.prev.op == "placeholder"  # right after the inputs
+    state, digest, names, constants = split_constants(check)
+    assert (state, check.args[1]) == ([weight], [residual])  # model state on the first call, the residual every call
+    assert names == ["arg2_1 (norm.weight)", "arg1_1"] and check.args[3] == group()
+    assert "1e-06" in constants  # the norm's epsilon: each rank computes its shard with its own
+    assert check.prev is digest and digest.prev in (residual, weight)  # right after the inputs
     assert [s.labels for s in always_pass.rank_checks] == [["arg2_1 (norm.weight)", "arg1_1"]]
 
 
@@ -497,10 +553,14 @@ def test_rank_check_lists_the_model_state_the_rewrites_rely_on(sp_pass):
     run(sp_pass, gm)
     (check,) = rank_checks(gm)
     placeholders = gm.graph.find_nodes(op="placeholder")
-    assert check.args[0] == placeholders[3:] and check.args[1] == []
-    assert check.args[2].split("\n") == [f"arg{i}_1 ({NORM_WEIGHTS[i]})" for i in (3, 4, 5)]
-    first_call = next(n for n in gm.graph.nodes if n.op == "call_function")
-    assert first_call is check  # before every collective of the graph
+    state, digest, names, constants = split_constants(check)
+    assert state == placeholders[3:] and check.args[1] == []
+    assert names == [f"arg{i}_1 ({NORM_WEIGHTS[i]})" for i in (3, 4, 5)]
+    # the static global scale torch.full((1,), 3.0) compiled into the graph is listed first, and verified
+    assert constants.startswith(CONSTANTS_LABEL) and ": full.default([1], 3.0, " in constants.split(";")[0]
+    assert any("full.default([1], 3.0, " in c for c in sp_pass.rank_checks[0].constants)
+    first_calls = [n for n in gm.graph.nodes if n.op == "call_function"][:2]
+    assert first_calls == [digest, check]  # before every collective of the graph
     assert len(check.users) == 0 and check.is_impure()  # kept by dead-code elimination
     gm.graph.eliminate_dead_code()
     assert rank_checks(gm) == [check]
@@ -687,7 +747,7 @@ def test_static_scale_held_as_a_buffer_moves_before_the_gather(sp_pass):
     quant = gm.graph.find_nodes(op="call_function", target=fp4.scaled_fp4_quant.default)[0]
     assert quant.meta["val"][0].shape == (4, H // 2)  # quantizes this rank's shard
     (check,) = rank_checks(gm)
-    assert check.args[2].split("\n") == ["arg1_1 (norm.weight)", "arg2_1 (proj.input_scale)"]
+    assert split_constants(check)[2] == ["arg1_1 (norm.weight)", "arg2_1 (proj.input_scale)"]
 
 
 def test_rank_check_off_trusts_model_state_unchecked():
@@ -761,14 +821,21 @@ def test_qkv_quants_each_move_before_their_own_gather(sp_pass):
     assert sorted(tuple(v.shape) for v in gathered) == sorted([(8, H // 2)] * 3 + [(8, H // 16)] * 3 + [(8, H)])
     assert [v.dtype for v in gathered].count(BF16) == 1  # the residual stream only
     (check,) = rank_checks(gm)
-    assert len(check.args[0]) == 4
+    assert len(split_constants(check)[0]) == 4
+
+
+def read_by_gemms(tensors):
+    """Stand-ins for the GEMMs that read quantized activations: copies, so that no quantization output
+    is itself a graph output (the CSE pass keeps equal nodes apart where their values reach two
+    outputs, which must stay separate buffers)."""
+    return tuple(t.float() for t in tensors)
 
 
 def qkv_norm(x, w, gs_q, gs_k, gs_v):
     """A norm output read by the q, k and v linears, each quantizing it with its scale argument."""
     r = all_reduce(x)
     n = fp4fuse_norm(r, w)
-    return (*fp4.scaled_fp4_quant(n, gs_q), *fp4.scaled_fp4_quant(n, gs_k), *fp4.scaled_fp4_quant(n, gs_v), r)
+    return (*read_by_gemms(t for gs in (gs_q, gs_k, gs_v) for t in fp4.scaled_fp4_quant(n, gs)), r)
 
 
 def trace_qkv(scales: str, tokens: int) -> torch.fx.GraphModule:
@@ -919,7 +986,7 @@ def test_qkv_quants_with_dynamic_scales_share_one_gather(sp_pass):
     def fn(x, w):
         r = all_reduce(x)
         n = fp4fuse_norm(r, w)
-        return (*(out for q in quantizers for out in q.quantize(n)), r)
+        return (*read_by_gemms(out for q in quantizers for out in q.quantize(n)[:2]), r)
 
     gm = trace(fn, [(8, H), (H,)], state={1: "norm.weight"})
     run(sp_pass, gm)
@@ -1085,6 +1152,51 @@ def test_patterns_match_inductor_post_grad_graphs():
     expected = {f"sequence_parallel.{pos}.{form}": 1 for form in NORMS for pos in ("first", "last")}
     expected["sequence_parallel.quant_before_gather.dynamic_scale"] = len(NORMS)
     assert got == expected
+
+
+class ResidualSources(torch.nn.Module):
+    """Three norms after all-reduces, each adding a residual from another place: a buffer, a tensor
+    passed in, and a buffer the forward then overwrites (a cache: new data every call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(H, dtype=BF16), requires_grad=False)
+        self.register_buffer("residual", torch.randn(8, H, dtype=BF16))
+        self.register_buffer("cache", torch.randn(8, H, dtype=BF16))
+
+    def forward(self, x0, x1, x2, passed):
+        a, _ = torch_functional_norm(all_reduce(x0), self.weight, self.residual)
+        b, _ = torch_functional_norm(all_reduce(x1), self.weight, passed)
+        c, _ = torch_functional_norm(all_reduce(x2), self.weight, self.cache)
+        self.cache.copy_(x2)
+        return a, b, c
+
+
+def test_only_parameters_and_unwritten_buffers_are_model_state(caplog):
+    """Compiled (fake group), the pass reads which inputs are model state from Dynamo: the buffer
+    is; a tensor passed in is not, also when marked with ``torch._dynamo.mark_static_address`` (as
+    static KV caches and the input buffers of CUDA-graph serving loops are: AOT autograd lists it
+    with the parameters as a static input, but it holds new data every call), and neither is a
+    buffer the graph writes. Only the first norm is rewritten. (rank_check off, as in the test
+    above: model state is then trusted unchecked and per-call inputs are not.)"""
+    caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
+    sp = SequenceParallelismPass(FusionConfig(enable_sequence_parallelism=True, rank_check="off"))
+    seen = []
+
+    def post_grad(graph: torch.fx.Graph) -> None:
+        sp(graph)
+        seen.append((dict(sp.match_counts), [s.reason for s in sp.skips]))
+
+    xs = [torch.randn(8, H, dtype=BF16) for _ in range(3)]
+    passed = torch.randn(8, H, dtype=BF16)
+    torch._dynamo.mark_static_address(passed)
+    with torch._inductor.config.patch(post_grad_custom_post_pass=post_grad, fx_graph_cache=False):
+        torch._dynamo.reset()
+        torch.compile(ResidualSources(), fullgraph=True)(*xs, passed)
+    ((got, reasons),) = seen
+    assert got == {"sequence_parallel.last.torch_functional": 1}
+    assert any("(L['passed']), a per-call graph input" in r for r in reasons), reasons
+    assert any("(L['self'].cache), a per-call graph input" in r for r in reasons), reasons
 
 
 # --------------------------------------------------------------------------- bookkeeping

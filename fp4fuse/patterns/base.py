@@ -46,9 +46,9 @@ if TYPE_CHECKING:
 __all__ = [
     "AliasedWrites", "CollectiveKind", "FunctionalCollective", "GraphRewrite", "MatchRecorder", "QuantCall", "VIEW_OPS",
     "ReplacementPattern", "Skip", "aot_trace", "decode_collective", "erase_if_unused", "insert_traced",
-    "fake_value", "find_collectives", "get_arg", "hoist_before", "insert_call", "is_call", "is_size_computation",
-    "refuse_aliased_writes", "registration_mode", "replacement_point", "shapes_known_equal", "threshold_reason",
-    "token_count_reason",
+    "dropped_keyword_argument", "fake_value", "find_collectives", "get_arg", "hoist_before", "insert_call", "is_call",
+    "is_size_computation", "refuse_aliased_writes", "registration_mode", "replacement_point", "shapes_known_equal",
+    "threshold_reason", "token_count_reason",
 ]
 
 aten = torch.ops.aten
@@ -517,6 +517,43 @@ def _with_signature(method: Callable[..., Any], names: list[str]) -> Callable[..
     return fn
 
 
+def dropped_keyword_argument(match: pm.Match) -> str | None:
+    """Why ``match`` must not be replaced because a matched node passes a keyword argument that
+    its pattern node does not, or None.
+
+    Inductor's pattern matcher ignores keyword arguments a node has beyond its pattern node's
+    (``_TargetArgsExpr._match`` keeps only the pattern's keys), so a pattern ``add(a, b)`` matches
+    ``add(a, b, alpha=2)`` and its replacement, traced without ``alpha``, computes ``a + b``. A
+    keyword argument equal to its schema default changes nothing and is allowed; any other is a
+    reason to skip."""
+    matched = set(match.nodes)
+    for expr, node in match.ctx.pattern_to_node.items():
+        if not isinstance(expr, pm._TargetArgsExpr) or not isinstance(node, fx.Node) or node not in matched:
+            continue
+        for key, value in node.kwargs.items():
+            if key in expr.kwargs or _is_schema_default(node.target, key, value):
+                continue
+            return (f"{node.name} ({getattr(node.target, '__name__', node.target)}) passes {key}={value!r}, which the "
+                    "pattern does not: its replacement would drop it")
+    return None
+
+
+def _is_schema_default(target: Any, key: str, value: Any) -> bool:
+    """``key=value`` is the default of ``target``'s argument ``key`` (False where unknown)."""
+    schema = getattr(target, "_schema", None)
+    for argument in getattr(schema, "arguments", ()):
+        if argument.name == key:
+            if not argument.has_default_value():
+                return False
+            if isinstance(value, fx.Node):
+                return False
+            try:
+                return bool(value == argument.default_value)
+            except (TypeError, RuntimeError):
+                return False
+    return False
+
+
 class ReplacementPattern(abc.ABC):
     """One ``pm.register_replacement`` pattern: example inputs, search graph, replacement graph.
 
@@ -556,10 +593,11 @@ class ReplacementPattern(abc.ABC):
         return next((n for n in match.output_nodes() if n is not None), None)
 
     def recording_check(self, recorder: MatchRecorder) -> Callable[[pm.Match], bool]:
-        """The ``extra_check`` for ``register_replacement``: :meth:`check`, with every match and
-        every skip (and its reason) recorded under this pattern's name."""
+        """The ``extra_check`` for ``register_replacement``: :func:`dropped_keyword_argument`,
+        then :meth:`check`, with every match and every skip (and its reason) recorded under this
+        pattern's name."""
         def extra_check(match: pm.Match) -> bool:
-            reason = self.check(match)
+            reason = dropped_keyword_argument(match) or self.check(match)
             if reason is not None:
                 recorder.skipped(self.name, self.anchor(match), reason)
                 return False

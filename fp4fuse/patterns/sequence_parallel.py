@@ -126,10 +126,13 @@ class Epilogue(enum.Enum):
 
     @staticmethod
     def of(user: fx.Node, wait: fx.Node) -> Epilogue | None:
-        """The epilogue ``user`` applies to ``wait`` (an all-reduce's result), if it is one."""
-        if is_call(user, aten.mul.Tensor) and user.args[0] is wait and isinstance(user.args[1], (int, float)):
+        """The epilogue ``user`` applies to ``wait`` (an all-reduce's result), if it is one: a plain
+        two-operand op (:func:`_plain_binary`; ``add(wait, b, alpha=2)`` is no bias add)."""
+        if not (isinstance(user, fx.Node) and _plain_binary(user) and user.args[0] is wait):
+            return None
+        if is_call(user, aten.mul.Tensor) and isinstance(user.args[1], (int, float)):
             return Epilogue.SCALED
-        if is_call(user, aten.add.Tensor) and user.args[0] is wait and isinstance(user.args[1], fx.Node):
+        if is_call(user, aten.add.Tensor) and isinstance(user.args[1], fx.Node):
             row, full = _shape_of(user.args[1]), _shape_of(wait)
             if row is not None and full is not None and len(row) == 1 and shapes_known_equal(row, full[-1:]):
                 return Epilogue.BIASED
@@ -253,10 +256,18 @@ def scales_of_quantizations(outputs: Any) -> set[fx.Node | None]:
 def _epilogue_operand(match: pm.Match, reduce: fx.Node) -> Any:
     """The second operand of the match's ``wait(all_reduce) * / + operand`` (None if it has none)."""
     for n in match.nodes:
-        if (is_call(n, aten.mul.Tensor, aten.add.Tensor) and is_call(n.args[0], c10d.wait_tensor)
+        if (is_call(n, aten.mul.Tensor, aten.add.Tensor) and _plain_binary(n) and is_call(n.args[0], c10d.wait_tensor)
                 and get_arg(n.args[0], 0, "input") is reduce):
             return n.args[1]
     return None
+
+
+def _plain_binary(node: fx.Node) -> bool:
+    """``node`` calls its op with two positional operands and no keyword argument but ``alpha=1``:
+    ``add(a, b, alpha=2)`` is ``a + 2 * b``, and an op rebuilt from its two operands (or a pattern
+    traced without ``alpha``) would drop the factor."""
+    return len(node.args) == 2 and all(
+        key == "alpha" and isinstance(value, (int, float)) and value == 1 for key, value in node.kwargs.items())
 
 
 def _shape_of(node: Any) -> tuple[Any, ...] | None:
@@ -438,8 +449,8 @@ class SPPattern(ReplacementPattern):
         reason, relies_on = self.uniformity.prove(self.group.name, operands)
         if reason is None:
             reason = self._token_count_reason(match, m.tokens)
-        if reason is None:
-            self.uniformity.rely_on(self.group.name, relies_on)
+        if reason is None:  # the shards are also computed with the match's own literals (eps, a scale)
+            self.uniformity.rely_on(self.group.name, relies_on.with_literals_of(match.nodes))
         return reason
 
     def _token_count_reason(self, match: pm.Match, tokens: int | torch.SymInt) -> str | None:
@@ -693,7 +704,7 @@ def round_residual_adds(graph: fx.Graph, group_name: str) -> int:
             marked += 1
     for add in graph.find_nodes(op="call_function", target=aten.add.Tensor):
         args = [a for a in add.args if isinstance(a, fx.Node)]
-        if (len(args) == 2 and _low_precision(add)
+        if (len(args) == 2 and _plain_binary(add) and _low_precision(add)
                 and any(_is_local_shard(a, group_name) or _is_epilogue_of_local_shard(a, group_name) for a in args)
                 and any(is_call(a, torch.ops.fp4fuse.shard_rows) for a in args)):
             add.meta["low_precision_pointwise_barrier"] = True

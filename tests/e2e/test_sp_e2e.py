@@ -81,12 +81,14 @@ class Run:
     compiled without fusion; "fused" with the same fusion compiled without CUDA graphs.
     ``dynamic``: mark the token dimension dynamic on the first call. ``cudagraphs``: compile with
     ``triton.cudagraphs`` and call the model ``calls`` times per token count (warm-up, capture,
-    replays), comparing every call."""
+    replays), comparing every call. ``act_global_scale``: a tuple gives each rank its own (a
+    float compiled into each rank's graph); a call that raises ``RankMismatchError`` is recorded
+    (``raised``, ``error``: each rank's message) and ends the run."""
 
     sequence_parallelism: bool = True
     async_tp: bool = False
     norm: str = "fp4fuse"
-    act_global_scale: float | None = None
+    act_global_scale: float | tuple[float, ...] | None = None
     tokens: tuple[int, ...] = TOKENS
     dynamic: bool = False
     reference: str = "eager"
@@ -106,12 +108,17 @@ def _compare(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float | bool]:
 def _rank_main(run: Run) -> list[dict]:
     """Compile the model, run it at each token count, return what each call fused and how its
     output compares with the reference."""
+    import torch.distributed as dist
+
     from fp4fuse.config import FusionConfig
+    from fp4fuse.distributed.rank_check import RankMismatchError
     from fp4fuse.passes.manager import FusionPass
     from fp4fuse.tp import LlamaConfig, NormImpl, TPGroup, TPLlamaModel
 
     device = torch.device(DEVICE, torch.cuda.current_device()) if DEVICE == "cuda" else torch.device("cpu")
-    cfg = LlamaConfig(num_layers=LAYERS, norm_impl=NormImpl(run.norm), act_global_scale=run.act_global_scale)
+    scale = run.act_global_scale
+    scale = scale[dist.get_rank()] if isinstance(scale, tuple) else scale
+    cfg = LlamaConfig(num_layers=LAYERS, norm_impl=NormImpl(run.norm), act_global_scale=scale)
     model = TPLlamaModel(cfg, TPGroup.from_process_group(), device)
     # min_tokens=0: every size fuses on CUDA too (the shipped thresholds leave these token counts alone
     # there: fp4fuse.patterns.thresholds); on CPU it is the default already
@@ -136,10 +143,17 @@ def _rank_main(run: Run) -> list[dict]:
         with torch.no_grad():
             # the model under test first: under CUDA graphs its first call is a CUDA-graph tree's warm-up,
             # where whatever the graph does once (rank check, workspace) must allocate outside the graph pool
-            outs = [compiled(ids).clone() for _ in range(run.calls)]
+            try:
+                outs = [compiled(ids).clone() for _ in range(run.calls)]
+            except RankMismatchError as err:
+                counts = {k: v for k, v in fusion.last_match_counts.items() if k.startswith(FUSION_KEYS)}
+                results.append({"tokens": tokens, "raised": type(err).__name__, "error": str(err), "equal": None,
+                                "counts": counts})
+                break
             ref = reference(ids).clone()
         out = outs[-1]
         results.append({
+            "raised": None,
             "all_calls_equal": all(torch.equal(o, ref) for o in outs),
             "tokens": tokens, "compiled_graphs": fusion.calls - calls,
             "reference_graphs": unfused.calls - reference_calls,
@@ -177,7 +191,7 @@ def run_ranks_together(runs: tuple[Run, ...], cache_dir: str) -> list[list[dict]
     per_rank = run_on_ranks(_rank_main_each, WORLD, runs, timeout=TIMEOUT_S, backend=BACKEND, hard_exit=cudagraphs,
                             env={"TORCHINDUCTOR_CACHE_DIR": cache_dir, "TORCHINDUCTOR_COMPILE_THREADS": COMPILE_THREADS,
                                  **({"FP4FUSE_OVERLAP_MIN_ROWS": "0"} if cudagraphs else {})})
-    keys = ("counts", "equal")
+    keys = ("counts", "equal", "raised")
     for other in per_rank[1:]:
         assert [[[r[k] for k in keys] for r in run] for run in other] == [
             [[r[k] for k in keys] for r in run] for run in per_rank[0]]
@@ -201,12 +215,16 @@ def assert_matches_reference(result: dict) -> None:
 #: by async_tp: SP alone with a static activation scale, SP + AsyncTP with a dynamic one
 STATIC_RUNS = {async_tp: Run(async_tp=async_tp, act_global_scale=None if async_tp else 8.0, tokens=STATIC_TOKENS)
                for async_tp in (False, True)}
+#: SP alone with a static activation scale compiled into each rank's graph, another on each rank
+PER_RANK_SCALE_RUN = Run(act_global_scale=(6.0, 12.0), tokens=STATIC_TOKENS)
 
 
 @pytest.fixture(scope="module")
-def static_results(cache_dir) -> dict[bool, list[dict]]:
-    """Both static runs in one spawn: one process start and Inductor warm-up for their two compiles."""
-    return dict(zip(STATIC_RUNS, run_ranks_together(tuple(STATIC_RUNS.values()), cache_dir)))
+def static_results(cache_dir) -> dict[bool | str, list[dict]]:
+    """Both static runs and the per-rank scale run in one spawn: one process start and Inductor
+    warm-up for their compiles."""
+    *static, per_rank_scale = run_ranks_together((*STATIC_RUNS.values(), PER_RANK_SCALE_RUN), cache_dir)
+    return {**dict(zip(STATIC_RUNS, static)), "per_rank_scale": per_rank_scale}
 
 
 @pytest.mark.parametrize("async_tp", [False, True], ids=["sp", "sp_async_tp"])
@@ -225,6 +243,20 @@ def test_static_token_counts(async_tp, static_results, cache_dir):
         for result in run_ranks(run, cache_dir):
             assert result["compiled_graphs"] == 0, "expected FX graph cache hits: the passes ran again"
             assert_matches_reference(result)
+
+
+def test_a_static_scale_compiled_differently_on_each_rank_is_an_error(static_results):
+    """``NVFP4Quantizer(global_scale=float)`` puts the float into each rank's graph as a constant
+    (``torch.full``). Where the ranks' floats differ, quantizing each shard before the gather would
+    mix codes of two scales (each rank's unfused model is consistent on its own). The graphs fuse as
+    with one shared scale, and the rank check, which compares the constants the rewrites rely on
+    with the model state, raises on the first call on every rank."""
+    (result,) = static_results["per_rank_scale"]
+    assert result["counts"] == expected_counts(LAYERS, async_tp=False, dynamic_scale=False), result
+    assert result["raised"] == "RankMismatchError", "the ranks compiled different scales and nothing was raised"
+    assert "the constants compiled into this rank's graph that the rewrites rely on (" in result["error"]
+    assert "full.default([1], 6.0, " in result["error"]  # rank 0's scale, named in rank 0's error
+    assert "differs from rank 0's on rank 1" in result["error"]
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason=CUDA_ONLY)
