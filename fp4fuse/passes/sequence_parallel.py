@@ -33,8 +33,9 @@ Steps of one call:
 5. cleanup: fold ``shard_rows(all_gather(r))`` into ``r`` (the residual stream a rewritten layer
    hands to the next stays sharded) and erase the gathers nobody reads any more;
 6. rank check: one ``fp4fuse::check_rank_uniform`` per group whose rewrites rely on graph inputs
-   being the same on every rank (model state on the first call; with ``rank_check='always'`` also
-   per-call inputs, every call), right after the graph's inputs. ``rank_checks`` lists them.
+   or compiled-in constants being the same on every rank (model state and a digest of the
+   constants on the first call; with ``rank_check='always'`` also per-call inputs, every call),
+   right after the graph's inputs. ``rank_checks`` lists them.
 
 For a decoder of L layers whose norms all match (an input norm and a post-attention norm per
 layer, a final norm whose output is not quantized): first = 1, middle = 2L - 1, last = 1, and
