@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 import bench_ops  # benchmarks/, this script's folder
+import bench_split_k_tail
 from fp4fuse.kernels.triton import decode, mm_decode
 from fp4fuse.kernels.triton.alpha import alpha_meta, alpha_operands
 
@@ -41,18 +42,16 @@ MS = (16, 32, 64, 96, 128)
 ROWS = (8, 16, 32)
 ROUNDS = 3
 
-#: ``finish_tile``'s arrival and last-program reduction, verbatim: what the ``stores`` copy drops.
-_ARRIVAL = '''        # every thread's partial is written before thread 0 releases the arrival
+#: ``finish_tile``'s arrival and last-program reduction (``bench_split_k_tail._SHIPPED`` inside),
+#: verbatim: what the ``stores`` copy drops.
+_ARRIVAL = ('''        # every thread's partial is written before thread 0 releases the arrival
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == n_split - 1:
-            total = tl.load(tile_base + in_tile, cache_modifier=".cg")
-            for sp in range(1, n_split):
-                total += tl.load(tile_base + sp * TILE + in_tile, cache_modifier=".cg")
-            _store_output(total, alpha_ptr, alpha_b_ptr, out_ptr, rows_m, cols_n, M, N,
+''' + bench_split_k_tail._SHIPPED + '''            _store_output(total, alpha_ptr, alpha_b_ptr, out_ptr, rows_m, cols_n, M, N,
                           ALPHA_FROM_SCALES, ALPHA_DIV_RN)
             tl.store(count_ptr + tile, 0)
-'''
+''')
 
 
 @triton.jit
