@@ -805,6 +805,20 @@ def test_scale_from_a_rank_local_collective(sp_pass, caplog):
     assert_skipped(sp_pass, caplog, "reduce_scatter_tensor reduce_scatter_tensor, whose result is rank-local")
 
 
+def test_scale_read_from_uninitialized_memory(sp_pass, caplog):
+    """A global scale read from ``torch.empty`` holds whatever each rank's allocator handed out: not
+    known to be the same on every rank, so its quantization does not move before the gather."""
+    caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
+
+    def fn(x, w):
+        return norm_then_quant(x, w, torch.empty(1, dtype=torch.float32, device=x.device))
+
+    gm = trace(fn, [(8, H), (H,)], state={1: "norm.weight"})
+    run(sp_pass, gm)
+    assert counts(sp_pass) == {"first.fp4fuse": 1}
+    assert_skipped(sp_pass, caplog, "(empty.memory_format), which is not known to give the same result on every rank")
+
+
 def test_qkv_quants_each_move_before_their_own_gather(sp_pass):
     """Three linears (q, k, v) quantize one norm output, each with its own static scale (a
     buffer): each quant moves before the gather; the bf16 gather disappears."""

@@ -7,7 +7,8 @@ other operands are the same on every rank: the global scale, the norm weight, th
 :func:`prove_rank_uniform` walks a value's ancestors:
 
 * constants (ops without tensor inputs) and pure ``aten`` / ``prims`` ops of uniform values are
-  uniform *if their literal arguments are the same on every rank*; so are fp4fuse's pure ops and
+  uniform *if their literal arguments are the same on every rank*, except the ``empty`` family
+  (uninitialized memory differs from rank to rank); so are fp4fuse's pure ops and
   ``operator`` arithmetic on sizes. Dynamo compiles Python numbers into each rank's own graph
   (``torch.full((1,), scale)`` of ``NVFP4Quantizer(global_scale=...)``, a multiplier), and ranks
   may have compiled different ones, so the literal arguments a proof walks (and those of the
@@ -199,9 +200,10 @@ def group_covers(group_name: str, tp_group: str) -> str | None:
 
 
 def _rank_independent(target: object) -> bool:
-    """A call of ``target`` on equal inputs gives equal results on every rank."""
+    """A call of ``target`` on equal inputs gives equal results on every rank (not the ``empty``
+    family: uninitialized memory is whatever each rank's allocator hands out)."""
     if isinstance(target, torch._ops.OpOverload):
-        if torch.Tag.nondeterministic_seeded in target.tags:
+        if torch.Tag.nondeterministic_seeded in target.tags or "empty" in target._opname:
             return False
         return target.namespace in ("aten", "prims") or target in _PURE_FP4FUSE_OPS
     return getattr(target, "__module__", None) == operator.getitem.__module__  # getitem, size arithmetic
