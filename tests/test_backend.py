@@ -19,15 +19,15 @@ def machine(monkeypatch):
     cleared before and after."""
     monkeypatch.delenv(backend.ENV_BACKEND, raising=False)
     monkeypatch.setattr(backend, "_flashinfer_available", lambda: False)
-    backend.cuda_backend.cache_clear()
+    backend.device_backend.cache_clear()
 
     def describe(capability: tuple[int, int], triton: bool = True) -> None:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
         monkeypatch.setattr(backend, "_triton_available", lambda: triton)
-        backend.cuda_backend.cache_clear()
+        backend.device_backend.cache_clear()
 
     yield describe
-    backend.cuda_backend.cache_clear()
+    backend.device_backend.cache_clear()
 
 
 def _warnings(caplog) -> list[str]:
@@ -64,3 +64,15 @@ def test_supported_or_forced_backend_does_not_warn(machine, monkeypatch, caplog)
         assert backend.cuda_backend(0) is Backend.REFERENCE
         assert backend.backend_for(torch.ones(3)) is Backend.REFERENCE  # CPU tensors: the reference, silently
     assert _warnings(caplog) == []
+
+
+def test_the_backend_variable_is_read_on_every_call(machine, monkeypatch):
+    """``FusionPass.uuid`` reads ``FP4FUSE_BACKEND`` whenever Inductor asks for a cache key, so the
+    kernels a compile picks must follow the variable too: a process that changes it between two
+    compiles (an A/B run) gets the backend the second key names, not the first one's."""
+    machine((9, 0))
+    assert backend.cuda_backend(0) is Backend.TRITON
+    monkeypatch.setenv(backend.ENV_BACKEND, "reference")
+    assert backend.cuda_backend(0) is Backend.REFERENCE
+    monkeypatch.delenv(backend.ENV_BACKEND)
+    assert backend.cuda_backend(0) is Backend.TRITON

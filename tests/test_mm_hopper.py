@@ -19,6 +19,24 @@ from fp4fuse.nvfp4 import format as nvfp4  # noqa: E402
 ops = torch.ops.fp4fuse
 
 
+def test_the_gluon_switch_is_read_on_every_call(monkeypatch):
+    """``FusionPass.uuid`` reads ``FP4FUSE_DISABLE_GLUON`` whenever Inductor asks for a cache key, so
+    the dispatch must follow the variable too (only the device's capability is cached): a process
+    that sets it between two compiles gets the kernels the second key names."""
+    monkeypatch.setattr(mm_hopper, "triton_version", lambda: mm_hopper.GLUON_TRITON)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    monkeypatch.delenv(mm_hopper.ENV_DISABLE_GLUON, raising=False)
+    mm_hopper.hopper_device.cache_clear()
+    try:
+        assert mm_hopper.hopper_available(0)
+        monkeypatch.setenv(mm_hopper.ENV_DISABLE_GLUON, "1")
+        assert not mm_hopper.hopper_available(0)
+        monkeypatch.delenv(mm_hopper.ENV_DISABLE_GLUON)
+        assert mm_hopper.hopper_available(0)
+    finally:
+        mm_hopper.hopper_device.cache_clear()
+
+
 @pytest.mark.parametrize("m,n,k,out_dtype,serves", [
     (512, 8192, 8192, torch.bfloat16, True),     # 128 tiles of 256 x 128: one wave, filled
     (2048, 8192, 8192, torch.bfloat16, True),

@@ -21,7 +21,7 @@ import torch
 
 from fp4fuse.config import env_choice
 
-__all__ = ["ENV_BACKEND", "Backend", "backend_for", "cuda_backend", "forced_backend"]
+__all__ = ["ENV_BACKEND", "Backend", "backend_for", "cuda_backend", "device_backend", "forced_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,13 +57,18 @@ def forced_backend() -> Backend | None:
     return env_choice(ENV_BACKEND, Backend, None)
 
 
-@functools.cache
 def cuda_backend(device_index: int) -> Backend:
-    """Backend for CUDA device ``device_index`` (cached per device: the environment and the
-    device are read once; a fallback to REFERENCE is logged at WARNING, once per device)."""
+    """Backend for CUDA device ``device_index``: ``FP4FUSE_BACKEND`` where set (read on every call,
+    as ``FusionPass.uuid`` reads it: a compile after the variable changed must use the new value its
+    cache key names), else the device's (:func:`device_backend`, cached)."""
     forced = forced_backend()
-    if forced is not None:
-        return forced
+    return forced if forced is not None else device_backend(device_index)
+
+
+@functools.cache
+def device_backend(device_index: int) -> Backend:
+    """The backend CUDA device ``device_index`` supports best (cached per device: the device and the
+    installed packages are read once; a fallback to REFERENCE is logged at WARNING, once per device)."""
     major, minor = torch.cuda.get_device_capability(device_index)
     if major >= FLASHINFER_MIN_MAJOR and _flashinfer_available():
         return Backend.FLASHINFER

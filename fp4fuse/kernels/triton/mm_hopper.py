@@ -88,7 +88,7 @@ from fp4fuse.kernels.triton.mm_decode import DECODE_MAX_M, empty_decode_workspac
 __all__ = ["DEFAULT_LAUNCH", "ENV_DISABLE_GLUON", "HOPPER_BF16_MAX_M", "HopperLaunch", "SPLIT_MIN_M", "SPLIT_MIN_WEIGHT",
            "fills_the_gpu", "finish_tile",
            "gluon_disabled",
-           "hopper_available", "hopper_operands_ok", "hopper_serves", "hopper_split", "mm_fp4_hopper",
+           "hopper_available", "hopper_device", "hopper_operands_ok", "hopper_serves", "hopper_split", "mm_fp4_hopper",
            "mm_fp4_hopper_halves", "mm_fp4_hopper_products", "serves_shape", "split_for"]
 
 logger = logging.getLogger(__name__)
@@ -176,12 +176,15 @@ def gluon_disabled() -> bool:
     return env_bool(ENV_DISABLE_GLUON, False)
 
 
-@functools.cache
 def hopper_available(device_index: int) -> bool:
-    """Whether CUDA device ``device_index`` runs this kernel: compute capability 9.0 (wgmma, TMA),
-    Triton 3.6 and ``FP4FUSE_DISABLE_GLUON`` unset (cached per device: read once)."""
-    if gluon_disabled():
-        return False
+    """Whether CUDA device ``device_index`` runs this kernel: ``FP4FUSE_DISABLE_GLUON`` unset (read
+    on every call, as ``FusionPass.uuid`` reads it) and :func:`hopper_device`."""
+    return not gluon_disabled() and hopper_device(device_index)
+
+
+@functools.cache
+def hopper_device(device_index: int) -> bool:
+    """Compute capability 9.0 (wgmma, TMA) and Triton 3.6 (cached per device: read once)."""
     if triton_version() != GLUON_TRITON:
         logger.debug("fp4fuse: Hopper Gluon GEMM off: Triton %s is not %s", triton.__version__, GLUON_TRITON)
         return False
