@@ -172,6 +172,29 @@ def test_every_pass_hashes_the_rewrite_modules_it_imports():
                 assert path in files, f"{graph_pass.name}: {name} is not in its uuid's sources"
 
 
+def test_uuid_covers_every_module_of_the_package(tmp_path, monkeypatch):
+    """The passes trace and decide with code no pass imports directly (the collective GEMMs'
+    thresholds in ``distributed/symm_mem/policy.py``, the row gather of ``distributed/groups.py``,
+    the launchers' tracing switch): a change to any module of the package -- an upgrade, with the
+    cache directory kept -- changes the uuid, here on a copy of the package."""
+    import shutil
+
+    from fp4fuse.passes import manager
+
+    installed = manager.package_sources_digest()
+    copy = tmp_path / "fp4fuse"
+    shutil.copytree(manager.PACKAGE_ROOT, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert manager.package_sources_digest(copy) == installed
+    fusion = FusionPass(FusionConfig())
+    before = fusion.uuid()
+    monkeypatch.setattr(manager, "PACKAGE_ROOT", copy)
+    assert fusion.uuid() == before  # an identical copy: the same key
+    policy = copy / "distributed" / "symm_mem" / "policy.py"
+    policy.write_text(policy.read_text() + "\n# another threshold\n")
+    assert manager.package_sources_digest() != installed
+    assert fusion.uuid() != before
+
+
 def test_uuid_is_composed_of_each_pass_uuid_over_its_patterns_and_ops(tmp_path, monkeypatch):
     fusion = FusionPass(FusionConfig(enable_async_tp=True))
     files = {p.name: set(map(Path, p.source_files())) for p in fusion.passes}

@@ -69,7 +69,7 @@ from fp4fuse.passes.norm_quant import NormQuantFusionPass
 from fp4fuse.passes.sequence_parallel import SequenceParallelismPass
 from fp4fuse.patterns.base import Skip
 
-__all__ = ["FusionPass", "is_fusion"]
+__all__ = ["FusionPass", "PACKAGE_ROOT", "is_fusion", "package_sources_digest"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +98,21 @@ def _summary(counts: dict[str, int]) -> tuple[int, str, str]:
     rest = (f"{cleanup} no-op views removed, {all_reduce} all-reduces through symmetric memory, {cse} repeated "
             f"computations merged, {lowering} op calls lowered to kernels")
     return sum(fused.values()), f": {detail}" if detail else "", rest
+
+
+#: The fp4fuse package's directory.
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+
+
+def package_sources_digest(root: Path | None = None) -> str:
+    """sha256 over the path and bytes of every ``.py`` file under ``root`` (default
+    ``PACKAGE_ROOT``, the fp4fuse package), in path order: part of :meth:`FusionPass.uuid`."""
+    root = PACKAGE_ROOT if root is None else root
+    hasher = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        hasher.update(str(path.relative_to(root)).encode())
+        hasher.update(path.read_bytes())
+    return hasher.hexdigest()
 
 
 class FusionPass(CustomGraphPass):
@@ -202,8 +217,11 @@ class FusionPass(CustomGraphPass):
 
     def uuid(self) -> str:
         """sha256 over the config's ``hash_key()``, each pass's ``uuid()`` in pipeline order, the
-        source of this module and of fp4fuse.passes.cache_guards, the run-time switches the passes read while compiling
-        (``fp4fuse.config.compile_time_env``) and, where a pass needs it, the process-group layout.
+        source of every module of the fp4fuse package (:func:`package_sources_digest`: the passes
+        also trace and decide with code they reach indirectly -- thresholds, gathers, launchers --
+        and a cache directory outlives an upgrade), the run-time switches the passes read while
+        compiling (``fp4fuse.config.compile_time_env``) and, where a pass needs it, the
+        process-group layout.
 
         Inductor calls it for every FX-graph-cache lookup: each call opens a cache lookup
         (fp4fuse.passes.cache_record), so counts of a graph the cache serves reach this pass."""
@@ -215,8 +233,7 @@ class FusionPass(CustomGraphPass):
         hasher = hashlib.sha256(self.config.hash_key().encode())
         for graph_pass in self.passes:
             hasher.update(graph_pass.uuid().encode())
-        for module_file in (__file__, cache_guards.__file__):  # this module, and how the caches write guards
-            hasher.update(Path(module_file).read_bytes())
+        hasher.update(package_sources_digest().encode())
         hasher.update(json.dumps(compile_time_env(), sort_keys=True).encode())
         if any(p.reads_process_groups for p in self.passes):
             hasher.update(json.dumps(process_group_fingerprint(), sort_keys=True).encode())
