@@ -432,11 +432,17 @@ def alpha_adds(case):
     return row_bias, [(8, H), (H,), (H,)], {1: "norm.weight", 2: "o_proj.bias"}
 
 
-@pytest.mark.parametrize("case", ["row_bias", "row_bias_then_norm", "residual_add"])
-def test_an_add_with_alpha_is_neither_a_row_bias_nor_a_residual_add(sp_pass, case, caplog):
+@pytest.mark.parametrize("case", ["row_bias", "row_bias_then_norm", "residual_add", "residual_add_no_pairs"])
+def test_an_add_with_alpha_is_neither_a_row_bias_nor_a_residual_add(sp_pass, case, caplog, monkeypatch):
     """An add whose ``alpha`` is not 1 is left as it is (a rebuilt add, or a pattern traced without
     ``alpha``, would drop the factor): the graph computes what it computed without the pass (run
-    on the fake group, whose all-reduce returns its input), and a pattern match says why it is skipped."""
+    on the fake group, whose all-reduce returns its input), and a pattern match says why it is skipped,
+    also where the matcher does not say which pattern node matched which node (``no_pairs``)."""
+    from fp4fuse.patterns import base as pattern_base
+
+    if case.endswith("_no_pairs"):
+        monkeypatch.setattr(pattern_base, "_pattern_node_pairs", lambda match: None)
+        case = case.removesuffix("_no_pairs")
     caplog.set_level(logging.DEBUG, logger=SP_LOGGER)
     fn, shapes, state = alpha_adds(case)
     gm = trace(fn, shapes, state=state)

@@ -525,17 +525,30 @@ def dropped_keyword_argument(match: pm.Match) -> str | None:
     (``_TargetArgsExpr._match`` keeps only the pattern's keys), so a pattern ``add(a, b)`` matches
     ``add(a, b, alpha=2)`` and its replacement, traced without ``alpha``, computes ``a + b``. A
     keyword argument equal to its schema default changes nothing and is allowed; any other is a
-    reason to skip."""
+    reason to skip. Where this torch's matcher does not expose which pattern node matched which
+    graph node (private API, torch 2.11 to 2.13 do), every non-default keyword is one."""
     matched = set(match.nodes)
-    for expr, node in match.ctx.pattern_to_node.items():
-        if not isinstance(expr, pm._TargetArgsExpr) or not isinstance(node, fx.Node) or node not in matched:
+    pairs = _pattern_node_pairs(match)
+    for expr, node in (pairs.items() if pairs is not None else [(None, node) for node in match.nodes]):
+        if not isinstance(node, fx.Node) or node not in matched or node.op != "call_function":
             continue
+        pattern_keys = expr.kwargs if expr is not None else {}
         for key, value in node.kwargs.items():
-            if key in expr.kwargs or _is_schema_default(node.target, key, value):
+            if key in pattern_keys or _is_schema_default(node.target, key, value):
                 continue
             return (f"{node.name} ({getattr(node.target, '__name__', node.target)}) passes {key}={value!r}, which the "
                     "pattern does not: its replacement would drop it")
     return None
+
+
+def _pattern_node_pairs(match: pm.Match) -> dict[Any, Any] | None:
+    """``{pattern node: graph node}`` of ``match`` for its call patterns (``_TargetArgsExpr``, whose
+    ``kwargs`` are the pattern's), or None where this torch's matcher does not expose them."""
+    expr_type = getattr(pm, "_TargetArgsExpr", None)
+    pairs = getattr(getattr(match, "ctx", None), "pattern_to_node", None)
+    if expr_type is None or pairs is None:
+        return None
+    return {expr: node for expr, node in pairs.items() if isinstance(expr, expr_type)}
 
 
 def _is_schema_default(target: Any, key: str, value: Any) -> bool:
