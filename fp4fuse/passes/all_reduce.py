@@ -71,21 +71,12 @@ def _reason(collective: FunctionalCollective) -> str | None:
         return f"the input is not contiguous (strides {tuple(x.stride())})"
     limit = symm_all_reduce.max_bytes()
     nbytes = x.numel() * x.element_size()
-    example = _example(nbytes)
+    example = base.size_hint(nbytes)
     if statically_known_true(nbytes > limit) or (example is not None and example > limit):
         return (f"{example if example is not None else nbytes} bytes at the size this graph is compiled for > "
                 f"{symm_all_reduce.ENV_MAX_BYTES}={limit}: NCCL either way, and the graph's own all-reduce sums in "
                 "place where fp4fuse's op would copy its input")
     return None
-
-
-def _example(size: int | torch.SymInt) -> int | None:
-    """``size`` itself, or the value of its symbolic expression at the example inputs the graph is
-    compiled for (None where the tracer kept none)."""
-    if isinstance(size, int):
-        return size
-    hint = size.node.hint
-    return int(hint) if hint is not None else None
 
 
 class SymmAllReducePass(GraphPass):

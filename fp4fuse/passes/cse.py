@@ -39,6 +39,8 @@ import torch.fx as fx
 
 from fp4fuse.ops.kernel_table import LOWERABLE_OPS
 from fp4fuse.passes.base import GraphPass
+from fp4fuse.patterns import base as pattern_base
+from fp4fuse.patterns.base import annotated_args
 
 __all__ = ["CommonSubexpressionPass", "merge_common_subexpressions", "mutated_intermediate"]
 
@@ -90,17 +92,6 @@ def _key(value: Any, rep: dict[fx.Node, fx.Node]) -> Any:
     return (type(value).__name__, value)
 
 
-def _annotated_args(node: fx.Node, write: bool) -> list[Any]:
-    """The arguments ``node``'s schema annotates with an alias set (``Tensor(a)``; only written
-    ones, ``Tensor(a!)``, if ``write``), lists and tuples flattened (``Tensor(a!)[]``)."""
-    found = []
-    for i, arg in enumerate(node.target._schema.arguments):
-        if arg.alias_info is not None and (arg.alias_info.is_write or not write):
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-            found.extend(value if isinstance(value, (list, tuple)) else [value])
-    return found
-
-
 def _aliased_inputs(node: fx.Node) -> list[Any]:
     """The inputs ``node``'s value may alias: the first argument of ``getitem`` and of
     ``_UNANNOTATED_ALIASES``, the annotated arguments of an op whose schema returns an alias, and
@@ -112,7 +103,7 @@ def _aliased_inputs(node: fx.Node) -> list[Any]:
         return [node.args[0]]
     if isinstance(target, torch._ops.OpOverload) \
             and any(ret.alias_info is not None for ret in target._schema.returns):
-        return _annotated_args(node, write=False)
+        return annotated_args(node, write=False)
     return []
 
 
@@ -140,7 +131,7 @@ def mutated_intermediate(graph: fx.Graph) -> fx.Node | None:
             continue
         if not node.target._schema.is_mutable:
             continue
-        for base in _annotated_args(node, write=True):
+        for base in annotated_args(node, write=True):
             while isinstance(base, fx.Node) and base.op == "call_function" and base.args \
                     and isinstance(base.target, torch._ops.OpOverload) and base.target.is_view:
                 base = base.args[0]
@@ -195,6 +186,7 @@ class CommonSubexpressionPass(GraphPass):
     """Merge repeated pure computations (always on; changes no numerics): module docstring."""
 
     name = "cse"
+    source_modules = (pattern_base,)
 
     def __call__(self, graph: fx.Graph) -> int:
         self.recorder.reset()

@@ -202,15 +202,13 @@ def _autotune_reason(node: fx.Node, call: _Call) -> str | None:
         return None
     from fp4fuse.kernels.triton.mm_decode import DECODE_MAX_M  # the backend is Triton here
 
-    rows = fake_value(node.args[0]).shape[0]
-    hint = rows if isinstance(rows, int) else rows.node.shape_env.size_hint(rows.node.expr)
+    hint = base.size_hint(fake_value(node.args[0]).shape[0])
     if hint is not None and hint <= DECODE_MAX_M:
         return None
     return (f"Inductor autotunes GEMMs (max_autotune with backends {_gemm_backends()}): above {DECODE_MAX_M} "
             "rows the lowered dequantize + cuBLAS product would be an aten.mm Inductor may replace by a "
             "template with other bits than the op's; the op call stays (max_autotune_gemm_backends='ATEN' "
             "lowers it)")
-
 
 
 def _inductor_divides_rn() -> bool:

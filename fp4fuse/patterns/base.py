@@ -45,10 +45,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AliasedWrites", "CollectiveKind", "FunctionalCollective", "GraphRewrite", "MatchRecorder", "QuantCall", "VIEW_OPS",
-    "ReplacementPattern", "Skip", "aot_trace", "decode_collective", "erase_if_unused", "insert_traced",
+    "ReplacementPattern", "Skip", "annotated_args", "aot_trace", "decode_collective", "erase_if_unused", "insert_traced",
     "dropped_keyword_argument", "fake_value", "find_collectives", "get_arg", "hoist_before", "insert_call", "is_call",
     "is_size_computation", "refuse_aliased_writes", "registration_mode", "replacement_point", "shapes_known_equal",
-    "threshold_reason", "token_count_reason",
+    "size_hint", "threshold_reason", "token_count_reason",
 ]
 
 aten = torch.ops.aten
@@ -109,6 +109,26 @@ def fake_value(node: Any) -> Any:
     if not isinstance(node, fx.Node):
         return None
     return node.meta.get("val", node.meta.get("example_value"))
+
+
+def size_hint(size: int | torch.SymInt) -> int | None:
+    """``size`` itself, or the value of its symbolic expression at the example inputs the graph is
+    compiled for (None where the tracer kept none: an unbacked size)."""
+    if isinstance(size, int):
+        return size
+    hint = size.node.hint
+    return int(hint) if hint is not None else None
+
+
+def annotated_args(node: fx.Node, write: bool) -> list[Any]:
+    """The arguments ``node``'s schema annotates with an alias set (``Tensor(a)``; only written
+    ones, ``Tensor(a!)``, if ``write``), lists and tuples flattened (``Tensor(a!)[]``)."""
+    found = []
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.alias_info is not None and (arg.alias_info.is_write or not write):
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            found.extend(value if isinstance(value, (list, tuple)) else [value])
+    return found
 
 
 def shapes_known_equal(a: Sequence[Any], b: Sequence[Any]) -> bool:

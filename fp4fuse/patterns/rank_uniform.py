@@ -61,7 +61,9 @@ from torch.utils import _pytree as pytree
 from fp4fuse.config import RankCheck
 from fp4fuse.distributed.groups import resolve_group
 from fp4fuse.ops import rank_check as rank_check_op
-from fp4fuse.patterns.base import CollectiveKind, decode_collective, fake_value, insert_call, is_call
+from fp4fuse.patterns.base import (
+    CollectiveKind, annotated_args, decode_collective, fake_value, insert_call, is_call,
+)
 
 __all__ = [
     "GraphInput", "InputKind", "RankUniformity", "Uniformity", "graph_inputs", "group_covers",
@@ -140,13 +142,8 @@ def _written_inputs(graph: fx.Graph) -> set[fx.Node]:
         schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
         if schema is None or not schema.is_mutable:
             continue
-        for i, argument in enumerate(schema.arguments):
-            if argument.alias_info is None or not argument.alias_info.is_write:
-                continue
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
-            for leaf in pytree.tree_leaves(value):
-                if isinstance(leaf, fx.Node) and leaf.op in ("placeholder", "get_attr"):
-                    written.add(leaf)
+        written.update(arg for arg in annotated_args(node, write=True)
+                       if isinstance(arg, fx.Node) and arg.op in ("placeholder", "get_attr"))
     return written
 
 
