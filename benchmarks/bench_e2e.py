@@ -9,7 +9,9 @@ Llama-3-8B-shaped decoder layers (hidden 4096, 32 heads, 8 KV heads, FFN 14336; 
 default 4; no LM head) -- or, with ``--family qwen2``, ``Qwen2Model`` (q/k/v with biases) at the
 sizes given, e.g. Qwen2-7B's ``--hidden 3584 --heads 28 --kv-heads 4 --ffn 18944``; ``--family
 olmo2 | glm | phi3`` take plans that gather column-parallel outputs and split row-parallel inputs
-(``colwise_gather_output`` / ``rowwise_split_input``); ``--family gemma2`` has sandwich norms (a
+(``colwise_gather_output`` / ``rowwise_split_input``); ``--family qwen3`` has a per-head RMSNorm on
+the q and k projections (Qwen3-8B: ``--hidden 4096 --heads 32 --kv-heads 8 --ffn 12288``); ``--family
+mistral`` is Llama's graph under another class; ``--family gemma2`` has sandwich norms (a
 norm on each sublayer's all-reduced output, before the residual add; head_dim 256) -- with random
 weights from one seed, put on ``--tp`` ranks by ``fp4fuse.tp.parallelize`` with its config's own
 ``base_model_tp_plan``. Variants, built on every rank from the same weights and timed in the same
@@ -125,7 +127,8 @@ class BenchArgs:
 #: ``--family`` -> (config class, model class) in ``transformers``.
 FAMILIES = {"llama": ("LlamaConfig", "LlamaModel"), "qwen2": ("Qwen2Config", "Qwen2Model"),
             "olmo2": ("Olmo2Config", "Olmo2Model"), "glm": ("GlmConfig", "GlmModel"), "phi3": ("Phi3Config", "Phi3Model"),
-            "gemma2": ("Gemma2Config", "Gemma2Model")}
+            "gemma2": ("Gemma2Config", "Gemma2Model"), "qwen3": ("Qwen3Config", "Qwen3Model"),
+            "mistral": ("MistralConfig", "MistralModel")}
 #: config fields a family needs beyond the sizes: special token ids inside the 32000-token vocabulary
 #: (their defaults point past it, and the embedding's padding row must exist)
 _FAMILY_EXTRAS = {family: {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
