@@ -241,7 +241,7 @@ def _gpu_cases() -> dict:
     leaf = _rank_input((16, 4096), torch.float32, rank, 41, False).to(device).requires_grad_()
     with pytest.raises(RuntimeError, match="all_reduce_sum has no gradient formula, and x requires a gradient"):
         ops.all_reduce_sum(leaf, group)  # refused on every rank before any collective
-    ws = workspace._REGISTRY[(group, rank)]
+    ws = workspace._REGISTRY[(group, rank)][1]
     capacity = ws.capacity  # the 2048 x 4096 bf16 call (16 MiB) went through the workspace
     os.environ[symm_all_reduce.ENV_MAX_BYTES] = "65536"  # the same on both ranks: larger calls run NCCL
     x = _rank_input((300, 4096), torch.bfloat16, rank, 2, False).to(device)
@@ -312,3 +312,33 @@ def test_symmetric_memory_sum_is_nccls_bit_for_bit_on_two_gpus():
     for r in results:
         assert r["capacity"] >= 2048 * 4096 * 2 and r["replays"] == 2 and r["two_streams"] == 2, r
         assert r["other_device"] == 2, r
+
+
+def _sum_after_reinitializing(store_path: str) -> dict:
+    """A sum through the workspace, then the process group destroyed and initialized again: torch
+    numbers group names from a counter, so the new default group may carry the old one's name."""
+    rank = dist.get_rank()
+    device = torch.device("cuda", rank)
+    shape = (16, 4096)
+    old_name = dist.group.WORLD.group_name
+    x = _rank_input(shape, torch.bfloat16, rank, 110, False).to(device)
+    _check_gpu_sum(x, _expected(shape, torch.bfloat16, 110, False, device), old_name)
+    old = workspace._REGISTRY[(old_name, rank)][1]
+    torch.cuda.synchronize()
+    dist.destroy_process_group()
+    dist.init_process_group("nccl", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    name = dist.group.WORLD.group_name
+    x = _rank_input(shape, torch.bfloat16, rank, 111, False).to(device)
+    _check_gpu_sum(x, _expected(shape, torch.bfloat16, 111, False, device), name)
+    torch.cuda.synchronize()
+    return {"same_name": name == old_name, "rebuilt": workspace._REGISTRY[(name, rank)][1] is not old}
+
+
+@pytest.mark.multigpu
+def test_a_group_name_reused_after_reinitialization_gets_a_new_workspace(tmp_path):
+    """The workspace built for a destroyed group is not served for the new group of the same name
+    (its rank, world size and peer mappings are the old group's)."""
+    results = run_on_ranks(_sum_after_reinitializing, 2, str(tmp_path / "store2"), backend="nccl", timeout=120,
+                           env=GPU_ENV, hard_exit=True)
+    for r in results:
+        assert r == {"same_name": True, "rebuilt": True}, r

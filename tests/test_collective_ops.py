@@ -447,7 +447,7 @@ def _gpu_suite() -> dict[str, object]:
             _check_gpu_all_gather(t, m, case, out_dtype, mismatches)
             _check_gpu_reduce_scatter(t, m, case, out_dtype)
     report["empty"] = _check_empty_calls(device)  # empty operands take the functional path at any threshold
-    ws = workspace._REGISTRY[(group, rank)]
+    ws = workspace._REGISTRY[(group, rank)][1]
     assert isinstance(ws, workspace.SymmWorkspace) and ws.capacity > 0, ws
     report["capacity"] = ws.capacity
     t = _case_inputs(8, 99, device)
@@ -500,7 +500,7 @@ def _gpu_graph_capture(device: torch.device, group: str, check_mode: str) -> str
     replay_equals_eager(52)
     # A larger eager call grows the workspace after the capture; the generation the graph captured
     # stays mapped (workspace module doc), so its replays still give the eager results.
-    ws = workspace._REGISTRY[(group, device.index)]
+    ws = workspace._REGISTRY[(group, device.index)][1]
     generation, retired = ws.generation, len(ws.retired)
     big = m
     while reduce_scatter_layout(world, big, N, out_dtype).nbytes <= ws.capacity:

@@ -84,6 +84,16 @@ def _agreement_phases() -> dict[str, object]:
         groups.gather_values(group, (1 << 40,), cpu)
     else:
         report["out_of_step"] = _error(lambda: groups.gather_strings(group, ("abc",), cpu), RuntimeError)
+
+    # 7. Activations of more than two dims that differ only in a later dim (the hidden size of a
+    # [B, T, H] all-reduce input, a size after the fourth): a disagreement, not collectives of
+    # different lengths (which read a peer's stale buffer on the symmetric-memory path).
+    x = torch.zeros(2, 3, 8 if rank == 0 else 4)
+    report["third_dim"] = _error(lambda: groups.check_ranks_agree("all_reduce_sum", group, 16, {"x": x}, x.dtype))
+    y = torch.zeros(1, 1, 1, 1, 2, 6 if rank == 0 else 5)
+    report["sixth_dim"] = _error(lambda: groups.check_ranks_agree("all_reduce_sum", group, 16, {"x": y}, y.dtype))
+    same = torch.zeros(1, 1, 1, 1, 2, 6)
+    groups.check_ranks_agree("all_reduce_sum", group, 16, {"x": same}, same.dtype)  # agrees: no error
     return report
 
 
@@ -102,6 +112,9 @@ def test_ranks_agree_on_environment_and_on_signatures_by_call_ordinal():
     assert "rank 0 sent a length of 1099511627776 bytes" in reports[1]["out_of_step"]
     assert "collective calls are out of step" in reports[1]["out_of_step"]
     assert [r["unchecked_shape"] for r in reports] == [(32, N), (32, N + 16)]
+    for report in reports:
+        assert "rank 0: x[2, 3, 8] float32" in report["third_dim"] and "rank 1: x[2, 3, 4]" in report["third_dim"]
+        assert "called it with different arguments" in report["sixth_dim"]
 
 
 def test_call_signature_includes_the_device_of_each_argument():
@@ -112,3 +125,15 @@ def test_call_signature_includes_the_device_of_each_argument():
     assert same != other
     assert groups.describe_signature(other, ("a", "alpha")).endswith(
         "alpha[1] float32 on another device than a, out_dtype=bfloat16")
+
+
+def test_call_signature_covers_every_dimension():
+    """Shapes that differ only after the second (or the fourth) dimension have different signatures."""
+    def sig(*shape: int) -> tuple[int, ...]:
+        return groups.call_signature(16, (torch.empty(shape, dtype=torch.bfloat16),), torch.bfloat16)
+
+    assert sig(1, 8, 4096) != sig(1, 8, 2048)
+    assert sig(2, 3, 4, 5, 6) != sig(2, 3, 4, 5, 7)
+    assert sig(2, 3, 4, 5, 6) == sig(2, 3, 4, 5, 6)
+    assert groups.describe_signature(sig(1, 8, 4096), ("x",)) == "x[1, 8, 4096] bfloat16, out_dtype=bfloat16"
+    assert groups.describe_signature(sig(2, 3, 4, 5, 6), ("x",)) == "x[2, 3, 4, 5, ...] bfloat16, out_dtype=bfloat16"

@@ -217,7 +217,9 @@ _DTYPE_CODES: dict[torch.dtype, int] = {
         torch.int8, torch.int16, torch.int32, torch.int64, torch.float8_e5m2, torch.bool))
 }
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
-_MAX_DIMS = 2
+#: Leading sizes a signature holds (and an error shows) one by one; the sizes after them are
+#: compared through one hash, so tensors that differ in any dimension never agree.
+_SHOWN_DIMS = 4
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
@@ -225,13 +227,14 @@ def _dtype_code(dtype: torch.dtype) -> int:
 
 
 def _tensor_fields(t: torch.Tensor, first_device: torch.device) -> tuple[int, ...]:
-    """(ndim, up to two sizes padded with -1, dtype code, contiguous, on the first argument's
-    device) of one argument."""
-    sizes = tuple(t.shape[:_MAX_DIMS]) + (-1,) * (_MAX_DIMS - min(t.dim(), _MAX_DIMS))
-    return (t.dim(), *sizes, _dtype_code(t.dtype), int(t.is_contiguous()), int(t.device == first_device))
+    """(ndim, up to four sizes padded with -1, a hash of the sizes after them (0 if none), dtype
+    code, contiguous, on the first argument's device) of one argument."""
+    shown = tuple(t.shape[:_SHOWN_DIMS]) + (-1,) * (_SHOWN_DIMS - min(t.dim(), _SHOWN_DIMS))
+    rest = _stable_hash(repr(tuple(t.shape[_SHOWN_DIMS:]))) if t.dim() > _SHOWN_DIMS else 0
+    return (t.dim(), *shown, rest, _dtype_code(t.dtype), int(t.is_contiguous()), int(t.device == first_device))
 
 
-_FIELDS_PER_TENSOR = 4 + _MAX_DIMS  # ndim, sizes, dtype, contiguous, same device
+_FIELDS_PER_TENSOR = 5 + _SHOWN_DIMS  # ndim, sizes, hash of the other sizes, dtype, contiguous, same device
 
 
 def call_signature(op_code: int, tensors: tuple[torch.Tensor, ...], out_dtype: torch.dtype) -> tuple[int, ...]:
@@ -251,8 +254,8 @@ def describe_signature(sig: tuple[int, ...], names: tuple[str, ...]) -> str:
     parts = []
     for i, name in enumerate(names):
         ndim, *rest = sig[2 + i * _FIELDS_PER_TENSOR: 2 + (i + 1) * _FIELDS_PER_TENSOR]
-        sizes, (code, contiguous, same_device) = rest[:_MAX_DIMS], rest[_MAX_DIMS:]
-        shape = [s for s in sizes[:ndim]] + (["..."] if ndim > _MAX_DIMS else [])
+        sizes, (_, code, contiguous, same_device) = rest[:_SHOWN_DIMS], rest[_SHOWN_DIMS:]
+        shape = "[" + ", ".join([str(s) for s in sizes[:ndim]] + (["..."] if ndim > _SHOWN_DIMS else [])) + "]"
         dtype = str(_CODE_DTYPES.get(code, "other")).replace("torch.", "")
         parts.append(f"{name}{shape} {dtype}{'' if contiguous else ' non-contiguous'}"
                      f"{'' if same_device else f' on another device than {names[0]}'}")

@@ -8,7 +8,10 @@ buffer's signal pad (``barrier`` / ``put_signal`` / ``wait_signal``).
 
 Lifetime: a workspace is created on the first overlapped call for its ``(group_name, device)``
 (or by :func:`reserve_workspace`) and then kept in this module's registry until the end of the
-process. Creating and growing are collective: every
+process, or until the name resolves to another process group: torch numbers group names from a
+counter, so after ``destroy_process_group`` and a new ``init_process_group`` a name can come back
+for other ranks, and a workspace built for the old group would exchange data with its peers. Each
+entry remembers its group, and a lookup that resolves the name to another one builds anew. Creating and growing are collective: every
 rank of the group must do them with the same sizes in the same order. The ops guarantee that by
 checking, before their first overlapped call with a given shape, that all ranks agree on the shapes
 (:func:`fp4fuse.distributed.groups.check_ranks_agree`); sizes are a pure function of those shapes.
@@ -354,9 +357,13 @@ class _Unavailable:
     reason: str
 
 
-# Registry: (group_name, device index) -> workspace, or the reason symmetric memory cannot serve
-# that group. Entries live until the process exits.
-_REGISTRY: dict[tuple[str, int], SymmWorkspace | _Unavailable] = {}
+# Registry: (group_name, device index) -> (the process group the name resolved to, its workspace or
+# the reason symmetric memory cannot serve it). An entry is replaced when the name resolves to
+# another group (module doc, Lifetime).
+_REGISTRY: dict[tuple[str, int], tuple[dist.ProcessGroup, SymmWorkspace | _Unavailable]] = {}
+# Replaced workspaces stay referenced: a CUDA graph captured before the re-initialization holds their
+# buffers' addresses.
+_REPLACED: list[SymmWorkspace | _Unavailable] = []
 
 
 def _agree_on_capability(group_name: str, device: torch.device) -> str | None:
@@ -384,7 +391,13 @@ def get_workspace(group_name: str, device: torch.device) -> SymmWorkspace:
     serve the group; the answer is cached."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (group_name, index)
-    entry = _REGISTRY.get(key)
+    group = resolve_group(group_name)
+    built_for, entry = _REGISTRY.get(key, (None, None))
+    if entry is not None and built_for is not group:
+        logger.info("fp4fuse: group name %r now names another process group (re-initialized); "
+                    "its symmetric workspace is built anew", group_name)
+        _REPLACED.append(entry)
+        entry = None
     if entry is None:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
@@ -396,9 +409,8 @@ def get_workspace(group_name: str, device: torch.device) -> SymmWorkspace:
         if reason is not None:
             entry = _Unavailable(reason)
         else:
-            group = resolve_group(group_name)
             entry = SymmWorkspace(group_name, device, dist.get_rank(group), dist.get_world_size(group))
-        _REGISTRY[key] = entry
+        _REGISTRY[key] = (group, entry)
     if isinstance(entry, _Unavailable):
         raise WorkspaceUnavailable(entry.reason)
     return entry
