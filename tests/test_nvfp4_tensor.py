@@ -185,6 +185,25 @@ def test_view_and_as_strided():
         torch.as_strided(t, (K, N), (1, K))
 
 
+def test_view_shapes_and_errors_are_torchs_and_as_strided_refuses_negative_offsets():
+    """Expected: what torch does with a plain contiguous tensor of the same shape (view(0, -1) of
+    an empty tensor is ambiguous; it returned shape (0, 0)); as_strided at a negative offset read
+    rows from the end of the payload."""
+    t = _t(rows=5)
+    for source, shape in ((t, (-1, 16)), (t, (3, -1)), (t[:0], (0, -1)), (t[:0], (-1,)), (t, (7, -1))):
+        plain = torch.zeros(source.shape)
+        try:
+            expected = plain.view(shape).shape
+        except RuntimeError:
+            with pytest.raises(RuntimeError, match="invalid|ambiguous"):
+                source.view(shape)
+            continue
+        got = source.view(shape)
+        assert got.shape == expected and torch.equal(decode64(got), decode64(source).view(shape))
+    with pytest.raises(NotImplementedError, match="storage_offset=-240"):
+        torch.as_strided(t, (1, 16), (16, 1), -5 * K)
+
+
 def test_pad_appends_zero_rows_only():
     t = _t(rows=5)
     p = F.pad(t, [0, 0, 0, 3])
@@ -388,6 +407,49 @@ def test_fsdp_hooks_take_the_mixed_precision_param_dtype():
     assert full.dtype == torch.bfloat16 and torch.equal(full.dequantize(), t.dequantize(torch.bfloat16))
 
 
+def _gather_shards(shards: list[NVFP4Tensor], rows: int) -> tuple:
+    """FSDP2's all-gather of per-rank ``shards`` (each its own payload, as after each rank
+    copy_'d its own tensor into its local shard) of a ``[rows, K]`` weight, like _gather_by_hand."""
+    world, padded_rows = len(shards), shards[0].shape[0]
+    gathered, meta = [], None
+    for shard in shards:
+        padded = shard.new_zeros((padded_rows, K))
+        padded[:shard.shape[0]].copy_(shard)
+        inputs, meta = padded[:shard.shape[0]].fsdp_pre_all_gather(_Mesh(world), torch.Size((rows, K)),
+                                                                    (K, 1), None, None)
+        gathered.append(inputs)
+    return tuple(torch.cat(parts) for parts in zip(*gathered)), meta
+
+
+@pytest.mark.parametrize("sizes", [(16, 16), (3, 3, 2), (2, 1, 0)])  # even; uneven; an empty shard
+def test_fsdp_hooks_never_decode_a_shard_under_another_shards_amax(sizes):
+    """Shards quantized separately (each rank from_hp'd its own rows) carry different amaxes, and
+    the unsharded tensor has one: it took rank 0's, decoding the other rows scaled wrong (issue:
+    silent). Now they decode to NaN; a shard of zeros (0 under any amax) or an empty one is no
+    disagreement. Expected values: decode64 of each shard (float64, from the format)."""
+    rows = sum(sizes)
+    shards = [NVFP4Tensor.from_hp(weight(i, n, K) * (1 + 10 * i)) for i, n in enumerate(sizes)]
+    outputs, meta = _gather_shards(shards, rows)
+    full, inner = shards[0].fsdp_post_all_gather(outputs, meta, torch.bfloat16)
+    assert torch.isnan(decode64(full)).all()
+    # later iterations (out=) decide again: agreeing shards give their amax, then NaN again
+    agreeing = [NVFP4Tensor.from_hp(weight(i, n, K)) for i, n in enumerate(sizes)]
+    for a in agreeing[1:]:
+        a.amax.copy_(agreeing[0].amax)  # as if quantized with one group amax (the codes differ; fine)
+    outputs2, _ = _gather_shards(agreeing, rows)
+    if len(outputs2) == 3:  # even rows: out's inner tensors alias the gather outputs
+        for x, y in zip(outputs, outputs2):
+            x.copy_(y)
+        outputs2 = outputs
+    assert shards[0].fsdp_post_all_gather(outputs2, meta, torch.bfloat16, out=full) is None
+    assert torch.equal(decode64(full), torch.cat([decode64(a) for a in agreeing]))
+    # zeros with their own amax (0) beside a shard with values: still that shard's amax
+    zero_first = [NVFP4Tensor.from_hp(torch.zeros(sizes[0], K, dtype=torch.bfloat16))] + shards[1:2] + [
+        NVFP4Tensor.from_hp(torch.zeros(n, K, dtype=torch.bfloat16)) for n in sizes[2:]]
+    full, _ = zero_first[0].fsdp_post_all_gather(*_gather_shards(zero_first, rows), torch.bfloat16)
+    assert torch.equal(decode64(full), torch.cat([decode64(z) for z in zero_first]))
+
+
 # -- DCP hooks, called as dcp.load calls them --------------------------------------------------------
 
 def _dcp_copy(target: NVFP4Tensor, start: int, chunk: NVFP4Tensor) -> None:
@@ -414,6 +476,39 @@ def test_dcp_load_restores_amax_once_per_load():
     # views the user takes are not restore views
     with pytest.raises(ValueError, match="sharing its amax"):
         target[:16].copy_(saved[:16])
+
+
+def test_dcp_load_into_views_of_one_payload(tmp_path):
+    """Parameters that are row views of one NVFP4Tensor share its amax. Loading a checkpoint whose
+    entries carry different amaxes set the amax once per view, so the rows loaded first decoded
+    under the last view's amax (issue: silent). Now that is a ValueError; a checkpoint of the fused
+    tensor loads exactly, into a model holding other values and another amax. Expected values:
+    the saved payload, decode64 of it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    def fused_model(base: NVFP4Tensor) -> dict[str, torch.nn.Parameter]:
+        return {"q": torch.nn.Parameter(base[:16], requires_grad=False),
+                "k": torch.nn.Parameter(base[16:], requires_grad=False)}
+
+    q, k = _t(0, rows=16), _t(1, rows=16, scale=10.0)
+    dcp.save({"q": q, "k": k}, checkpoint_id=str(tmp_path / "separate"))
+    for init in (_t(2, rows=32), NVFP4Tensor.from_hp(torch.zeros(32, K, dtype=torch.bfloat16))):
+        with pytest.raises(CheckpointException) as info:
+            dcp.load(fused_model(init), checkpoint_id=str(tmp_path / "separate"))
+        (error, _), = info.value.failures.values()
+        assert isinstance(error, ValueError) and "shares its payload and amax" in str(error)
+    fused = _t(3, rows=32)
+    dcp.save(fused_model(fused), checkpoint_id=str(tmp_path / "fused"))
+    for init in (_t(4, rows=32, scale=5.0), NVFP4Tensor.from_hp(torch.zeros(32, K, dtype=torch.bfloat16))):
+        dcp.load(fused_model(init), checkpoint_id=str(tmp_path / "fused"))
+        assert same_payload(init, fused) and torch.equal(decode64(init), decode64(fused))
+        dcp.load(fused_model(init), checkpoint_id=str(tmp_path / "fused"))  # a second load
+        assert same_payload(init, fused)
+    # separate targets still take each entry's own amax
+    targets = {"q": _t(5, rows=16), "k": _t(6, rows=16)}
+    dcp.load(targets, checkpoint_id=str(tmp_path / "separate"))
+    assert same_payload(targets["q"], q) and same_payload(targets["k"], k)
 
 
 def test_dcp_save_load_in_one_process_lossless(tmp_path):

@@ -148,6 +148,8 @@ def _two_rank_suite(ckpt: str) -> dict:
     out["load_state_dict_forward"] = assigned(x)
 
     out["disagreeing"] = _disagreeing_shards(ckpt, device)
+    out["per_rank_copies"] = _per_rank_copies(device)
+    out["empty_shard_split_checkpoint"] = _empty_shard_split_checkpoint(ckpt, device)
     out["qlora"] = _qlora_steps(device)
     out["amax_group"] = _amax_group(device)
     out["rank"] = dist.get_rank()
@@ -169,6 +171,48 @@ def _disagreeing_shards(ckpt: str, device: torch.device) -> str:
     except ValueError as e:
         return str(e)
     return "full_tensor() did not raise"
+
+
+def _per_rank_copies(device: torch.device) -> dict:
+    """FSDP2 models whose ranks each copy_ their own from_hp (a local amax) into their local shard:
+    even rows (16 -> 8/8), uneven (5 -> 3/2); then the same with rank 1 copying zeros (amax 0).
+    Returns each model's forward of the identity (row r of W^T is row r of the weight) twice (the
+    second gathers with out=), and the hp rows each rank quantized."""
+    results = {}
+    rank = dist.get_rank()
+    for name, rows in (("even", 16), ("uneven", 5)):
+        for zeros in (False, True):
+            per_rank = -(-rows // 2)
+            start, stop = min(rank * per_rank, rows), min((rank + 1) * per_rank, rows)
+            local_hp = weight(70, rows, K)[start:stop] * (1 + 10 * rank)
+            if zeros and rank == 1:
+                local_hp = torch.zeros_like(local_hp)
+            model = _fully_shard(_Proj(NVFP4Tensor.from_hp(torch.zeros(rows, K, dtype=torch.bfloat16))
+                                       .to(device)), device)
+            with torch.no_grad():
+                model.weight.to_local().copy_(NVFP4Tensor.from_hp(local_hp.to(device)))
+            eye = torch.eye(K, dtype=torch.bfloat16, device=device)
+            results[name, zeros] = {"forward": [model(eye).t(), model(eye).t()],
+                                    "local": NVFP4Tensor.from_hp(local_hp)}
+    return results
+
+
+def _empty_shard_split_checkpoint(ckpt: str, device: torch.device) -> dict:
+    """A 1-row weight over 2 ranks (rank 1's shard empty): dcp.load sets rank 0's amax, never rank
+    1's; saving through nvfp4_state_dict_for_dcp stored the stale one of rank 1 (DCP's planner
+    picks the rank of a replicated entry) beside rank 0's codes. Returns the weight loaded and the
+    one read back from the plain-tensor checkpoint, both gathered."""
+    import torch.distributed.checkpoint as dcp
+    from fp4fuse.nvfp4.tensor import nvfp4_state_dict_for_dcp
+    source = _fully_shard(_Proj(NVFP4Tensor.from_hp(weight(80, 1, K).to(device) * 5)), device)
+    dcp.save(source.state_dict(), checkpoint_id=os.path.join(ckpt, "one_row"))
+    loaded = _fully_shard(_Proj(NVFP4Tensor.from_hp(weight(81, 1, K).to(device))), device)
+    dcp.load(loaded.state_dict(), checkpoint_id=os.path.join(ckpt, "one_row"))
+    dcp.save(nvfp4_state_dict_for_dcp(loaded.state_dict()), checkpoint_id=os.path.join(ckpt, "one_row_plain"))
+    again = _fully_shard(_Proj(NVFP4Tensor.from_hp(weight(82, 1, K).to(device))), device)
+    dcp.load(nvfp4_state_dict_for_dcp(again.state_dict()), checkpoint_id=os.path.join(ckpt, "one_row_plain"))
+    return {"saved": source.weight.full_tensor(), "loaded": loaded.weight.full_tensor(),
+            "read_back": again.weight.full_tensor()}
 
 
 # QLoRA: frozen NVFP4 base + trainable low-rank adapters, FSDP2 over 2 ranks, SGD on the adapters.
@@ -307,6 +351,29 @@ def test_full_tensor_redistribute_and_full_state_dict_are_the_nvfp4_payload(two_
 def test_full_tensor_refuses_shards_with_different_amax(two_ranks):
     for r in two_ranks.ranks:
         assert "shards carry different amax values" in r["disagreeing"]
+
+
+def test_fsdp2_never_decodes_a_shard_under_another_ranks_amax(two_ranks):
+    """Ranks that copy_ their own quantized rows into their local shards hold different amaxes;
+    the unsharded weight took rank 0's for every row (wrong values, silently). Now it decodes to
+    NaN; a rank holding zeros (0 under any amax) is no disagreement. Expected: decode64 of each
+    rank's own quantized rows."""
+    ranks = two_ranks.ranks
+    for key in ranks[0]["per_rank_copies"]:
+        expected = torch.cat([decode64(r["per_rank_copies"][key]["local"]) for r in ranks])
+        for r in ranks:
+            for forward in r["per_rank_copies"][key]["forward"]:
+                if key[1]:  # rank 1 holds zeros
+                    assert torch.equal(forward.double(), expected.to(torch.bfloat16).double()), key
+                else:
+                    assert torch.isnan(forward).all(), key
+
+
+def test_state_dict_for_dcp_never_saves_an_empty_shards_amax(two_ranks):
+    for r in two_ranks.ranks:
+        got = r["empty_shard_split_checkpoint"]
+        assert same_payload(got["loaded"], got["saved"])
+        assert same_payload(got["read_back"], got["saved"])
 
 
 def test_dcp_load_same_world_size_lossless(two_ranks):

@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_map
 
 from fp4fuse.nvfp4 import format as nvfp4
 from fp4fuse.nvfp4.tensor.op_table import contiguous_strides, implements
+from fp4fuse.nvfp4.tensor.restore import payload_outside
 from fp4fuse.nvfp4.tensor.subclass import NVFP4Tensor
 
 __all__: list[str] = []
@@ -45,21 +46,10 @@ def _inner_shapes(shape: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...
     return (*lead, shape[-1] // 2), (*lead, shape[-1] // _BLOCK)
 
 
-def _resolve_shape(shape: Sequence[int], numel: int) -> tuple[int, ...]:
-    shape = [int(s) for s in shape]
-    if shape.count(-1) == 1:
-        known = 1
-        for s in shape:
-            known *= s if s != -1 else 1
-        shape[shape.index(-1)] = numel // known if known else 0
-    return tuple(shape)
-
-
 def _reshape(t: NVFP4Tensor, shape: Sequence[int]) -> NVFP4Tensor:
-    """A view of ``t`` with a new contiguous logical shape (same element order)."""
-    shape = _resolve_shape(shape, t.numel())
-    if torch.Size(shape).numel() != t.numel():
-        raise RuntimeError(f"NVFP4Tensor: shape {shape} is invalid for {t.numel()} elements")
+    """A view of ``t`` with a new contiguous logical shape (same element order). The shape (a -1
+    resolved, its errors) is torch's own, as for a contiguous tensor of ``t``'s shape."""
+    shape = tuple(torch.empty(t.shape, device="meta").view(list(shape)).shape)
     q_shape, s_shape = _inner_shapes(shape)
     if not (t.qdata.is_contiguous() and t.scale.is_contiguous()):
         raise NotImplementedError("NVFP4Tensor: reshaping needs contiguous qdata and scale")
@@ -102,7 +92,7 @@ def _view(func, args, kwargs):
 def _as_strided(func, args, kwargs):
     t, size, stride = args[0], tuple(args[1]), tuple(args[2])
     offset = args[3] if len(args) > 3 else kwargs.get("storage_offset") or 0
-    if stride != contiguous_strides(size) or offset % _BLOCK:
+    if stride != contiguous_strides(size) or offset % _BLOCK or offset < 0:
         raise NotImplementedError(
             f"NVFP4Tensor: as_strided(size={size}, stride={stride}, storage_offset={offset}) is not a "
             f"contiguous block-aligned window; only identity/narrow-like calls are supported")
@@ -205,21 +195,10 @@ def _zeros_like(func, args, kwargs):
     return _new_like(args[0], args[0].shape, kwargs.get("dtype"), kwargs.get("device"), fill=True)
 
 
-def _payload_outside(dst: NVFP4Tensor) -> list[torch.Tensor] | None:
-    """The bytes of ``dst.qdata``'s storage before and after ``dst`` (None if not contiguous).
-
-    The tensors that share ``dst``'s amax are the views of one payload, i.e. of that storage."""
-    q = dst.qdata
-    if not q.is_contiguous():
-        return None
-    storage = torch.empty(0, dtype=torch.uint8, device=q.device).set_(q.untyped_storage())
-    return [storage[:q.storage_offset()], storage[q.storage_offset() + q.numel():]]
-
-
 def _amax_may_change(dst: NVFP4Tensor, src: NVFP4Tensor) -> bool:
     """Setting ``dst``'s shared amax to ``src``'s changes no value outside ``dst``: ``dst`` spans
     its whole payload, or the rest holds ±0 codes (0 under any finite amax) and both are finite."""
-    outside = _payload_outside(dst)
+    outside = payload_outside(dst.qdata)
     if outside is None:
         return False
     if all(part.numel() == 0 for part in outside):

@@ -11,7 +11,10 @@ gives) by three plain entries that **alias** its inner tensors:
 
 * ``fqn.qdata``  uint8 ``[N, K/2]``;
 * ``fqn.scale``  uint8 ``[N, K/16]`` (the float8_e4m3fn scales viewed as bytes);
-* ``fqn.amax``   fp32 ``[1]``, a plain (replicated) tensor: every shard holds the same amax.
+* ``fqn.amax``   fp32 ``[1]``, a plain (replicated) tensor: every shard holds the same amax. A rank
+  whose shard of a DTensor entry is empty (FSDP2 on more ranks than rows) leaves it out: its amax
+  governs no value and is stale after a ``dcp.load`` (which never writes an empty shard), and DCP
+  would store the copy of whichever rank its planner picks for a replicated entry.
 
 A DTensor entry sharded on dim 0 (``Shard(0)``) or replicated becomes DTensors of the same mesh and
 placements over qdata and scale, so DCP stores row shards with their global offsets and reshards
@@ -48,8 +51,11 @@ def _dtensor_payload(fqn: str, dt: Any) -> dict[str, torch.Tensor]:
         if not (isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0)):
             raise NotImplementedError(f"nvfp4_state_dict_for_dcp: {fqn} has placement {p}; NVFP4 "
                                       f"weights checkpoint only when sharded on dim 0 or replicated")
-    local = _payload(dt.to_local())
-    out: dict[str, torch.Tensor] = {"amax": local["amax"]}
+    local_tensor = dt.to_local()
+    local = _payload(local_tensor)
+    out: dict[str, torch.Tensor] = {}
+    if local_tensor.numel() > 0 or dt.numel() == 0:  # the first shard is never empty (torch.chunk)
+        out["amax"] = local["amax"]
     for part, divisor in (("qdata", 2), ("scale", 16)):
         shape = (*dt.shape[:-1], dt.shape[-1] // divisor)
         out[part] = DTensor.from_local(local[part], dt.device_mesh, dt.placements, run_check=False,
@@ -78,5 +84,6 @@ def nvfp4_state_dict_for_dcp(state_dict: Mapping[str, Any]) -> dict[str, Any]:
             key = f"{fqn}.{part}"
             if key in state_dict:
                 raise ValueError(f"nvfp4_state_dict_for_dcp: {key} already exists in the state dict")
-            out[key] = parts[part]
+            if part in parts:
+                out[key] = parts[part]
     return out

@@ -18,6 +18,14 @@ under it, so ``fp4fuse.nvfp4.tensor.aten_ops`` refuses), so ``__get_tensor_shard
 * once as many elements were written as the target holds, the load is complete and the next
   chunk starts a new one. A load that stops short leaves the restore open: the next load must then
   bring the same amax, or it fails with the same error (never a silent mix).
+
+Targets that are rows of a larger payload (several parameters viewing one NVFP4Tensor, e.g. fused
+q/k/v rows) share its amax: setting it for one would rescale the rows of the others. Where rows
+outside the target hold nonzero codes, the load therefore spans the whole payload: the first such
+target to change the amax zeroes the whole payload (rows not loaded yet read 0), and every target
+of that payload must bring the same amax until as many elements were written as the payload holds,
+else ``ValueError`` (views of one payload cannot take different amaxes from a checkpoint). Rows
+outside that hold only zero codes (FSDP2's padding) are 0 under any amax and change nothing.
 """
 from __future__ import annotations
 
@@ -27,7 +35,7 @@ from typing import Protocol
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["CheckpointRestore", "restore_of"]
+__all__ = ["CheckpointRestore", "payload_outside", "restore_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +50,39 @@ class _Payload(Protocol):
 
 def _bits(amax: torch.Tensor) -> torch.Tensor:
     return amax.view(torch.int32)
+
+
+def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The whole storage of ``t`` as a flat uint8 tensor."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+def payload_outside(qdata: torch.Tensor) -> list[torch.Tensor] | None:
+    """The bytes of ``qdata``'s storage before and after ``qdata`` (None if not contiguous).
+
+    The tensors that share an NVFP4Tensor's amax are the views of one payload, i.e. of that storage."""
+    if not qdata.is_contiguous():
+        return None
+    storage = _storage_bytes(qdata)
+    return [storage[:qdata.storage_offset()], storage[qdata.storage_offset() + qdata.numel():]]
+
+
+def _outside_holds_codes(qdata: torch.Tensor) -> bool:
+    """Some byte of the payload outside ``qdata`` holds a code that is not ±0 (its value depends on
+    the shared amax); True when that cannot be told (non-contiguous)."""
+    outside = payload_outside(qdata)
+    return outside is None or any(bool(((part & 0x77) != 0).any()) for part in outside)
+
+
+class _PayloadLoad:
+    """The open load of a payload that several targets view (module docstring)."""
+
+    def __init__(self, bits: torch.Tensor, numel: int) -> None:
+        self.bits, self.numel, self.written = bits, numel, 0
+
+
+# qdata storage -> its open _PayloadLoad; an entry dies with the storage.
+_PAYLOAD_LOADS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 class CheckpointRestore:
@@ -61,10 +102,7 @@ class CheckpointRestore:
         """Write checkpoint chunk ``src`` into ``dst``, rows of the target (a view of it)."""
         bits = _bits(src.amax).to(self._amax.device)
         if self._amax_bits is None:
-            if not torch.equal(bits, _bits(self._amax)):
-                for inner in self._payload:
-                    inner.zero_()
-                self._amax.copy_(src.amax)
+            self._begin(bits, src.amax)
             self._amax_bits = bits.clone()
         elif not torch.equal(bits, self._amax_bits):
             expected = self._amax_bits.view(torch.float32).item()
@@ -79,6 +117,47 @@ class CheckpointRestore:
         self._written += dst.numel()
         if self._written >= self._numel:
             self._amax_bits, self._written = None, 0
+        storage = self._payload[0].untyped_storage()
+        shared = _PAYLOAD_LOADS.get(storage)
+        if shared is not None:
+            shared.written += dst.numel()
+            if shared.written >= shared.numel:
+                del _PAYLOAD_LOADS[storage]
+
+    def _begin(self, bits: torch.Tensor, amax: torch.Tensor) -> None:
+        """The first chunk of a load into the target: set the amax to the chunk's ``bits``."""
+        qdata = self._payload[0]
+        changes = not torch.equal(bits, _bits(self._amax))
+        outside = payload_outside(qdata)
+        if outside is not None and all(part.numel() == 0 for part in outside):
+            if changes:  # the target is its whole payload: nothing else decodes under its amax
+                for inner in self._payload:
+                    inner.zero_()
+                self._amax.copy_(amax)
+            return
+        storage = qdata.untyped_storage()
+        shared = _PAYLOAD_LOADS.get(storage)
+        if _outside_holds_codes(qdata):
+            if shared is not None:  # another view of this payload was loaded in this load
+                if changes or not torch.equal(bits, shared.bits):
+                    expected = shared.bits.view(torch.float32).item()
+                    got = bits.view(torch.float32).item()
+                    raise ValueError(
+                        f"dcp.load into an NVFP4Tensor that shares its payload and amax with other "
+                        f"tensors (views of one NVFP4Tensor, e.g. fused rows): the checkpoint gives "
+                        f"it amax {got!r}, but the rows of the other views loaded in this load carry "
+                        f"{expected!r}, and one amax cannot decode both. Give each view its own "
+                        f"payload (clone it), or save and load the shared tensor as one entry")
+                return
+            if changes:  # rows of other views would decode under the new amax: zero them all
+                _storage_bytes(qdata).zero_()
+                _storage_bytes(self._payload[1]).zero_()
+                self._amax.copy_(amax)
+        elif changes:
+            for inner in self._payload:
+                inner.zero_()
+            self._amax.copy_(amax)
+        _PAYLOAD_LOADS[storage] = _PayloadLoad(bits.clone(), storage.nbytes() * 2)
 
 
 _RESTORES: WeakIdKeyDictionary = WeakIdKeyDictionary()

@@ -196,38 +196,46 @@ class NVFP4Tensor(torch.Tensor):
     # Even rows (N = W * P): the payload is gathered as it is (three uint8 inputs), and the
     # unsharded tensor aliases the gathered buffers, no copy on either side:
     #
-    #           logical [N, K]    qdata [N, K/2]    scale [N, K/16]    amax [1] (4 bytes)
-    #   rank 0  rows 0 .. P-1     rows 0 .. P-1     rows 0 .. P-1      bytes 0 .. 3
-    #   rank 1  rows P .. 2P-1    rows P .. 2P-1    rows P .. 2P-1     bytes 4 .. 7
+    #           logical [N, K]    qdata [N, K/2]    scale [N, K/16]    amax + flag (8 bytes)
+    #   rank 0  rows 0 .. P-1     rows 0 .. P-1     rows 0 .. P-1      bytes 0 .. 7
+    #   rank 1  rows P .. 2P-1    rows P .. 2P-1    rows P .. 2P-1     bytes 8 .. 15
     #
     # Uneven rows: FSDP2 requires every input to have the padded logical shape [P, K], so each
     # rank sends one uint8 [P, K] buffer and the unsharded payload is cut out of the gathered
     # buffers (one copy each way; 9/16 of the buffer is payload). A 1-rank mesh uses it too: there
     # FSDP2 (torch 2.13, wait_for_unshard) copies only the first all-gather input.
     #
-    #   rank r (n_r rows): [ qdata n_r*K/2 bytes | scale n_r*K/16 bytes | zeros | amax 4 bytes ]
+    #   rank r (n_r rows): [ qdata n_r*K/2 | scale n_r*K/16 | zeros | flag 1 byte | amax 4 bytes ]
     #
-    # The unsharded amax is rank 0's: every non-empty shard holds the same amax (one tensor sharded,
-    # from_hp over amax_group, dcp.load's checks), and rank 0's shard is never empty, while an
-    # empty shard's amax is never loaded by dcp.load. Scales travel as uint8 (gloo has no float8).
+    # One amax decodes every row of the unsharded tensor, so the shards' amaxes must agree. The
+    # flag says whether a shard's values depend on its amax (some block scale is nonzero; an empty
+    # or all-zero shard is 0 under any amax, and an empty shard's amax is never loaded by
+    # dcp.load). The unsharded amax is that of the first flagged shard (rank 0's if none) when every
+    # flagged shard holds the same amax, else NaN: shards quantized with different amaxes (e.g.
+    # each rank copy_'d its own from_hp into its local shard) decode to NaN, never to rows scaled
+    # by another rank's amax. Decided on the device, without a host sync (the funcol all-gather,
+    # which may sync, raises ValueError instead). Scales travel as uint8 (gloo has no float8).
 
     def fsdp_pre_all_gather(self, mesh: Any, orig_size: torch.Size, contiguous_orig_stride: Any,
                             module: torch.nn.Module, mp_policy: Any
                             ) -> tuple[tuple[torch.Tensor, ...], tuple[Any, ...]]:
-        """All-gather inputs (even rows: ``(qdata, scale, amax)`` as uint8; uneven: one packed uint8
-        buffer of the padded shard shape) and metadata ``(packing,)``: None, or what unpacking needs."""
+        """All-gather inputs (even rows: ``(qdata, scale, amax + flag)`` as uint8; uneven: one packed
+        uint8 buffer of the padded shard shape) and metadata ``(packing,)``: None, or what unpacking
+        needs."""
         world = mesh.size()
         rows = orig_size[0]
-        amax_u8 = self.amax.reshape(1).view(torch.uint8)
+        flag = _depends_on_amax(self)
         if rows % world == 0 and world > 1:
             scale_u8 = self.scale.contiguous().view(torch.uint8)
-            return (self.qdata.contiguous(), scale_u8, amax_u8.clone()), (None,)
+            summary = torch.cat([self.amax.reshape(1).view(torch.int32), flag.to(torch.int32)])
+            return (self.qdata.contiguous(), scale_u8, summary.view(torch.uint8)), (None,)
         packed = torch.zeros((-(-rows // world), *orig_size[1:]), dtype=torch.uint8, device=self.device)
         flat, n_q = packed.view(-1), self.numel() // _QDATA_PER_ELEMENT
         flat[:n_q].copy_(self.qdata.reshape(-1))
         n_s = self.numel() // _SCALE_PER_ELEMENT
         flat[n_q:n_q + n_s].copy_(self.scale.reshape(-1).view(torch.uint8))
-        flat[-_AMAX_BYTES:].copy_(amax_u8)
+        flat[-_AMAX_BYTES - 1:-_AMAX_BYTES].copy_(flag.to(torch.uint8))
+        flat[-_AMAX_BYTES:].copy_(self.amax.reshape(1).view(torch.uint8))
         return (packed,), ((tuple(orig_size), world),)
 
     def fsdp_post_all_gather(self, all_gather_outputs: tuple[torch.Tensor, ...],
@@ -238,15 +246,19 @@ class NVFP4Tensor(torch.Tensor):
         ``param_dtype``, else the shard's orig_dtype: the dtype it dequantizes to).
 
         With ``out`` (later iterations) FSDP2 has re-allocated the storage of the inner tensors
-        returned the first time: even rows alias the new gather outputs (nothing to do), uneven
-        rows are unpacked into them again."""
+        returned the first time: even rows alias the new gather outputs (only the amax is decided
+        again, in place), uneven rows are unpacked into them again."""
         (packing,) = metadata
         if packing is None:
-            qdata, scale_u8, amaxes = all_gather_outputs
+            qdata, scale_u8, summaries = all_gather_outputs
+            per_rank = summaries.view(torch.int32).view(-1, 2)
+            agreed = _agreed_amax(per_rank[:, 0], per_rank[:, 1] != 0)
+            # the unsharded amax is rank 0's slot of the gathered summaries, overwritten in place
+            amax = summaries[:_AMAX_BYTES].view(torch.float32)
+            amax.copy_(agreed)
             if out is not None:
                 return None
-            amax = amaxes[:_AMAX_BYTES].view(torch.float32)
-            inner: tuple[torch.Tensor, ...] = (qdata, scale_u8, amaxes)
+            inner: tuple[torch.Tensor, ...] = (qdata, scale_u8, summaries)
         else:
             orig_size, _ = packing
             if out is None:
@@ -324,7 +336,7 @@ def _refuse_requires_grad(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None
 def _unpack_gathered(gathered: torch.Tensor, packing: tuple[tuple[int, ...], int],
                      qdata: torch.Tensor, scale_u8: torch.Tensor, amax: torch.Tensor) -> None:
     """Cut every rank's payload out of the gathered packed buffers (layout above) into the
-    contiguous unsharded ``qdata`` / ``scale_u8``; ``amax`` from rank 0's buffer."""
+    contiguous unsharded ``qdata`` / ``scale_u8``; ``amax``: :func:`_agreed_amax` of the ranks'."""
     orig_size, world = packing
     rows, row_numel = orig_size[0], math.prod(orig_size[1:])
     padded_rows = -(-rows // world)
@@ -336,7 +348,25 @@ def _unpack_gathered(gathered: torch.Tensor, packing: tuple[tuple[int, ...], int
         start = rank * padded_rows * row_numel
         q_out[start // _QDATA_PER_ELEMENT:][:n_q].copy_(per_rank[rank, :n_q])
         s_out[start // _SCALE_PER_ELEMENT:][:n_s].copy_(per_rank[rank, n_q:n_q + n_s])
-    amax.view(torch.uint8).copy_(per_rank[0, -_AMAX_BYTES:])
+    bits = per_rank[:, -_AMAX_BYTES:].contiguous().view(torch.int32).view(world)
+    amax.copy_(_agreed_amax(bits, per_rank[:, -_AMAX_BYTES - 1] != 0))
+
+
+def _depends_on_amax(t: NVFP4Tensor) -> torch.Tensor:
+    """bool ``[1]``: some block scale of ``t`` is nonzero, so its values depend on its amax (a
+    block with scale ±0 is 0 under any amax)."""
+    return ((t.scale.view(torch.uint8) & 0x7F) != 0).any().reshape(1)
+
+
+def _agreed_amax(bits: torch.Tensor, depends: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[1]``: the one amax of gathered shards (int32 amax ``bits`` and ``depends`` flags,
+    one per rank): the first depending shard's (rank 0's if none), or NaN when depending shards
+    disagree, so that the tensor decodes to NaN instead of rows under another shard's amax."""
+    first = depends.to(torch.int32).argmax()  # the first True; 0 if none
+    ref = bits[first]
+    agree = ((bits == ref) | ~depends).all()
+    nan = torch.full_like(ref, 0x7FC00000)  # fp32 quiet NaN, as int32 bits
+    return torch.where(agree, ref, nan).reshape(1).view(torch.float32)
 
 
 def _rebuild(fields: dict[str, Any]) -> NVFP4Tensor:
