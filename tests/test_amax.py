@@ -172,8 +172,9 @@ def test_nan_input_gives_nan_global_scale():
 
 # ---------------------------------------------------------------- 2 gloo ranks
 
-def _quantize_on_rank() -> dict:
-    """Rank body: register the world group, quantize eager and compiled, pickle the quantizer."""
+def _quantize_on_rank(store_path: str) -> dict:
+    """Rank body: register the world group, quantize eager and compiled, pickle the quantizer; last,
+    the process group destroyed and initialized again (``store_path``: the new rendezvous)."""
     rank = dist.get_rank()
     gid = register_amax_group()
     record = amax_group(gid)
@@ -217,7 +218,7 @@ def _quantize_on_rank() -> dict:
     # Another group over the same ranks keeps the ID and takes over the entry.
     regroup = dist.new_group(list(range(WORLD)))
     same_id = register_amax_group(regroup)
-    return {
+    result = {
         "gid": gid, "ranks": record.ranks, "group_name": record.group_name,
         "record_repr": repr(record), "eager": eager, "compiled": compiled, "graphs": recorder.graphs,
         "nan_gs": nan_gs, "empty_rank0_gs": empty_rank0_gs, "own_id": own_id, "local": local,
@@ -225,6 +226,27 @@ def _quantize_on_rank() -> dict:
         "regroup": (same_id, amax_group(same_id).group_name, regroup.group_name),
         "pickled": pickle.dumps(quantizer),
     }
+    result["after_reinit"] = _after_reinitializing(store_path, gid, x)
+    return result
+
+
+def _after_reinitializing(store_path: str, gid: int, x: torch.Tensor) -> tuple[bool, str, bool]:
+    """After destroy_process_group and a new init, torch hands out group names from 1 again: the
+    name recorded for the world's ranks (``regroup``'s) now names a group of rank 0 alone, where an
+    all-reduce would return rank 0's own amax. Using the old ID is an error naming the fix; the
+    same ranks registered again serve it."""
+    rank = dist.get_rank()
+    old_name = amax_group(gid).group_name
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
+    groups = [dist.new_group([0]), dist.new_group([1]), dist.new_group([0])]
+    renamed = any(g.group_name == old_name for g in groups if g is not dist.GroupMember.NON_GROUP_MEMBER) \
+        or rank == 1  # rank 1 is not a member of the single-rank groups of rank 0
+    with pytest.raises(UnknownAmaxGroupError, match="destroyed") as raised:
+        NVFP4Quantizer(amax_group=gid).quantize(x)
+    again = register_amax_group()
+    out = NVFP4Quantizer(amax_group=again).quantize(x)
+    return renamed, str(raised.value), again == gid and _same_bits(out, _expected(x, _global_amax()))
 
 
 def _restore_on_rank(pickled: bytes) -> dict:
@@ -237,8 +259,9 @@ def _restore_on_rank(pickled: bytes) -> dict:
 
 
 @pytest.fixture(scope="module")
-def two_rank_run() -> list[dict]:
-    return run_on_ranks(_quantize_on_rank, WORLD, timeout=TIMEOUT_S)
+def two_rank_run(tmp_path_factory) -> list[dict]:
+    store = tmp_path_factory.mktemp("reinit") / "store"
+    return run_on_ranks(_quantize_on_rank, WORLD, str(store), timeout=TIMEOUT_S)
 
 
 class _RecordingUnpickler(pickle.Unpickler):
@@ -336,3 +359,12 @@ def test_amax_group_record_does_not_pickle():
     record = AmaxGroup(group_id=1, ranks=(0,), group_name="0", group=None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="cannot be pickled"):
         pickle.dumps(record)
+
+
+def test_an_id_whose_group_was_destroyed_is_an_error_until_registered_again(two_rank_run):
+    """Rank 0's recorded group name came back for a group of rank 0 alone after re-initialization:
+    the old ID is refused on every rank (no reduction over the wrong ranks), a new registration of
+    the same ranks gives the same ID and the global amax again."""
+    for rank, r in enumerate(two_rank_run):
+        renamed, message, served = r["after_reinit"]
+        assert renamed and "register_amax_group" in message and served, (rank, message)

@@ -134,7 +134,26 @@ def amax_group(group_id: int) -> AmaxGroup:
             f"fp4fuse: amax group {int(group_id)} is not registered in this process; call "
             "fp4fuse.register_amax_group(group) on every rank of the group after "
             "torch.distributed.init_process_group (the same global ranks give the same ID)")
+    if not torch.compiler.is_compiling() and _destroyed(record.group):
+        # torch numbers group names from a counter: after destroy_process_group and a new
+        # init_process_group the recorded name may name other ranks' group.
+        raise UnknownAmaxGroupError(
+            f"fp4fuse: amax group {int(group_id)} (ranks {list(record.ranks)}) was registered for a "
+            f"process group that has since been destroyed, and its name {record.group_name!r} may now "
+            "name another group; call fp4fuse.register_amax_group(group) again on every rank after "
+            "torch.distributed.init_process_group")
     return record
+
+
+def _destroyed(group: dist.ProcessGroup) -> bool:
+    """``group`` is no longer a process group of this process (``destroy_process_group`` ran)."""
+    if not dist.is_initialized():
+        return True
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return True
+    return False
 
 
 def abs_amax(x: torch.Tensor) -> torch.Tensor:
