@@ -432,6 +432,11 @@ def _rank_main(args: BenchArgs) -> dict[str, Any]:
                 if ref is not None:
                     rel = ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
                     results["max_rel_diff"][f"{mode}/{tokens}/{name}"] = rel
+                full = outs.get("bf16")
+                if full is not None and not name.startswith("bf16"):
+                    # the weight format's error: an NVFP4 variant against the bf16 model
+                    results.setdefault("rel_to_bf16", {})[f"{mode}/{tokens}/{name}"] = (
+                        (out - full).norm() / full.norm().clamp_min(1e-30)).item()
             say(f"{mode} T={tokens} output sha1: " + ", ".join(
                 f"{name} {results['output_sha1'][f'{mode}/{tokens}/{name}']}" for name in outs))
             samples: dict[str, list[float]] = {name: [] for name in variants}
