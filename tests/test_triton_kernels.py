@@ -815,3 +815,89 @@ def test_cuda_norm_amax(dtype, t, h):
     assert torch.equal(amax, out.float().abs().amax().reshape(1))
     x[t // 2, h // 3] = float("nan")
     assert torch.isnan(triton_norm.rms_norm_amax_triton(x, w, 1e-6)[1]).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.multigpu
+def test_cuda_ops_run_on_their_inputs_device_not_the_current_one():
+    """Inputs on cuda:1 while cuda:0 is current (one process over several GPUs, e.g. Hugging Face
+    ``device_map="auto"``): every op runs on cuda:1's stream, so a consumer there sees the finished
+    result. Launched on cuda:0's (here kept busy), the outputs were read before they were written.
+    Expected values: the oracle (quantization) and the same op with its inputs on the current GPU."""
+    _require_triton_backend()
+    torch.cuda.set_device(0)
+    torch.ones(1, device="cuda:0").to("cuda:1")  # peer access on: a launch on the wrong GPU would run
+    torch.ones(1, device="cuda:1").to("cuda:0")
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(512, 1024, generator=gen) * 3).to(torch.bfloat16)
+    r = torch.randn(512, 1024, generator=gen).to(torch.bfloat16)
+    w = torch.rand(1024, generator=gen) + 0.5
+    gs = torch.tensor([100.0])
+    eps = 1e-6
+    bq, bs = ops.scaled_fp4_quant(x[:64].cuda(), gs.cuda())
+    alpha = torch.tensor([0.25])
+
+    def calls(xd, rd, wd, gsd, bqd, bsd, ad):
+        q, s = ops.scaled_fp4_quant(xd, gsd)
+        return {
+            "quant": (q, s),
+            "mm_fp4": (ops.mm_fp4(q, bqd, s, bsd, ad, torch.bfloat16),),
+            "rms_norm": (ops.rms_norm(xd, wd, eps),),
+            "fused_add_rms_norm": ops.fused_add_rms_norm(xd, rd, wd, eps),
+            "rms_norm_fp4_quant": ops.rms_norm_fp4_quant(xd, wd, eps, gsd),
+            "fused_add_rms_norm_fp4_quant": ops.fused_add_rms_norm_fp4_quant(xd, rd, wd, eps, gsd),
+        }
+
+    inputs = (x, r, w, gs, bq, bs, alpha)
+    want = {name: [t.cpu() for t in outs] for name, outs in calls(*(t.to("cuda:0") for t in inputs)).items()}
+    on_1 = [t.to("cuda:1") for t in inputs]  # before the sleep: a copy from cuda:0 would wait for it
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
+    torch.cuda._sleep(2_000_000_000)  # cuda:0's stream busy for about a second
+    got = {name: [t.cpu() for t in outs] for name, outs in calls(*on_1).items()}  # copies on cuda:1's stream
+    torch.cuda.synchronize(0)
+    oracle.assert_quantized_by_the_rules(x, gs, *got["quant"])
+    for name, outs in got.items():
+        for out, ref in zip(outs, want[name]):
+            assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8)), name
+
+
+@pytest.mark.cuda
+def test_cuda_offsets_past_int32_read_their_own_operand():
+    """A weight of more than 2**31 code bytes (tiled GEMM) and ``W * n`` partials past 2**31 elements
+    (ordered sum): the kernels' offsets were int32 products, which wrapped, so the last weight rows /
+    the last partial were read 2**32 elements early. Each operand sits right after a poisoned
+    prefix (a wrapped read lands there and gives other values). Expected: the oracle / fp32 sums.
+    About 11 GB of GPU memory; reproduced on the interpreter by triton_interpreter_cases.py mm."""
+    _require_triton_backend()
+    from fp4fuse.kernels.triton import mm as triton_mm, reduce as triton_reduce
+    gen = torch.Generator().manual_seed(31)
+    prefix = 1 << 31
+    m, n, kb = 16, 128, (1 << 24) + (1 << 20)  # weight rows from 121 on start past 2**31 code bytes
+    big = torch.full((prefix + n * kb,), 0x77, dtype=torch.uint8, device="cuda")  # 0x77: codes (6, 6)
+    b = big[prefix:].view(n, kb)
+    b.zero_()
+    a = torch.zeros(m, kb, dtype=torch.uint8, device="cuda")
+    a_head = torch.randint(0, 256, (m, 64), generator=gen, dtype=torch.uint8)
+    b_head = torch.randint(0, 256, (n, 64), generator=gen, dtype=torch.uint8)
+    a[:, :64], b[:, :64] = a_head.cuda(), b_head.cuda()
+    one = torch.full((1,), 0x38, dtype=torch.uint8).view(torch.float8_e4m3fn)  # e4m3 1.0
+    sa = one.cuda().expand(m, kb // 8).contiguous()
+    sb = one.cuda().expand(n, kb // 8).contiguous()
+    config = triton_mm.MMConfig(block_m=16, block_n=128, block_g=8, split_k=64, num_warps=4, num_stages=3)
+    out = triton_mm.mm_fp4_tiled(a, b, sa, sb, torch.ones(1, device="cuda"), torch.float32, config)
+    ones = torch.full((1, 8), 0x38, dtype=torch.uint8)
+    ref = oracle.dequantize(a_head, ones.expand(m, 8)) @ oracle.dequantize(b_head, ones.expand(n, 8)).T
+    err = (out.double().cpu() - ref).abs()
+    bad = (err > 1e-6 * ref.abs().max().item()).any(0)
+    assert not bad.any(), f"weight rows wrong: {bad.nonzero().flatten().tolist()}"
+    del big, b, a, sa, sb
+    # W = 3 partials of 2**30 + 2048 elements: the third starts past 2**31
+    w, count = 3, (1 << 30) + 2048
+    big = torch.full((prefix + w * count,), 1000.0, dtype=torch.bfloat16, device="cuda")
+    parts = big[prefix:].view(w, count)
+    parts.random_(0, 64)  # small integers: every fp32 sum exact
+    got = triton_reduce.sum_partials_in_order(parts)
+    for cols in (slice(0, 1 << 20), slice(count - (1 << 20), count)):
+        want = ((parts[0, cols].float() + parts[1, cols].float()) + parts[2, cols].float()).to(torch.bfloat16)
+        assert torch.equal(got[cols], want), f"ordered sum, columns {cols}"

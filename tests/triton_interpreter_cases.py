@@ -283,6 +283,7 @@ def case_mm() -> None:
     _check_empty_operands(gen)
     _check_alpha_from_global_scales(gen)
     _check_shared_activation(gen)
+    _check_offsets_past_int32(torch.Generator().manual_seed(20))  # own stream: the draws below unchanged
     C = triton_mm.MMConfig
     configs = (C(16, 16, 2, 1, 4, 2), C(32, 16, 4, 2, 4, 2), C(16, 32, 2, 3, 4, 2), C(64, 16, 4, 1, 4, 2))
     for m, n, k in ((3, 5, 48), (1, 5, 16), (130, 37, 64), (17, 70, 160)):
@@ -646,6 +647,51 @@ def case_norm_quant() -> None:
     out, rres = fused_add_rms_norm_reference(x, r, w, eps)
     rq, rs = nvfp4.quantize_reference(out, gs)
     assert torch.equal(q, rq) and torch.equal(res, rres), "fused reference composition"
+
+
+def _check_offsets_past_int32(gen: torch.Generator) -> None:
+    """Element offsets past 2**31 (a weight of N * K/2 >= 2**31 code bytes; ``W * n >= 2**31``
+    partials): ``_mm_fp4_kernel`` and ``_sum_in_order_kernel`` computed them as int32 products,
+    which wrapped (reads before the operand: a crash here, another allocation's bytes on a GPU).
+    One program of each, launched directly, on buffers allocated but written only where it reads
+    (the OS commits the pages written): address space, not memory. Expected values: the oracle."""
+    try:
+        kb = (1 << 24) + (1 << 20)  # K/2 code bytes a row: weight rows from 121 on start past 2**31
+        w = torch.empty((128, kb), dtype=torch.uint8)
+        ws = torch.empty((128, kb // 8), dtype=torch.float8_e4m3fn)
+        xlo, xhi = (torch.empty((16, kb), dtype=torch.float16) for _ in range(2))
+    except (RuntimeError, MemoryError) as exc:  # an address space this small cannot reach the bug
+        print(f"offsets past int32: skipped ({exc})", flush=True)
+        return
+    # the tiled GEMM's one K step of 2 groups (32 elements) on 16 activation x 128 weight rows
+    a, sa, _ = _quantized(16, 32, gen)
+    b, sb, _ = _quantized(128, 32, gen)
+    dense = oracle.dequantize(a, sa) * 2.0 ** -14  # the GEMM's fp16 operand encoding (exact)
+    xlo[:, :16], xhi[:, :16] = dense[:, 0::2].half(), dense[:, 1::2].half()
+    w[:, :16], ws[:, :2] = b, sb
+    out = torch.empty((16, 128), dtype=torch.float32)
+    one = torch.ones(1)
+    triton_mm._mm_fp4_kernel[(1, 1)](xlo, xhi, w, ws, one, one, out, 16, 128, kb // 8, 2, BLOCK_M=16,
+                                     BLOCK_N=128, BLOCK_G=2, GROUP_M=8, PARTIAL=False, EVEN_K=True,
+                                     FAST_DECODE=False)
+    ref = oracle.dequantize(a, sa) @ oracle.dequantize(b, sb).T
+    bad = ((out.double() - ref).abs() > 1e-6 * ref.abs().max().item()).any(0)
+    assert not bad.any(), f"tiled GEMM, weight rows past 2**31 code bytes wrong: {bad.nonzero().flatten().tolist()}"
+    del w, ws, xlo, xhi
+    # the ordered sum's first 2048 elements of 3 partials of 2**30 + 2048 (the third starts past 2**31)
+    from fp4fuse.kernels.triton import reduce as triton_reduce
+    n = (1 << 30) + 2048
+    try:
+        parts = torch.empty(3 * n, dtype=torch.uint8)
+    except (RuntimeError, MemoryError) as exc:
+        print(f"offsets past int32 (ordered sum): skipped ({exc})", flush=True)
+        return
+    for i in range(3):
+        parts[i * n:i * n + 2048] = torch.randint(0, 64, (2048,), generator=gen, dtype=torch.uint8)
+    got = torch.empty(2048, dtype=torch.float32)
+    triton_reduce._sum_in_order_kernel[(1,)](parts, got, n, 3, BLOCK=2048)
+    want = sum(parts[i * n:i * n + 2048].double() for i in range(3))
+    assert torch.equal(got.double(), want), "sum_partials_in_order: partials past 2**31 elements"
 
 
 CASES = {"quant": case_quant, "mm": case_mm, "mm_decode": case_mm_decode, "norm": case_norm,

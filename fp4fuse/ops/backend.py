@@ -16,12 +16,16 @@ import enum
 import functools
 import importlib.util
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from fp4fuse.config import env_choice
 
-__all__ = ["ENV_BACKEND", "Backend", "backend_for", "cuda_backend", "device_backend", "forced_backend"]
+__all__ = [
+    "ENV_BACKEND", "Backend", "backend_for", "call_on_device", "cuda_backend", "device_backend", "forced_backend",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -89,3 +93,19 @@ def backend_for(t: torch.Tensor) -> Backend:
     if t.device.type != "cuda":
         return Backend.REFERENCE
     return cuda_backend(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def call_on_device(device: torch.device, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with CUDA ``device`` current while it runs (a no-op switch where it already is).
+
+    The ops' CUDA kernels are plain dispatcher kernels, which get no device guard, and Triton
+    launches on the *current* device and stream, not on the tensors' device. Inputs on another
+    GPU of the process (a model spread over GPUs in one process, e.g. Hugging Face
+    ``device_map="auto"``) would otherwise run on the wrong GPU: an error without peer access,
+    and with it a launch on the current device's stream that the consumers on the tensors' own
+    stream do not wait for (they read the outputs before they are written)."""
+    index = device.index
+    if index is None or index == torch._C._cuda_getDevice():
+        return fn(*args)
+    with torch.cuda.device(index):
+        return fn(*args)

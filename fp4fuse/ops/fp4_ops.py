@@ -24,7 +24,7 @@ import torch
 
 from fp4fuse.nvfp4 import format as nvfp4
 from fp4fuse.ops import validation
-from fp4fuse.ops.backend import Backend, backend_for
+from fp4fuse.ops.backend import Backend, backend_for, call_on_device
 from fp4fuse.ops.kernel_table import kernel_for
 from fp4fuse.ops.registration import cuda_kernel, refuse_gradients
 
@@ -54,7 +54,7 @@ def _(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.
 def _(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     validation.check_quant_inputs(x, global_scale)
     backend = Backend.REFERENCE if x.numel() == 0 else backend_for(x)  # empty: no kernel launch
-    return kernel_for("scaled_fp4_quant", backend)(x, global_scale)
+    return call_on_device(x.device, kernel_for("scaled_fp4_quant", backend), x, global_scale)
 
 
 @torch.library.custom_op("fp4fuse::mm_fp4", mutates_args=())
@@ -77,7 +77,7 @@ def _(a, b, a_scale, b_scale, alpha, out_dtype):
     validation.check_mm_inputs(a, b, a_scale, b_scale, alpha, out_dtype)
     # M, N or K is 0: no work, whatever the backend
     backend = Backend.REFERENCE if a.numel() == 0 or b.numel() == 0 else backend_for(a)
-    return kernel_for("mm_fp4", backend)(a, b, a_scale, b_scale, alpha, out_dtype)
+    return call_on_device(a.device, kernel_for("mm_fp4", backend), a, b, a_scale, b_scale, alpha, out_dtype)
 
 
 #: ``fp4fuse::_mm_fp4_hopper`` is defined on the dispatcher directly (as ``fp4fuse::check_rank_uniform``

@@ -24,7 +24,7 @@ import torch
 from fp4fuse.nvfp4.norms import fused_add_rms_norm_reference, rms_norm_reference
 from fp4fuse.ops import validation
 from fp4fuse.nvfp4.norms import fused_add_rms_norm_fp4_quant_reference, rms_norm_fp4_quant_reference
-from fp4fuse.ops.backend import backend_for
+from fp4fuse.ops.backend import backend_for, call_on_device
 from fp4fuse.ops.fp4_ops import empty_fp4_like
 from fp4fuse.ops.kernel_table import kernel_for
 from fp4fuse.ops.registration import cuda_kernel
@@ -45,7 +45,7 @@ def _(x, weight, eps):
 @cuda_kernel(rms_norm)
 def _(x, weight, eps):
     validation.check_norm_inputs("rms_norm", x, weight, eps)
-    return kernel_for("rms_norm", backend_for(x))(x, weight, eps)
+    return call_on_device(x.device, kernel_for("rms_norm", backend_for(x)), x, weight, eps)
 
 
 @torch.library.custom_op("fp4fuse::fused_add_rms_norm", mutates_args=())
@@ -65,7 +65,7 @@ def _(x, residual, weight, eps):
 @cuda_kernel(fused_add_rms_norm)
 def _(x, residual, weight, eps):
     validation.check_norm_inputs("fused_add_rms_norm", x, weight, eps, residual)
-    return kernel_for("fused_add_rms_norm", backend_for(x))(x, residual, weight, eps)
+    return call_on_device(x.device, kernel_for("fused_add_rms_norm", backend_for(x)), x, residual, weight, eps)
 
 
 @torch.library.custom_op("fp4fuse::rms_norm_fp4_quant", mutates_args=())
@@ -85,7 +85,7 @@ def _(x, weight, eps, global_scale):
 @cuda_kernel(rms_norm_fp4_quant)
 def _(x, weight, eps, global_scale):
     validation.check_norm_quant_inputs("rms_norm_fp4_quant", x, weight, eps, global_scale)
-    return kernel_for("rms_norm_fp4_quant", backend_for(x))(x, weight, eps, global_scale)
+    return call_on_device(x.device, kernel_for("rms_norm_fp4_quant", backend_for(x)), x, weight, eps, global_scale)
 
 
 @torch.library.custom_op("fp4fuse::fused_add_rms_norm_fp4_quant", mutates_args=())
@@ -106,4 +106,5 @@ def _(x, residual, weight, eps, global_scale):
 @cuda_kernel(fused_add_rms_norm_fp4_quant)
 def _(x, residual, weight, eps, global_scale):
     validation.check_norm_quant_inputs("fused_add_rms_norm_fp4_quant", x, weight, eps, global_scale, residual)
-    return kernel_for("fused_add_rms_norm_fp4_quant", backend_for(x))(x, residual, weight, eps, global_scale)
+    impl = kernel_for("fused_add_rms_norm_fp4_quant", backend_for(x))
+    return call_on_device(x.device, impl, x, residual, weight, eps, global_scale)

@@ -145,26 +145,33 @@ def _mm_fp4_kernel(
     kk = tl.arange(0, BLOCK_G * 8)
     row_ok = (rows < M)[:, None]
 
+    # row starts in int64: M * K/2 (or N * K/2) may pass 2**31, and an int32 product wrapped
+    # (rows past 2**31 / (K/2) read before the operand's start)
+    xlo_rows = xlo_ptr + rows.to(tl.int64)[:, None] * (KG * 8)
+    xhi_rows = xhi_ptr + rows.to(tl.int64)[:, None] * (KG * 8)
+    w_rows = w_ptr + cols_in.to(tl.int64)[None, None, :] * (KG * 8)
+    ws_rows = ws_ptr + cols_in.to(tl.int64)[None, :] * KG
+
     k_begin = split * groups_per_split
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(0, groups_per_split, BLOCK_G):
         kg0 = k_begin + step
         grp = kg0 + g
-        x_offs = rows[:, None] * (KG * 8) + (kg0 * 8 + kk)[None, :]
-        w_offs = cols_in[None, None, :] * (KG * 8) + grp[:, None, None] * 8 + j[None, :, None]
-        s_offs = cols_in[None, :] * KG + grp[:, None]
+        x_offs = (kg0 * 8 + kk)[None, :]
+        w_offs = grp[:, None, None] * 8 + j[None, :, None]
+        s_offs = grp[:, None]
         if EVEN_K:
-            x_lo = tl.load(xlo_ptr + x_offs, mask=row_ok, other=0.0)
-            x_hi = tl.load(xhi_ptr + x_offs, mask=row_ok, other=0.0)
-            codes = tl.load(w_ptr + w_offs)
-            scales = tl.load(ws_ptr + s_offs)
+            x_lo = tl.load(xlo_rows + x_offs, mask=row_ok, other=0.0)
+            x_hi = tl.load(xhi_rows + x_offs, mask=row_ok, other=0.0)
+            codes = tl.load(w_rows + w_offs)
+            scales = tl.load(ws_rows + s_offs)
         else:
             x_mask = row_ok & ((kg0 * 8 + kk) < KG * 8)[None, :]
-            x_lo = tl.load(xlo_ptr + x_offs, mask=x_mask, other=0.0)
-            x_hi = tl.load(xhi_ptr + x_offs, mask=x_mask, other=0.0)
+            x_lo = tl.load(xlo_rows + x_offs, mask=x_mask, other=0.0)
+            x_hi = tl.load(xhi_rows + x_offs, mask=x_mask, other=0.0)
             in_k = grp < KG
-            codes = tl.load(w_ptr + w_offs, mask=in_k[:, None, None], other=0)
-            scales = tl.load(ws_ptr + s_offs, mask=in_k[:, None], other=0.0)
+            codes = tl.load(w_rows + w_offs, mask=in_k[:, None, None], other=0)
+            scales = tl.load(ws_rows + s_offs, mask=in_k[:, None], other=0.0)
         w_lo, w_hi = _decode_weight_tile(codes, scales, FAST_DECODE)
         acc = tl.dot(x_lo, w_lo, acc)
         acc = tl.dot(x_hi, w_hi, acc)

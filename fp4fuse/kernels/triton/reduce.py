@@ -24,9 +24,13 @@ _BLOCK = 2048
 def _sum_in_order_kernel(p_ptr, out_ptr, n_elements, n_partials, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
-    acc = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    for i in range(1, n_partials):
-        acc += tl.load(p_ptr + i * n_elements + offs, mask=mask, other=0.0).to(tl.float32)
+    ptrs = p_ptr + offs
+    acc = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    for _ in range(1, n_partials):
+        # advance the pointers one partial at a time: ``i * n_elements`` was an int32 product, which
+        # wrapped once W * n_elements passed 2**31 (n_elements itself fits int32)
+        ptrs += n_elements
+        acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
