@@ -2,6 +2,7 @@
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -51,6 +52,20 @@ def test_global_scale_from_amax():
     assert gs[0].item() == pytest.approx(448 * 6 / 3.5)
     assert gs[1].item() == 1.0
     assert math.isnan(gs[2].item()) and math.isnan(gs[3].item())
+
+
+def test_global_scale_is_torchs_value_of_448_times_6_over_amax():
+    """``gs`` is what ``448 * 6 / amax`` gives for an fp32 tensor ``amax`` in torch (as a caller of
+    vLLM's or flashinfer's quantization writes it): the IEEE fp32 reciprocal times 2688, rounded
+    (numpy's fp32 arithmetic as the reference). About a quarter of amaxes give a value 1 ulp from
+    the IEEE quotient ``2688 / amax``, which TransformerEngine's kernel computes."""
+    rng = np.random.default_rng(7)
+    amax = rng.lognormal(0.0, 4.0, 4096).astype(np.float32)
+    expected = (np.float32(1.0) / amax) * np.float32(2688.0)
+    gs = nvfp4.global_scale_from_amax(torch.from_numpy(amax)).numpy()
+    assert np.array_equal(gs, expected)
+    off_quotient = np.mean(gs != np.float32(2688.0) / amax)
+    assert 0.1 < off_quotient < 0.5, off_quotient
 
 
 def _swizzle_offset(r: int, c: int, cols: int) -> int:

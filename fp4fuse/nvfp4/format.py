@@ -6,7 +6,12 @@ Layout (canonical in fp4fuse, see docs/design.md):
   e2m1 code: bit 3 sign, bits 2..1 exponent, bit 0 mantissa; magnitudes
   ``{0, 0.5, 1, 1.5, 2, 3, 4, 6}``.
 * block scales: ``float8_e4m3fn [M, K/16]``, row-major, unpadded, unswizzled ("linear").
-* global scale ``gs``: fp32, one element, encode convention ``gs = 448 * 6 / amax``.
+* global scale ``gs``: fp32, one element, encode convention ``gs = 448 * 6 / amax``, with the value
+  torch gives that expression for an fp32 tensor ``amax``: ``reciprocal(amax) * 2688``, each step
+  rounded to fp32 (``global_scale_from_amax``; what a caller of vLLM's or flashinfer's quantization
+  writes in torch). It is 1 ulp from the IEEE quotient ``2688 / amax`` (TransformerEngine's kernel
+  divides) for about a quarter of amaxes; the two then quantize a tensor differently (other block
+  scales and codes, equally accurate: each decodes with its own ``gs``), never inconsistently.
 
 Quantize, all arithmetic in fp32 with IEEE round-to-nearest division::
 
@@ -108,9 +113,11 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 
 def global_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """Encode-convention global scale ``448 * 6 / amax`` (fp32); amax 0 -> 1, non-finite -> NaN."""
+    """Encode-convention global scale ``448 * 6 / amax`` (fp32) as torch evaluates it for a tensor:
+    ``reciprocal(amax) * 2688`` (module docstring); amax 0 -> 1, non-finite -> NaN. The dynamic-scale
+    pass and the quantization kernels that compute it on the device follow these operations."""
     amax = amax.float()
-    gs = (E4M3_MAX * E2M1_MAX) / amax
+    gs = torch.reciprocal(amax) * (E4M3_MAX * E2M1_MAX)
     gs = torch.where(amax == 0, torch.ones_like(gs), gs)
     return torch.where(torch.isfinite(amax), gs, torch.full_like(gs, float("nan")))
 
