@@ -124,7 +124,7 @@ def calibrate(model: nn.Module, ids: torch.Tensor, kind: str = "llama") -> dict[
 def fake_quantized_weight(linear: nn.Linear) -> torch.Tensor:
     """``linear.weight`` quantized with its own amax and decoded (float64)."""
     w = linear.weight.detach()
-    return oracle.fake_quantize(w.float(), oracle.encode_gs(w.double().abs().max()))
+    return oracle.fake_quantize(w.float(), oracle.dynamic_gs(w.double().abs().max()))
 
 
 class FakeQuantLinear(nn.Module):
@@ -141,7 +141,7 @@ class FakeQuantLinear(nn.Module):
         out = torch.zeros(rows.shape[0], self.weight.shape[0], dtype=torch.float64)
         for c in range(self.chunks):
             xc = rows[:, c * k:(c + 1) * k]
-            gs = self.input_scale if self.input_scale is not None else oracle.encode_gs(xc.float().abs().max())
+            gs = self.input_scale if self.input_scale is not None else oracle.dynamic_gs(xc.float().abs().max())
             out += oracle.fake_quantize(xc, gs) @ self.weight[:, c * k:(c + 1) * k].t()
         if self.bias is not None:
             out += self.bias

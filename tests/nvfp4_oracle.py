@@ -167,6 +167,17 @@ def encode_gs(amax: float | torch.Tensor) -> torch.Tensor:
             ).float().reshape(1)
 
 
+def dynamic_gs(amax: float | torch.Tensor) -> torch.Tensor:
+    """The global scale fp4fuse derives from an amax at run time (README, "The NVFP4 format"): the
+    value torch gives ``448 * 6 / amax`` for an fp32 tensor, the fp32 reciprocal times 2688, each
+    rounded to fp32; as fp32 ``[1]``. Emulated in float64, exactly: rounding the float64 quotient
+    to fp32 gives the correctly rounded fp32 quotient (double rounding is innocuous for a division
+    when the wider format has at least 2p + 2 bits: 53 >= 2 * 24 + 2), and the product of two fp32
+    numbers is exact in float64 before its one rounding."""
+    a = torch.as_tensor(amax, dtype=torch.float64).float().double()
+    return ((1.0 / a).float().double() * 2688.0).float().reshape(1)
+
+
 def representable(rows: int, k: int, gs: float, generator: torch.Generator) -> torch.Tensor:
     """A float64 ``[rows, k]`` tensor that NVFP4 with a *dynamic* global scale holds exactly.
 
