@@ -85,6 +85,38 @@ def test_bad_plans_are_clear_errors(fake_group, plan, error):
         parallelize(hf_tiny.build("llama"), plan=plan)
 
 
+class _DoubledLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2
+
+
+@pytest.mark.parametrize("change, error", [
+    ("subclass", r"names 'model.layers.0.mlp.up_proj', a _DoubledLinear, overrides nn.Linear.forward; only a module "
+                 r"computing nn.Linear's x @ W\^T \+ b can be split"),
+    ("hook", r"names 'model.layers.0.mlp.up_proj', a Linear with 1 forward \(pre-\)hook\(s\)"),
+    ("instance-forward", r"names 'model.layers.0.mlp.up_proj', a Linear whose forward was replaced on the instance"),
+], ids=["subclass", "hook", "instance-forward"])
+def test_a_linear_computing_more_than_nn_linear_is_not_split(fake_group, change, error):
+    """A TP linear computes ``x @ W^T + b`` from the weights alone: what a subclass's ``forward``,
+    a forward hook or a replaced ``forward`` adds would be dropped (the subclass above doubled the
+    output; split anyway it computed half of it), so such a module is an error, and the model is
+    left as it was."""
+    model = hf_tiny.build("llama")
+    mlp = model.model.layers[0].mlp
+    if change == "subclass":
+        doubled = _DoubledLinear(mlp.up_proj.in_features, mlp.up_proj.out_features, bias=False)
+        doubled.load_state_dict(mlp.up_proj.state_dict())
+        mlp.up_proj = doubled
+    elif change == "hook":
+        mlp.up_proj.register_forward_hook(lambda _m, _args, out: out * 2)
+    else:
+        mlp.up_proj.forward = lambda x, f=mlp.up_proj.forward: f(x) * 2
+    linear = mlp.up_proj
+    with pytest.raises(ValueError, match=error):
+        parallelize(model)
+    assert mlp.up_proj is linear and type(model.model.layers[0].self_attn.q_proj) is nn.Linear
+
+
 def test_dimensions_that_do_not_split_name_the_module(fake_group):
     from transformers import LlamaConfig, LlamaForCausalLM
     sizes = dict(vocab_size=100, hidden_size=96, num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=2)
@@ -160,18 +192,21 @@ def test_replicated_plan_entries_leave_their_modules_whole(fake_group):
                                               "layers.*.self_attn.q_proj": "colwise"})
 
 
-@pytest.mark.parametrize("kind, why", [
-    ("gemma3", "a Gemma3TextScaledWordEmbedding, overrides nn.Embedding.forward"),
-    ("llama", r"renormalizes the rows it looks up \(max_norm=1.0\)"),
-], ids=["forward-override", "max-norm"])
-def test_an_embedding_that_is_more_than_a_lookup_stays_replicated(fake_group, caplog, kind, why):
+@pytest.mark.parametrize("kind, change, why", [
+    ("gemma3", None, "a Gemma3TextScaledWordEmbedding, overrides nn.Embedding.forward"),
+    ("llama", "max_norm", r"renormalizes the rows it looks up \(max_norm=1.0\)"),
+    ("llama", "hook", r"an Embedding with 1 forward \(pre-\)hook\(s\), which its replacement would not run"),
+], ids=["forward-override", "max-norm", "forward-hook"])
+def test_an_embedding_that_is_more_than_a_lookup_stays_replicated(fake_group, caplog, kind, change, why):
     """A vocab-parallel embedding computes a plain lookup; an input embedding that computes more
-    (Gemma 3 scales the lookup by sqrt(hidden); ``max_norm`` renormalizes rows) stays whole, with
-    the reason in the warning."""
+    (Gemma 3 scales the lookup by sqrt(hidden); ``max_norm`` renormalizes rows; a forward hook may
+    change the lookup, here scaling it as Gemma does) stays whole, with the reason in the warning."""
     model = hf_tiny.build(kind)
     table = model.get_input_embeddings()
-    if kind == "llama":
+    if change == "max_norm":
         table.max_norm = 1.0
+    elif change == "hook":
+        table.register_forward_hook(lambda _m, _args, out: out * 96 ** 0.5)
     with caplog.at_level("WARNING", logger="fp4fuse.tp.parallelize"):
         parallelize(model)
     assert model.get_input_embeddings() is table

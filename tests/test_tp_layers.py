@@ -201,6 +201,11 @@ def _column_checks(group: TPGroup, tp1: TPGroup) -> dict[str, bool]:
     parts = [p.split(list(col.local_parts), dim=-1) for p in _gather(col(x))]
     gathered = torch.cat([torch.cat([p[i] for p in parts], dim=-1) for i in range(3)], dim=-1)
     checks["column_tp2_equals_tp1"] = torch.equal(gathered, one(x))
+    # gather_output with parts: the whole output in the merged weight's row order (q, k, v), as at
+    # TP=1 -- not rank by rank (q0 k0 v0 q1 k1 v1), which a plain feature gather would give
+    merged = ColumnParallelNVFP4Linear(full, group, NVFP4Quantizer(), BF16, parts=(64, 16, 16), full_bias=bias,
+                                       gather_output=True)
+    checks["column_gathered_parts_in_weight_order"] = torch.equal(merged(x), one(x))
     # gather_output (colwise_gather_output): every rank returns the whole output, in feature order, and
     # the gather traces without a graph break (fullgraph; torch 2.11's funcol gather along the last
     # dimension broke the graph at every gathered linear)

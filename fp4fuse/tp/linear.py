@@ -178,7 +178,8 @@ def _amax(weight: torch.Tensor) -> torch.Tensor:
 class ColumnParallelNVFP4Linear(NVFP4Linear):
     """Output features split across the group; ``full_weight`` is the unsharded ``[N, K]``,
     ``full_bias`` the unsharded ``[N]`` (or None). ``gather_output``: all-gather the output
-    features, so every rank returns the whole ``[..., N]`` (``colwise_gather_output``)."""
+    features, so every rank returns the whole ``[..., N]`` (``colwise_gather_output``), in
+    ``full_weight``'s row order also with ``parts`` (gathered part by part)."""
 
     def __init__(self, full_weight: torch.Tensor, group: TPGroup, act_quantizer: NVFP4Quantizer,
                  out_dtype: torch.dtype = torch.bfloat16, parts: tuple[int, ...] | None = None, *,
@@ -198,7 +199,7 @@ class ColumnParallelNVFP4Linear(NVFP4Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
-        return gather_features(out, self.group) if self.gather_output else out
+        return gather_features(out, self.group, self.local_parts) if self.gather_output else out
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: TPGroup, act_quantizer: NVFP4Quantizer | None = None, *,

@@ -35,7 +35,7 @@ from fp4fuse.tp.dense import ColumnParallelLinear, RowParallelLinear
 from fp4fuse.tp.layers import VocabParallelEmbedding
 from fp4fuse.tp.linear import ColumnParallelNVFP4Linear, RowParallelNVFP4Linear, global_scale_tensor
 from fp4fuse.tp.parallel import TPGroup
-from fp4fuse.tp.plan import ParallelStyle, resolve_plan
+from fp4fuse.tp.plan import ParallelStyle, extra_forward, resolve_plan
 
 __all__ = ["WeightFormat", "parallelize"]
 
@@ -97,9 +97,12 @@ def parallelize(model: nn.Module, group: dist.ProcessGroup | None = None, plan: 
     ``embedding``: shard the input embedding over the vocabulary (``VocabParallelEmbedding``, its
     lookups summed by a functional all-reduce); left replicated, with a warning, when the vocabulary
     does not divide by the TP size, the model has no ``nn.Embedding`` input embedding, or its
-    embedding computes more than a lookup (a subclass overriding ``forward``, ``max_norm``).
+    embedding computes more than a lookup (a subclass overriding ``forward``, a forward replaced on
+    the instance, forward hooks, ``max_norm``).
 
-    Raises ``ValueError`` naming the module for a dimension that does not split (features not
+    Raises ``ValueError`` naming the module for a planned linear that computes more than
+    ``nn.Linear.forward`` (a subclass overriding it, a replaced ``forward``, forward hooks: its TP
+    replacement would drop what they add), for a dimension that does not split (features not
     divisible by the TP size; NVFP4 needs 16 | K and 16 | K / size for row-parallel), a head count
     that does not split, and for any plan the rules of fp4fuse.tp.plan reject.
     """
@@ -140,9 +143,10 @@ def _shard_input_embedding(model: nn.Module, tp: TPGroup) -> None:
     table = getter() if callable(getter) else None
     if not isinstance(table, nn.Embedding):
         reason = f"{type(model).__name__} has no nn.Embedding input embedding"
-    elif type(table).forward is not nn.Embedding.forward:
-        # e.g. Gemma 3's Gemma3TextScaledWordEmbedding multiplies the lookup by sqrt(hidden)
-        reason = f"its input embedding, a {type(table).__name__}, overrides nn.Embedding.forward"
+    elif extra := extra_forward(table, nn.Embedding):
+        # e.g. Gemma 3's Gemma3TextScaledWordEmbedding multiplies the lookup by sqrt(hidden); a forward
+        # hook or a forward replaced on the instance may change the lookup too
+        reason = f"its input embedding, {extra}"
     elif table.max_norm is not None:
         reason = f"its input embedding renormalizes the rows it looks up (max_norm={table.max_norm})"
     elif table.num_embeddings % tp.size:

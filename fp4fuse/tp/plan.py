@@ -16,7 +16,10 @@ wrapper as on the base model. ``resolve_plan`` returns full names (as ``model.na
 spells them).
 
 Every pattern must match at least one ``nn.Linear`` and nothing else, every module at most one
-style, and the style must be one fp4fuse implements; anything else is a ``ValueError`` naming the
+style, and the style must be one fp4fuse implements; a split linear must compute what ``nn.Linear``
+computes (``x @ W^T + b``), which a TP linear replaces: an ``nn.Linear`` subclass overriding
+``forward``, an instance whose ``forward`` was replaced, or one with forward hooks (all of which the
+replacement would silently drop) is refused. Anything else is a ``ValueError`` naming the
 pattern, the module and the rule (a plan that half applies would shard q but not k and compute
 garbage, not fail). One style leaves its modules as they are, of any type:
 ``replicated_with_grad_allreduce`` (Qwen3's and Gemma 3's per-head ``q_norm`` / ``k_norm``, whose
@@ -31,7 +34,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
-__all__ = ["ParallelStyle", "base_model_prefix", "resolve_plan"]
+__all__ = ["ParallelStyle", "base_model_prefix", "extra_forward", "resolve_plan"]
 
 
 class ParallelStyle(enum.Enum):
@@ -74,6 +77,23 @@ def _regex(pattern: str) -> re.Pattern[str]:
     return re.compile(r"[^.]+".join(re.escape(part) for part in pattern.split("*")))
 
 
+def extra_forward(module: nn.Module, base: type[nn.Module]) -> str | None:
+    """Why ``module`` (an instance of ``base``) computes more than ``base.forward``, as a phrase:
+    "a <type>, overrides nn.<base>.forward" (a subclass), "a <type> whose forward was replaced on
+    the instance" (e.g. by a wrapper library) or "a <type> with <n> forward (pre-)hook(s) ...";
+    None when it computes exactly that. A TP layer built from its weights would drop what these add."""
+    name = type(module).__name__
+    kind = f"{'an' if name[:1] in 'AEIOU' else 'a'} {name}"
+    if type(module).forward is not base.forward:
+        return f"{kind}, overrides nn.{base.__name__}.forward"
+    if "forward" in vars(module):
+        return f"{kind} whose forward was replaced on the instance"
+    hooks = len(module._forward_pre_hooks) + len(module._forward_hooks)
+    if hooks:
+        return f"{kind} with {hooks} forward (pre-)hook(s), which its replacement would not run"
+    return None
+
+
 def base_model_prefix(model: nn.Module) -> str:
     """The dotted prefix of a Hugging Face model's base model (``"model."`` for a
     ``LlamaForCausalLM``), or ``""`` when ``model`` is its own base model or no HF model."""
@@ -107,6 +127,11 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, object]) -> dict[str, Para
             if style is not ParallelStyle.REPLICATED and not isinstance(modules[name], nn.Linear):
                 raise ValueError(f"parallelize: plan entry {pattern!r} names {name!r}, a "
                                  f"{type(modules[name]).__name__}; only nn.Linear modules can be split")
+            extra = None if style is ParallelStyle.REPLICATED else extra_forward(modules[name], nn.Linear)
+            if extra:
+                raise ValueError(f"parallelize: plan entry {pattern!r} names {name!r}, {extra}; only a module "
+                                 f"computing nn.Linear's x @ W^T + b can be split (its TP replacement computes "
+                                 f"that alone)")
             if name in matched and matched[name][1] is not style:
                 raise ValueError(f"parallelize: module {name!r} is {matched[name][1].value} by plan entry "
                                  f"{matched[name][0]!r} and {style.value} by {pattern!r}")

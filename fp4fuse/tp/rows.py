@@ -54,15 +54,25 @@ def row_parallel_sum(partial: torch.Tensor, group: TPGroup, bias: torch.Tensor |
     return from_rows(out, lead)
 
 
-def gather_features(y: torch.Tensor, group: TPGroup) -> torch.Tensor:
+def gather_features(y: torch.Tensor, group: TPGroup, parts: tuple[int, ...] | None = None) -> torch.Tensor:
     """``y [..., N / size]`` on each rank -> ``[..., N]``, rank ``r``'s features at
     ``[r * N / size, (r + 1) * N / size)``: the whole output of a column-parallel linear, the same
     on every rank (a functional all-gather of rows, reassembled along the last dimension: module
-    docstring)."""
+    docstring).
+
+    ``parts``: the local widths of a merged output (``ColumnParallelNVFP4Linear.local_parts``, e.g.
+    q/k/v), each rank holding its slice of every part: the gathered output is then part by part,
+    every rank's slice of part 0, then of part 1, ... (the merged weight's own order), not rank by rank."""
     if group.size == 1:
         return y
     stacked = _ALL_GATHER(y.contiguous(), gather_dim=0, group=group.name)  # [size * lead0, ..., N / size]
-    return torch.cat(torch.chunk(stacked, group.size, dim=0), dim=-1)
+    chunks = torch.chunk(stacked, group.size, dim=0)
+    if parts is None or len(parts) == 1:
+        return torch.cat(chunks, dim=-1)
+    if sum(parts) != y.shape[-1]:
+        raise ValueError(f"gather_features: parts {tuple(parts)} do not sum to the local features {y.shape[-1]}")
+    split = [chunk.split(list(parts), dim=-1) for chunk in chunks]
+    return torch.cat([rank_parts[i] for i in range(len(parts)) for rank_parts in split], dim=-1)
 
 
 def local_features(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
