@@ -426,3 +426,48 @@ def test_gather_paired_with_two_scale_gathers_left_alone(debug_log):
     assert ops(gm) == before and p.match_counts == {}
     assert [s.key for s in p.skips] == ["async_tp.all_gather_mm_fp4"] * 2
     assert all("pairs it with a different gather" in s.reason for s in p.skips)
+
+
+# --------------------------------------------------------------------------- adversarial review
+
+
+def test_scale_shard_computed_from_a_reader_of_the_gathered_codes_left_alone(debug_log):
+    """The fused op goes before the first reader of either gathered tensor and reads both shards;
+    a scale shard computed from such a reader of the gathered codes can only come after it (the
+    rewrite would read it before it is computed: a cycle no topological sort fixes)."""
+    mode = FakeTensorMode()
+    q, s, b, bs, alpha = fp4_inputs(mode, rows=8)
+
+    def fn(q, s, b, bs, alpha):
+        qa = gather(q)
+        offset = qa[:1, :1].to(torch.int32).sum().to(U8) * 0
+        s2 = (s.view(U8) + offset).view(F8)
+        return mm_fp4(qa, gather_scales(s2), b, bs, alpha)
+
+    gm = trace(fn, [q, s, b, bs, alpha], mode)
+    before = ops(gm)
+    p = run_pass(gm)  # lints the graph
+    assert ops(gm) == before
+    assert_skipped(p, debug_log, "async_tp.all_gather_mm_fp4", "the shard of a_scale is computed after")
+
+
+def test_bf16_gather_of_a_dtype_view_left_alone():
+    """``all_gather(shard.view(bf16))`` read by an ``mm``: symm_mem gathers the shard as it is, in
+    its own dtype, which would change the product's dtype (fp16 here) and multiply fp16 rows by a
+    bf16 weight. Structure only (fake CUDA tensors)."""
+    mode = FakeTensorMode()
+    with mode:
+        inputs = [torch.empty(8, K, dtype=torch.float16, device="cuda"),
+                  torch.empty(K, N, dtype=BF16, device="cuda")]
+
+    def fn(a_shard, b):
+        return aten.mm(gather(a_shard.view(BF16)), b)
+
+    gm = trace(fn, inputs, mode)
+    before = ops(gm)
+    p = run_pass(gm, enable_bf16_async_tp=True)
+    assert ops(gm) == before and p.match_counts == {}
+    assert [s.key for s in p.skips] == ["async_tp.all_gather_mm"]
+    assert "sent in another dtype" in p.skips[0].reason
+    (output,) = torch.utils._pytree.tree_leaves(next(n for n in gm.graph.nodes if n.op == "output").args)
+    assert output.meta["val"].dtype == BF16

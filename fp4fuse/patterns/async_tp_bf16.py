@@ -83,7 +83,7 @@ class AllGatherMm(GraphRewrite[AllGatherMmMatch]):
             return f"the activation is all-gathered along dim {g.gather_dim} (split + cat); only dim 0 is fused"
         if g.collective.wait is None:
             return "the all-gather is not consumed by exactly one wait_tensor"
-        if g.result is not g.collective.wait:
+        if g.result is not g.collective.wait or g.collective.input is not g.shard:
             return "the all-gather is sent in another dtype (dtype views); symm_mem gathers the shard as is"
         assert g.collective.group_size is not None
         reason = (_device_reason(g.shard, "fused_all_gather_matmul")

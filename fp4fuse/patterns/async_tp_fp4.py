@@ -154,9 +154,15 @@ class AllGatherMmFp4(GraphRewrite[AllGatherMmFp4Match]):
                               fake_value(data.shard).device), require_divisible=False)
         if reason is not None:
             return reason
-        if not MmFp4Args.of(match.mms[0]).operands_before(match.readers[0]):
+        first = match.readers[0]
+        if not MmFp4Args.of(match.mms[0]).operands_before(first):
             return ("b, b_scale or alpha of mm_fp4 is computed after another reader of the gathered "
-                    f"activation ({match.readers[0].name})")
+                    f"activation ({first.name})")
+        # the fused op goes before the first reader of either gathered tensor, and it reads both shards
+        late = [role for role, g in (("a", data), ("a_scale", scale)) if not g.shard < first]
+        if late:
+            return (f"the shard of {' and '.join(late)} is computed after {first.name}, a reader of the other "
+                    "gathered tensor, where the fused op must go (it may even be computed from that reader)")
         return None
 
     def rewrite(self, match: AllGatherMmFp4Match) -> str:

@@ -81,8 +81,11 @@ class AmaxOfGathered:
     rows: fx.Node | None = None
 
     @classmethod
-    def decode(cls, reader: fx.Node) -> AmaxOfGathered | None:
-        if not is_call(reader, aten.abs) or len(reader.users) != 1:
+    def decode(cls, reader: fx.Node, gathered: fx.Node) -> AmaxOfGathered | None:
+        """The amax at ``reader``, a reader of ``gathered`` (the gathered tensor in its shard's
+        dtype), or None. An ``abs`` of another node of the gather's chain (the rows as they travel,
+        e.g. a ``uint8`` view) is none: its maximum is not ``max |g|``."""
+        if not is_call(reader, aten.abs) or reader.args[0] is not gathered or len(reader.users) != 1:
             return None
         (amax,) = reader.users
         dims = _amax_dims(amax)
@@ -132,7 +135,7 @@ class QuantBeforeGather(GraphRewrite[QuantsOfGatheredMatch]):
         found = []
         for gathered, quant_nodes in by_gather.values():
             readers = [u for u in external_users([gathered]) if u not in quant_nodes]
-            amaxes = tuple(a for a in map(AmaxOfGathered.decode, readers) if a is not None)
+            amaxes = tuple(a for r in readers if (a := AmaxOfGathered.decode(r, gathered.result)) is not None)
             covered = {a.abs_node for a in amaxes}
             quants = tuple(QuantCall.of(q) for q in quant_nodes)
             found.append(QuantsOfGatheredMatch(gathered, quants, amaxes, tuple(u for u in readers if u not in covered)))

@@ -413,6 +413,14 @@ class SPPattern(ReplacementPattern):
         return SPMatch.decode(match).all_reduce
 
     def check(self, match: pm.Match) -> str | None:
+        # The epsilon is a wildcard (scalar_workaround), so rsqrt(mean(x^2) + eps_t) with a tensor eps_t
+        # matches too: each rank would compute its rows with its own eps_t (nothing proves it the same
+        # on every rank) and one computed after the replacement point would be read before it exists.
+        # A number is compared across ranks with the match's other literals.
+        eps = match.kwargs.get("eps")
+        if isinstance(eps, fx.Node):
+            return (f"the norm's epsilon is a tensor ({eps.name}), not a number: each rank would compute its rows "
+                    "with its own tensor, which nothing proves the same on every rank; pass eps as a Python float")
         m = SPMatch.decode(match)
         if len(m.shape) < 2:
             return f"input of the all_reduce has shape {list(m.shape)}: need [..., hidden]"
