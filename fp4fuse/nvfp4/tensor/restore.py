@@ -52,6 +52,12 @@ def _bits(amax: torch.Tensor) -> torch.Tensor:
     return amax.view(torch.int32)
 
 
+def _amax_mismatch(expected_bits: torch.Tensor, got_bits: torch.Tensor, message: str) -> ValueError:
+    """``ValueError(message)`` with ``{expected!r}`` / ``{got!r}`` filled in from two amaxes' fp32 bits."""
+    return ValueError(message.format(expected=expected_bits.view(torch.float32).item(),
+                                     got=got_bits.view(torch.float32).item()))
+
+
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
     """The whole storage of ``t`` as a flat uint8 tensor."""
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
@@ -105,13 +111,12 @@ class CheckpointRestore:
             self._begin(bits, src.amax)
             self._amax_bits = bits.clone()
         elif not torch.equal(bits, self._amax_bits):
-            expected = self._amax_bits.view(torch.float32).item()
-            got = bits.view(torch.float32).item()
-            raise ValueError(
-                f"dcp.load into an NVFP4Tensor: the checkpoint chunks of this weight carry different "
-                f"amax values ({expected!r} for the chunks read so far, {got!r} for this one). Rows "
-                f"quantized with different global scales cannot share one NVFP4Tensor: load it with "
-                f"the sharding it was saved with, or requantize it")
+            raise _amax_mismatch(
+                self._amax_bits, bits,
+                "dcp.load into an NVFP4Tensor: the checkpoint chunks of this weight carry different "
+                "amax values ({expected!r} for the chunks read so far, {got!r} for this one). Rows "
+                "quantized with different global scales cannot share one NVFP4Tensor: load it with "
+                "the sharding it was saved with, or requantize it")
         dst.qdata.copy_(src.qdata, non_blocking)
         dst.scale.copy_(src.scale, non_blocking)
         self._written += dst.numel()
@@ -140,14 +145,13 @@ class CheckpointRestore:
         if _outside_holds_codes(qdata):
             if shared is not None:  # another view of this payload was loaded in this load
                 if changes or not torch.equal(bits, shared.bits):
-                    expected = shared.bits.view(torch.float32).item()
-                    got = bits.view(torch.float32).item()
-                    raise ValueError(
-                        f"dcp.load into an NVFP4Tensor that shares its payload and amax with other "
-                        f"tensors (views of one NVFP4Tensor, e.g. fused rows): the checkpoint gives "
-                        f"it amax {got!r}, but the rows of the other views loaded in this load carry "
-                        f"{expected!r}, and one amax cannot decode both. Give each view its own "
-                        f"payload (clone it), or save and load the shared tensor as one entry")
+                    raise _amax_mismatch(
+                        shared.bits, bits,
+                        "dcp.load into an NVFP4Tensor that shares its payload and amax with other "
+                        "tensors (views of one NVFP4Tensor, e.g. fused rows): the checkpoint gives "
+                        "it amax {got!r}, but the rows of the other views loaded in this load carry "
+                        "{expected!r}, and one amax cannot decode both. Give each view its own "
+                        "payload (clone it), or save and load the shared tensor as one entry")
                 return
             if changes:  # rows of other views would decode under the new amax: zero them all
                 _storage_bytes(qdata).zero_()
