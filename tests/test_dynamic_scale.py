@@ -97,3 +97,18 @@ def test_other_forms_are_not_recognized():
 
     gs, _ = _output_nodes(_trace(also_reads_amax, x))
     assert scale_of_maxima(gs) is None
+
+
+@pytest.mark.parametrize("shape", [(1,), (), (1, 1)])
+def test_a_one_element_scale_of_another_shape_is_not_recognized(shape):
+    """The quantization launch that takes the scale over writes an fp32 ``[1]`` tensor, which every
+    reader of the scale then reads: a 0-d or ``[1, 1]`` scale (one element too, which
+    ``scaled_fp4_quant`` accepts) would change the shape of what they compute, a returned scale's
+    included. Only ``[1]`` (the quantizer's) is recognized."""
+    def fn(x):
+        a = x.abs().amax(dim=-1).amax().float().reshape(shape)
+        return nvfp4.global_scale_from_amax(torch.where(torch.isnan(a), torch.full_like(a, math.inf), a))
+
+    (gs,) = _output_nodes(_trace(fn, ((16, 64), torch.bfloat16)))
+    assert tuple(gs.meta["val"].shape) == shape
+    assert (scale_of_maxima(gs) is not None) == (shape == (1,))

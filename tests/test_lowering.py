@@ -1137,3 +1137,55 @@ def test_cuda_a_dynamic_scale_in_the_launch_is_bitwise_the_graph_without_the_pas
     lowered = compiled(x, w, b, sb, gb)
     assert fusion.match_counts.get("lowering.global_scale_of_maxima", 0) == int(rows <= 256)
     assert torch.equal(plain.view(torch.int16), lowered.view(torch.int16))
+
+
+@pytest.mark.parametrize("shape", [(1,), (), (1, 1)])
+def test_a_dynamic_scale_of_another_shape_keeps_its_shape(triton_cuda_target, shape):
+    """A one-element dynamic scale that is not ``[1]`` (0-d, ``[1, 1]``) keeps Inductor's kernel:
+    the quantization launch writes the scale as ``[1]``, and the scale's readers (here the graph's
+    outputs) would otherwise return another shape than the graph computes."""
+    def fn(x):
+        a = x.abs().amax(dim=-1).amax().float().reshape(shape)
+        gs = nvfp4.global_scale_from_amax(torch.where(torch.isnan(a), torch.full_like(a, float("inf")), a))
+        q, s = fp4.scaled_fp4_quant(x, gs)
+        return q, s, gs, gs * 2
+
+    gm = _static_graph(fn, ((16, 64), torch.bfloat16))
+    (out,) = gm.graph.find_nodes(op="output")
+    lowering = KernelLoweringPass(FusionConfig())
+    lowering(gm.graph)
+    gm.graph.lint()
+    assert lowering.match_counts.get("lowering.global_scale_of_maxima", 0) == int(shape == (1,))
+    assert [tuple(n.meta["val"].shape) for n in out.args[0]] == [(16, 32), (16, 4), shape, shape]
+
+
+@pytest.mark.parametrize("rows", [5, 300])
+def test_a_dynamic_weight_row_count_keeps_the_op_call(triton_cuda_target, rows):
+    """A weight whose row count N is symbolic (automatic dynamic shapes on a function compiled for
+    several weights) is not the activation's row count the launchers' ranges guard: their
+    configurations are chosen for a concrete N (at decode rows the launcher could not even be
+    traced). The op call stays, with the reason; no guard is added."""
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from fp4fuse.patterns.base import aot_trace
+
+    def fn(a, b, sa, sb, alpha):
+        return fp4.mm_fp4(a, b, sa, sb, alpha, torch.bfloat16)
+
+    k = 64
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env)
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    b = mode.from_tensor(torch.empty(48, k // 2, dtype=torch.uint8), symbolic_context=ctx)
+    with mode:
+        a = torch.empty(rows, k // 2, dtype=torch.uint8)
+        sa = torch.empty(rows, k // 16, dtype=torch.float8_e4m3fn)
+        sb = b.new_empty(b.shape[0], k // 16, dtype=torch.float8_e4m3fn)
+        alpha = torch.empty(1)
+    gm = aot_trace(fn, [a, b, sa, sb, alpha])
+    lowering = KernelLoweringPass(FusionConfig())
+    assert lowering(gm.graph) == 0
+    (reason,) = [s.reason for s in lowering.skips]
+    assert "in dim 0" in reason and "not the activation's row count" in reason
+    assert any(n.target is fp4.mm_fp4.default for n in gm.graph.nodes)
+    assert not shape_env.guards

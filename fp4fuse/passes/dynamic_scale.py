@@ -109,8 +109,13 @@ def _amax_of(a: Any, seen: list[fx.Node]) -> fx.Node | None:
 
 
 def scale_of_maxima(gs: fx.Node) -> ScaleOfMaxima | None:
-    """The match of the module docstring's form ending at ``gs``, or None (another form, or a node
-    of it that something else reads too)."""
+    """The match of the module docstring's form ending at ``gs``, or None (another form, a scale
+    that is not fp32 ``[1]``, or a node of it that something else reads too)."""
+    # the launch that replaces it writes an fp32 [1] tensor, which every reader of gs then reads: a
+    # 0-d or [1, 1] scale (numel 1 too) would change the shape of what they compute (an output)
+    val = fake_value(gs)
+    if not (isinstance(val, torch.Tensor) and val.dtype == torch.float32 and tuple(val.shape) == (1,)):
+        return None
     seen: list[fx.Node] = [gs]
     constants: list[fx.Node] = []
     outer = _operands(gs, aten.where.self, 3)

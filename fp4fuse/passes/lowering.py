@@ -82,7 +82,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table, triton_kernel_wrapper_functional
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
 
 from fp4fuse.distributed.groups import group_rank_of, group_size_of
 from fp4fuse.ops import kernel_table
@@ -130,11 +130,17 @@ def _ordered_args(node: fx.Node) -> list[Any]:
 def _dynamic_size_reason(operands: list[Any]) -> str | None:
     """Why a call on ``operands`` cannot be traced for every size its graph runs at, or None.
 
-    Only a dynamic row count (dim 0) is lowered: the launchers choose tiles and split counts by
-    comparing it with their ranges (``fp4fuse.kernels.triton.mm_decode.config_rows``), and each
-    comparison of a symbolic count is decided by its size hint and guarded, so the compiled graph
-    runs only at counts that make the traced choices (others recompile). A count without a hint
-    (data-dependent) cannot be guarded; other dynamic sizes would change the tile shapes."""
+    Only a dynamic row count is lowered: dim 0 of the first operand (the activation: ``a``, ``x``,
+    or a scale's maxima) and the same count in dim 0 of the others (``a_scale``, a residual). The
+    launchers choose tiles and split counts by comparing it with their ranges
+    (``fp4fuse.kernels.triton.mm_decode.config_rows``), and each comparison of a symbolic count is
+    decided by its size hint and guarded, so the compiled graph runs only at counts that make the
+    traced choices (others recompile). A count without a hint (data-dependent) cannot be guarded;
+    other dynamic sizes -- a weight's row count N in dim 0 of ``b`` included (a function compiled
+    for several weights) -- would change the tile shapes and configurations, which the launchers
+    choose for a concrete N (``mm_decode.decode_config_for``)."""
+    first = next((op for op in operands if isinstance(op, torch.Tensor)), None)
+    rows = first.shape[0] if first is not None and first.dim() > 0 else None
     for operand in operands:
         if not isinstance(operand, torch.Tensor):
             continue
@@ -144,6 +150,11 @@ def _dynamic_size_reason(operands: list[Any]) -> str | None:
             if dim != 0:
                 return (f"dynamic size {size} in dim {dim} of a {list(operand.shape)} operand: only a dynamic "
                         "row count (dim 0) is lowered; the op keeps choosing its launch per call")
+            if not (isinstance(rows, torch.SymInt) and statically_known_true(size == rows)):
+                return (f"dynamic size {size} in dim 0 of a {list(operand.shape)} operand is not the activation's "
+                        f"row count ({rows}; a weight's rows marked dynamic, e.g. by automatic dynamic shapes "
+                        "when one compiled function serves several weights): only a dynamic row count is lowered; "
+                        "the op keeps choosing its launch per call (torch._dynamo.mark_static on the weight lowers it)")
             if free_unbacked_symbols(size):
                 return (f"dynamic row count {size} has no size hint (data-dependent): the launch configuration "
                         "cannot be guarded, so the op keeps choosing it per call")
