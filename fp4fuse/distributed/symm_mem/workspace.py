@@ -11,8 +11,10 @@ Lifetime: a workspace is created on the first overlapped call for its ``(group_n
 process, or until the name resolves to another process group: torch numbers group names from a
 counter, so after ``destroy_process_group`` and a new ``init_process_group`` a name can come back
 for other ranks, and a workspace built for the old group would exchange data with its peers. Each
-entry remembers its group, and a lookup that resolves the name to another one builds anew. Creating and growing are collective: every
-rank of the group must do them with the same sizes in the same order. The ops guarantee that by
+entry remembers its group, and a lookup that resolves the name to another one builds anew.
+
+Creating and growing are collective: every rank of the group must do them with the same sizes in
+the same order. The ops guarantee that by
 checking, before their first overlapped call with a given shape, that all ranks agree on the shapes
 (:func:`fp4fuse.distributed.groups.check_ranks_agree`); sizes are a pure function of those shapes.
 
