@@ -285,3 +285,47 @@ def test_merged_parts_with_their_own_global_scales_are_requantized(tmp_path, cap
         rel = ((loaded - expected).abs() / expected.abs().clamp_min(1e-30)).where(expected != 0, loaded.abs())
         assert float(rel.max()) <= (2.0 ** -22 if exact else 2.0 ** -4 + 2.0 ** -22)
     assert ("requantized to the common scale" in caplog.text) is not exact
+
+
+# --------------------------------------------------------------------------- payloads that would load as something else
+
+
+@pytest.mark.parametrize("overrides, error", [
+    # ModelOpt's decode-convention name beside compressed-tensors' encode one: which is meant is a guess, and
+    # the wrong guess is off by 1 / gs**2 (the ModelOpt scale was taken, the rest reported as unused)
+    ({"proj__weight_scale_2": torch.tensor(1.0 / 600.0)}, r"proj has tensors of both NVFP4 layouts"),
+    # a per-channel static input scale: one activation tensor takes one scale (the smallest gs was taken)
+    ({"proj__input_global_scale": torch.linspace(40.0, 60.0, 48)}, r"proj.input_global_scale holds 48 input scales"),
+    # raw bits stored as integers were read as values (e.g. an e4m3 byte 0x38 = 1.0 as 56)
+    ({"proj__weight_global_scale": torch.tensor([56], dtype=torch.uint8)},
+     r"proj.weight_global_scale is torch.uint8; a global scale must be stored as a floating value"),
+    ({"proj__input_global_scale": torch.tensor([50], dtype=torch.int32)}, r"proj.input_global_scale is torch.int32"),
+    # the checkpoint's layer adds a bias the model's layer lacks: it was dropped with only a warning
+    ({"proj__bias": torch.ones(32)}, r"the checkpoint has 'proj.bias' but the model's proj has no bias"),
+    # a decode scale whose inverse overflows fp32: the error names the checkpoint tensor
+    ({"proj__weight_packed": None, "proj__weight_global_scale": None, "proj__input_global_scale": None,
+      "proj__weight": torch.zeros(32, 24, dtype=torch.uint8), "proj__weight_scale_2": torch.tensor(1e-41)},
+     r"proj.weight_scale_2 = .* is out of fp32 range"),
+], ids=["both-layouts", "per-channel-input-scale", "u8-global-scale", "int-input-scale", "unused-bias",
+        "decode-scale-overflows"])
+def test_payloads_that_would_load_as_something_else_are_errors(tmp_path, overrides, error):
+    with pytest.raises(ValueError, match=error):
+        load_checkpoint(_Tiny(), _tiny_file(tmp_path, **overrides))
+
+
+def test_merged_layer_takes_one_input_scale_per_part_and_the_largest_amax(tmp_path):
+    """One input scale per merged part still loads (the smallest encode-convention scale, i.e. the
+    largest amax, from the file's values), and two scales for three parts is an error."""
+    w = torch.randn(128, 48, generator=torch.Generator().manual_seed(3))
+    q, s, gs = _quantize(w)
+    stored = {"qkv.weight": q, "qkv.weight_scale": s, "qkv.weight_scale_2": (1.0 / gs.double()).float().reshape(()),
+              "qkv.input_scale": torch.tensor([0.01, 0.04, 0.02])}
+    safetensors_torch.save_file(stored, tmp_path / "qkv.safetensors")
+    model = nn.Module()
+    model.qkv = ColumnParallelNVFP4Linear(w, TPGroup("g", WORLD, 1), NVFP4Quantizer(), torch.float32, parts=(64, 32, 32))
+    load_checkpoint(model, tmp_path / "qkv.safetensors")
+    assert float(model.qkv.input_global_scale) == pytest.approx(1.0 / float(torch.tensor(0.04)), rel=2.0 ** -23)
+    stored["qkv.input_scale"] = torch.tensor([0.01, 0.04])
+    safetensors_torch.save_file(stored, tmp_path / "qkv2.safetensors")
+    with pytest.raises(ValueError, match=r"qkv.input_scale holds 2 input scales; qkv takes one per tensor or one per merged part \(3\)"):
+        load_checkpoint(model, tmp_path / "qkv2.safetensors")

@@ -21,7 +21,10 @@ What each module reads (names as the model spells them, e.g. ``model.layers.0.ml
   stores only the input embedding; where ``parallelize`` sharded that embedding the LM head keeps
   a whole table of its own, read from the input embedding's tensor.
 
-Missing tensors, shapes that do not match, scales that are not finite and > 0, an NVFP4 layer
+Missing tensors, shapes that do not match, scales that are not finite and > 0 (also once converted
+to fp32 encode-convention values), global / input scales stored as integers (raw bits, not values),
+an input scale that is neither per tensor nor one per merged part, a module holding both layouts'
+names (with ``layout`` not given), a checkpoint bias for a linear without one, an NVFP4 layer
 whose checkpoint entry is unquantized and a quantized (FP8, integer) entry for a floating tensor
 outside the NVFP4 linears are errors naming the tensor. Tensors nothing read are
 returned in the report (and logged).
@@ -51,6 +54,9 @@ logger = logging.getLogger(__name__)
 Range = tuple[int, int]
 #: Dtypes of unquantized checkpoint tensors.
 _UNQUANTIZED = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+#: Tensor names (relative to the module) only one NVFP4 layout uses.
+_DISTINCT_NAMES = {CheckpointLayout.MODELOPT: ("weight_scale_2", "input_scale"),
+                   CheckpointLayout.COMPRESSED_TENSORS: ("weight_packed", "weight_global_scale", "input_global_scale")}
 
 
 @dataclasses.dataclass
@@ -133,6 +139,12 @@ class _Loader:
     def _layout_names(self, name: str) -> LayoutNames:
         if self.layout is not None:
             return LAYOUT_NAMES[self.layout]
+        present = {layout: sorted(f"{name}.{n}" for n in _DISTINCT_NAMES[layout] if f"{name}.{n}" in self.files)
+                   for layout in CheckpointLayout}
+        if all(present.values()):  # which codes, which convention? (inverse conventions: a guess is 1/x off)
+            raise ValueError(f"load_checkpoint: {name} has tensors of both NVFP4 layouts "
+                             f"({'; '.join(f'{k.value}: {v}' for k, v in present.items())}); a module's payload "
+                             f"must use one layout's names, or pass load_checkpoint(..., layout=...)")
         for layout in CheckpointLayout:
             names = LAYOUT_NAMES[layout]
             if f"{name}.{names.weight_global_scale}" in self.files:
@@ -161,6 +173,10 @@ class _Loader:
         return s.view(torch.float8_e4m3fn).contiguous()
 
     def _global_scales(self, key: str, names: LayoutNames) -> torch.Tensor:
+        dtype = self.files.dtype(key)
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):  # U8 / I32: raw bits, not values
+            raise ValueError(f"load_checkpoint: {key} is {dtype}; a global scale must be stored as a floating "
+                             f"value (F32, F16, BF16, F64)")
         return encode_global_scales(self._whole(key), names.convention, key)
 
     def nvfp4_linear(self, name: str, layer: NVFP4Linear) -> None:
@@ -181,6 +197,9 @@ class _Loader:
         input_key = f"{name}.{names.input_global_scale}"
         if input_key in self.files:
             scales = self._global_scales(input_key, names)
+            if scales.numel() not in (1, len(sl.part_rows)):  # one activation, one scale: not per channel
+                raise ValueError(f"load_checkpoint: {input_key} holds {scales.numel()} input scales; {name} takes one "
+                                 f"per tensor or one per merged part ({len(sl.part_rows)})")
             if bool((scales != scales.min()).any()):
                 logger.warning("load_checkpoint: %s holds different input scales %s for merged parts; using the "
                                "largest amax", input_key, scales.tolist())
@@ -191,6 +210,8 @@ class _Loader:
     def _bias(self, name: str, layer: nn.Module, sl: _Slice, dtype: torch.dtype) -> None:
         key = f"{name}.bias"
         if layer.bias is None:
+            if key in self.files:  # the checkpoint's layer adds it; this one would silently not
+                raise ValueError(f"load_checkpoint: the checkpoint has {key!r} but the model's {name} has no bias")
             return
         self._expect(key, (sl.full_rows,), _UNQUANTIZED, "bias [N]")
         bias = self._rows(key, sl.rows, None).to(dtype)

@@ -31,8 +31,9 @@ dequantize off by the ratio of the scales. fp4fuse instead requantizes: the comm
 one of the largest amax (no block scale can overflow) and each other part's block scales are
 re-encoded as ``e4m3(s * gs_common / gs_part)`` with the codes unchanged. That is exact when the
 parts agree (what llm-compressor and ModelOpt export, having fused these scales at calibration)
-or differ by a power of two; otherwise each block scale moves by at most half an e4m3 step and a
-warning gives the largest relative change. Per-part input scales keep the largest amax (one
+or differ by a power of two (unless a scale falls below e4m3's smallest normal, 2**-6); otherwise each
+block scale moves by at most half an e4m3 step (more where it lands among e4m3's subnormals, or
+flushes to 0) and a warning gives the largest relative change. Per-part input scales keep the largest amax (one
 activation feeds every part), with a warning when they differ.
 """
 from __future__ import annotations
@@ -89,13 +90,16 @@ def encode_global_scales(stored: torch.Tensor, convention: ScaleConvention, key:
     """Stored global scale(s) -> fp4fuse's encode convention, fp32 ``[n]`` (one per part).
 
     Decode-convention values are inverted in float64 and rounded once. ``ValueError`` naming ``key``
-    unless every stored value is finite and > 0."""
+    unless every stored value is finite and > 0 and so is its fp32 encode-convention value."""
     values = stored.detach().double().reshape(-1)
     if values.numel() == 0 or not bool((torch.isfinite(values) & (values > 0)).all()):
         raise ValueError(f"load_checkpoint: {key} must hold finite global scales > 0 ({convention.value} "
                          f"convention), got {values.tolist()}")
-    encoded = 1.0 / values if convention is ScaleConvention.DECODE else values
-    return encoded.float()
+    encoded = (1.0 / values if convention is ScaleConvention.DECODE else values).float()
+    if not bool((torch.isfinite(encoded) & (encoded > 0)).all()):  # e.g. a decode scale below 1 / FLT_MAX
+        raise ValueError(f"load_checkpoint: {key} = {values.tolist()} ({convention.value} convention) is out of "
+                         f"fp32 range as an encode-convention global scale 448*6/amax: {encoded.tolist()}")
+    return encoded
 
 
 def merge_part_scales(block_scales: torch.Tensor, part_rows: tuple[int, ...], global_scales: torch.Tensor,
