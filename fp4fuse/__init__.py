@@ -31,6 +31,10 @@ from fp4fuse.nvfp4.format import (
 )
 # Imported eagerly: it registers NVFP4Tensor for torch.load(weights_only=True) and dcp.load.
 from fp4fuse.nvfp4.tensor import NVFP4Tensor, nvfp4_state_dict_for_dcp
+from fp4fuse.config import warn_unknown_env as _warn_unknown_env
+
+# A misspelled FP4FUSE_* variable (FP4FUSE_ENABLE_ASYNCTP) would otherwise be ignored without a word.
+_warn_unknown_env()
 
 _LAZY = {
     "FusionConfig": "fp4fuse.config",

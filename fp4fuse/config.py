@@ -6,7 +6,9 @@
 Environment variables. Every ``FP4FUSE_*`` variable is read through :func:`env_bool`,
 :func:`env_int`, :func:`env_choice` or :func:`env_log_level`: an unset or empty (whitespace only)
 variable takes its default, anything else must parse or raises ``ValueError`` naming the variable
-and the accepted values. :data:`RUNTIME_ENV_VARS` lists the run-time switches read by the ops;
+and the accepted values; a set ``FP4FUSE_*`` name that fp4fuse does not read (a typo such as
+``FP4FUSE_ENABLE_ASYNCTP``) is a warning naming the closest known one (:func:`warn_unknown_env`,
+at import and in ``from_env()``). :data:`RUNTIME_ENV_VARS` lists the run-time switches read by the ops;
 those marked rank-uniform must hold the same value on every rank of a group (the collective ops
 agree on them at first use, ``fp4fuse.distributed.groups``).
 
@@ -22,17 +24,19 @@ equal.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import hashlib
 import json
 import logging
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any, TypeVar, overload
 
 __all__ = [
     "ENV_VARS", "RUNTIME_ENV_VARS", "FusionConfig", "RankCheck", "compile_time_env", "env_bool", "env_choice",
-    "env_int", "env_log_level", "rank_uniform_env",
+    "env_int", "env_log_level", "env_value", "rank_uniform_env", "unknown_env_vars", "warn_unknown_env",
 ]
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -171,8 +175,10 @@ class FusionConfig:
         Booleans accept 1/0, true/false, yes/no, on/off (any case); ``FP4FUSE_MIN_TOKENS`` an
         integer >= 0; ``FP4FUSE_RANK_CHECK`` one of first, always, off; ``FP4FUSE_LOG_LEVEL`` a
         logging level name. An invalid value raises ``ValueError`` naming the variable and the
-        accepted values. Keyword ``overrides`` win over the environment.
+        accepted values; an ``FP4FUSE_*`` name fp4fuse does not know (a typo) is a warning
+        (:func:`warn_unknown_env`). Keyword ``overrides`` win over the environment.
         """
+        warn_unknown_env(environ)
         values: dict[str, Any] = {}
         for field, var in ENV_VARS.items():
             if _raw(var, environ) is None:
@@ -234,6 +240,12 @@ def _raw(var: str, environ: Mapping[str, str] | None) -> str | None:
     """The variable's value, or None when it is unset or empty (whitespace only)."""
     raw = (os.environ if environ is None else environ).get(var)
     return None if raw is None or raw.strip() == "" else raw
+
+
+def env_value(var: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The variable's value, stripped; None when it is unset or empty (whitespace only)."""
+    raw = _raw(var, environ)
+    return None if raw is None else raw.strip()
 
 
 def env_bool(var: str, default: bool, *, environ: Mapping[str, str] | None = None) -> bool:
@@ -298,6 +310,35 @@ def env_log_level(var: str, *, environ: Mapping[str, str] | None = None) -> str 
     if value not in _LOG_LEVELS:
         raise ValueError(f"{var}={raw!r} is not valid; accepted values: {', '.join(_LOG_LEVELS)} (any case)")
     return value
+
+
+_PREFIX = "FP4FUSE_"
+#: ``FP4FUSE_*`` names read by the repository's tests and benchmarks, never by the package: known,
+#: so not warned about (spelled from the prefix: the package declares only what it reads itself).
+_TOOLING_ENV_VARS = frozenset(_PREFIX + name for name in ("E2E_DEVICE", "BENCH_VERBOSE"))
+
+
+def _known_env_vars() -> frozenset[str]:
+    return frozenset(ENV_VARS.values()) | {v.name for v in RUNTIME_ENV_VARS}
+
+
+def unknown_env_vars(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The set ``FP4FUSE_*`` names (any case) that fp4fuse does not read: typos, sorted."""
+    known = _known_env_vars() | _TOOLING_ENV_VARS
+    return sorted(name for name in (os.environ if environ is None else environ)
+                  if name.upper().startswith(_PREFIX) and name not in known)
+
+
+def warn_unknown_env(environ: Mapping[str, str] | None = None) -> None:
+    """A ``UserWarning`` for each ``FP4FUSE_*`` variable fp4fuse does not read (a misspelled name
+    would otherwise be ignored without a word), naming the closest known one. Called by
+    :meth:`FusionConfig.from_env` and when ``fp4fuse`` is imported."""
+    known = sorted(_known_env_vars())
+    for name in unknown_env_vars(environ):
+        close = difflib.get_close_matches(name.upper(), known, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}? " if close else ""
+        warnings.warn(f"fp4fuse: {name} is not an fp4fuse variable and is ignored; {hint}"
+                      f"fp4fuse reads: {', '.join(known)}", UserWarning, stacklevel=3)
 
 
 def rank_uniform_env(environ: Mapping[str, str] | None = None) -> tuple[tuple[str, str], ...]:

@@ -19,9 +19,10 @@ and compiled with ``fp4fuse.FusionPass``; rank 0 reports progress on stderr. The
   output matches.
 
 The passes come from ``FusionConfig.from_env()`` (``FP4FUSE_ENABLE_SP``, ``FP4FUSE_ENABLE_ASYNC_TP``,
-``FP4FUSE_MIN_TOKENS``), sequence parallelism + AsyncTP when neither switch is set. Compiled graphs
-go to Inductor's FX graph cache as usual: a second run loads them, and the fusions recorded when
-they were compiled are reported.
+``FP4FUSE_MIN_TOKENS``), sequence parallelism + AsyncTP when neither switch is set; switches set
+so that neither pass runs are an error (nothing would fuse). Compiled graphs go to Inductor's FX
+graph cache as usual: a second run loads them, and the fusions recorded when they were compiled are
+reported.
 """
 from __future__ import annotations
 
@@ -40,11 +41,14 @@ import torch
 import torch.distributed as dist
 
 import fp4fuse
-from fp4fuse.config import FusionConfig
+from fp4fuse.config import ENV_VARS, FusionConfig, env_value
 from fp4fuse.launch import run_on_ranks
 from fp4fuse.passes.manager import is_fusion
 from fp4fuse.selfcheck import GAUSSIAN_NVFP4_ERROR
 from fp4fuse.tp import LlamaConfig, TPGroup, TPLlamaModel
+
+#: The FusionConfig fields whose FP4FUSE_* switches choose the demo's passes (set to off, they are honoured).
+_PASS_SWITCHES = ("enable_sequence_parallelism", "enable_async_tp")
 
 #: NVFP4 block size: every GEMM's K (on every rank) is a whole number of 16-element blocks.
 BLOCK = 16
@@ -107,10 +111,19 @@ def flag_problem(args: DemoArgs) -> str | None:
 
 
 def fusion_config(args: DemoArgs) -> FusionConfig:
-    """``FusionConfig.from_env()``, SP + AsyncTP when neither switch is set. Raises ValueError (one
-    line) for a variable that does not parse or a ``FP4FUSE_MIN_TOKENS`` above the demo's tokens."""
+    """``FusionConfig.from_env()``, SP + AsyncTP when no pass switch is set. Raises ValueError (one
+    line) for a variable that does not parse, switches set so that no pass runs (``FP4FUSE_ENABLE_SP=0``
+    alone, say: the demo would otherwise run both passes against it), or a ``FP4FUSE_MIN_TOKENS``
+    above the demo's tokens."""
     cfg = FusionConfig.from_env()
     if not (cfg.enable_sequence_parallelism or cfg.enable_async_tp):
+        switches = [ENV_VARS[f] for f in _PASS_SWITCHES]
+        set_off = [f"{var}={env_value(var)}" for var in switches if env_value(var) is not None]
+        if set_off:
+            # the user turned the passes off: running them anyway would not be what was asked
+            raise ValueError(f"{', '.join(set_off)}: the demo shows sequence parallelism and AsyncTP, and with "
+                             f"both off nothing would fuse; set FP4FUSE_ENABLE_SP=1 (SP only) or "
+                             f"FP4FUSE_ENABLE_ASYNC_TP=1, or leave {', '.join(switches)} unset for both")
         cfg = dataclasses.replace(cfg, enable_sequence_parallelism=True, enable_async_tp=True)
     if cfg.min_tokens is None:
         # the demo shows every rewrite at its small sizes; the shipped default (None) would leave

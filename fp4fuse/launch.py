@@ -21,7 +21,8 @@ pickles); once one rank has failed (recorded its error, even while its process i
 or exited without a result) the others get ``grace`` seconds to finish before they are terminated;
 the whole run is bounded by ``timeout`` seconds (:class:`TimeoutError` names the ranks still
 running). A terminated rank keeps what it recorded: only a rank with neither a result nor an
-error is reported as terminated.
+error is reported as terminated. A rank that saved its result and then exited on its own with a
+non-zero code (a crash in process-group or CUDA teardown) is a failure, not a success.
 
 What the ranks write to their standard error (fd 2: Python, C++ and the process group's own
 messages) goes through a file per rank, relayed line by line to this process's ``sys.stderr``
@@ -154,9 +155,10 @@ def _failed(rank: int, proc, result_dir: str, alive: bool) -> bool:
 def _collect(procs: list, result_dir: str, unfinished: set[int], timeout: float) -> list[Any]:
     """Per-rank values; RankError if a rank raised or died, TimeoutError if some only ran late.
 
-    What a rank recorded wins over how it ended: a rank that wrote its error (or its result) and
-    was terminated while exiting keeps that error (or result). Only a rank terminated with neither
-    is reported as still running."""
+    What a rank recorded wins over how it was stopped: a rank that wrote its error (or its result)
+    and was terminated by this process while exiting keeps that error (or result). Only a rank
+    terminated with neither is reported as still running. A rank that wrote its result and then
+    exited by itself with a non-zero code failed (``_failed`` already counted it so)."""
     failures: dict[int, str] = {}
     causes: dict[int, BaseException] = {}
     values: list[Any] = []
@@ -171,6 +173,10 @@ def _collect(procs: list, result_dir: str, unfinished: set[int], timeout: float)
                 with contextlib.suppress(Exception):
                     causes[rank] = pickle.loads(report["exception"])
         elif os.path.exists(ok):
+            if rank not in unfinished and proc.exitcode != 0:
+                # it exited on its own, not terminated by us: a crash or exit code after its result
+                failures[rank] = (f"returned its result, then exited with code {proc.exitcode}"
+                                  + _stderr_tail(result_dir, rank))
             continue
         elif rank in unfinished:
             stragglers.append(rank)

@@ -119,3 +119,21 @@ def test_hard_exit_returns_every_rank_value():
     results = run_on_ranks(_pid_and_rank, 2, timeout=60, hard_exit=True)
     assert [rank for _, rank in results] == [0, 1]
     assert len({pid for pid, _ in results}) == 2 and os.getpid() not in {pid for pid, _ in results}
+
+
+def _crash_after_result() -> int:
+    """Rank 0 saves its result, then its process exits with code 7 by itself (as a crash in
+    process-group or CUDA teardown would): a non-daemon thread outlives ``fn`` and calls _exit."""
+    rank = int(os.environ["RANK"])
+    if rank == 0:
+        threading.Thread(target=lambda: (time.sleep(0.3), os._exit(7)), daemon=False).start()
+    return rank
+
+
+def test_rank_exiting_non_zero_after_its_result_is_a_failure():
+    """Used to come back as success ([0, 1]) although rank 0 exited with code 7."""
+    with pytest.raises(RankError) as info:
+        run_on_ranks(_crash_after_result, 2, backend=None, timeout=120, grace=1.0)
+    assert info.value.rank == 0
+    assert info.value.failures[0].startswith("returned its result, then exited with code 7"), info.value.failures
+    assert 1 not in info.value.failures

@@ -139,3 +139,41 @@ def test_every_variable_named_in_the_package_is_declared():
     for path in sorted(PACKAGE_DIR.rglob("*.py")):
         named |= set(re.findall(r"[\"'](FP4FUSE_[A-Z0-9_]+)[\"']", path.read_text()))
     assert named <= ALL_VARS, named - ALL_VARS
+
+
+@pytest.mark.parametrize("name, suggestion", [
+    ("FP4FUSE_ENABLE_ASYNCTP", "FP4FUSE_ENABLE_ASYNC_TP"),
+    ("fp4fuse_min_tokens", "FP4FUSE_MIN_TOKENS"),
+    ("FP4FUSE_DISABLE_OVERLAPS", "FP4FUSE_DISABLE_OVERLAP"),
+])
+def test_misspelled_variable_is_a_warning_naming_the_closest(monkeypatch, name, suggestion):
+    """A typo used to be ignored without a word (the pass silently stayed off)."""
+    monkeypatch.setenv(name, "1")
+    with pytest.warns(UserWarning, match=f"{name} is not an fp4fuse variable and is ignored; did you mean {suggestion}"):
+        FusionConfig.from_env()
+    with pytest.warns(UserWarning, match=name):
+        FusionConfig.from_env({name: "1"})
+
+
+def test_known_and_tooling_variables_do_not_warn(recwarn):
+    env = {var: "" for var in ALL_VARS} | {"FP4FUSE_E2E_DEVICE": "cpu", "FP4FUSE_BENCH_VERBOSE": "1", "OTHER": "x"}
+    FusionConfig.from_env(env)
+    assert [str(w.message) for w in recwarn if "fp4fuse" in str(w.message)] == []
+
+
+@pytest.mark.parametrize("env", [{"FP4FUSE_ENABLE_SP": "0"}, {"FP4FUSE_ENABLE_ASYNC_TP": "off"},
+                                 {"FP4FUSE_ENABLE_SP": "no", "FP4FUSE_ENABLE_ASYNC_TP": "0"}])
+def test_demo_does_not_run_passes_the_environment_turned_off(monkeypatch, env):
+    """python -m fp4fuse.demo used to run SP + AsyncTP when both were off, also when set off."""
+    from fp4fuse import demo
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    args = demo.DemoArgs(demo.Device.CPU, tp=2, layers=1, hidden=64, tokens_per_rank=8, iters=1)
+    with pytest.raises(ValueError, match=f"{next(iter(env))}=.*nothing would fuse"):
+        demo.fusion_config(args)
+    monkeypatch.setenv("FP4FUSE_ENABLE_SP", "1")
+    cfg = demo.fusion_config(args)
+    assert cfg.enable_sequence_parallelism and not cfg.enable_async_tp  # SP only, as asked
+    monkeypatch.delenv("FP4FUSE_ENABLE_SP")
+    monkeypatch.delenv("FP4FUSE_ENABLE_ASYNC_TP", raising=False)
+    assert demo.fusion_config(args).enable_async_tp  # neither set: both, the demo's default
