@@ -47,8 +47,8 @@ __all__ = [
     "AliasedWrites", "CollectiveKind", "FunctionalCollective", "GraphRewrite", "MatchRecorder", "QuantCall", "VIEW_OPS",
     "ReplacementPattern", "Skip", "annotated_args", "aot_trace", "decode_collective", "erase_if_unused", "insert_traced",
     "dropped_keyword_argument", "fake_value", "find_collectives", "get_arg", "hoist_before", "insert_call", "is_call",
-    "is_size_computation", "refuse_aliased_writes", "registration_mode", "replacement_point", "shapes_known_equal",
-    "size_hint", "threshold_reason", "token_count_reason",
+    "is_schema_default", "is_size_computation", "refuse_aliased_writes", "registration_mode", "replacement_point",
+    "shapes_known_equal", "size_hint", "threshold_reason", "token_count_reason",
 ]
 
 aten = torch.ops.aten
@@ -554,7 +554,7 @@ def dropped_keyword_argument(match: pm.Match) -> str | None:
             continue
         pattern_keys = expr.kwargs if expr is not None else {}
         for key, value in node.kwargs.items():
-            if key in pattern_keys or _is_schema_default(node.target, key, value):
+            if key in pattern_keys or is_schema_default(node.target, key, value):
                 continue
             return (f"{node.name} ({getattr(node.target, '__name__', node.target)}) passes {key}={value!r}, which the "
                     "pattern does not: its replacement would drop it")
@@ -571,7 +571,7 @@ def _pattern_node_pairs(match: pm.Match) -> dict[Any, Any] | None:
     return {expr: node for expr, node in pairs.items() if isinstance(expr, expr_type)}
 
 
-def _is_schema_default(target: Any, key: str, value: Any) -> bool:
+def is_schema_default(target: Any, key: str, value: Any) -> bool:
     """``key=value`` is the default of ``target``'s argument ``key`` (False where unknown)."""
     schema = getattr(target, "_schema", None)
     for argument in getattr(schema, "arguments", ()):

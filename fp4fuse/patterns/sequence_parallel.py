@@ -78,7 +78,7 @@ from fp4fuse.distributed import groups
 from fp4fuse.ops import sp_ops  # noqa: F401  (registers fp4fuse::shard_rows)
 from fp4fuse.patterns.base import (
     CollectiveKind, QuantCall, ReplacementPattern, erase_if_unused, fake_value, find_collectives, get_arg,
-    hoist_before, insert_call, is_call, replacement_point, shapes_known_equal, threshold_reason,
+    hoist_before, insert_call, is_call, is_schema_default, replacement_point, shapes_known_equal, threshold_reason,
 )
 from fp4fuse.patterns.rank_uniform import RankUniformity
 from fp4fuse.patterns.thresholds import SPThresholds
@@ -263,11 +263,10 @@ def _epilogue_operand(match: pm.Match, reduce: fx.Node) -> Any:
 
 
 def _plain_binary(node: fx.Node) -> bool:
-    """``node`` calls its op with two positional operands and no keyword argument but ``alpha=1``:
-    ``add(a, b, alpha=2)`` is ``a + 2 * b``, and an op rebuilt from its two operands (or a pattern
-    traced without ``alpha``) would drop the factor."""
-    return len(node.args) == 2 and all(
-        key == "alpha" and isinstance(value, (int, float)) and value == 1 for key, value in node.kwargs.items())
+    """``node`` calls its op with two positional operands and keyword arguments only at their
+    schema defaults (``alpha=1``): ``add(a, b, alpha=2)`` is ``a + 2 * b``, and an op rebuilt from
+    its two operands (or a pattern traced without ``alpha``) would drop the factor."""
+    return len(node.args) == 2 and all(is_schema_default(node.target, key, value) for key, value in node.kwargs.items())
 
 
 def _shape_of(node: Any) -> tuple[Any, ...] | None:

@@ -73,10 +73,9 @@ def payload_outside(qdata: torch.Tensor) -> list[torch.Tensor] | None:
     return [storage[:qdata.storage_offset()], storage[qdata.storage_offset() + qdata.numel():]]
 
 
-def _outside_holds_codes(qdata: torch.Tensor) -> bool:
-    """Some byte of the payload outside ``qdata`` holds a code that is not ±0 (its value depends on
-    the shared amax); True when that cannot be told (non-contiguous)."""
-    outside = payload_outside(qdata)
+def _holds_codes(outside: list[torch.Tensor] | None) -> bool:
+    """Some byte of ``outside`` (:func:`payload_outside`) holds a code that is not ±0 (its value
+    depends on the shared amax); True when that cannot be told (None: not contiguous)."""
     return outside is None or any(bool(((part & 0x77) != 0).any()) for part in outside)
 
 
@@ -136,13 +135,11 @@ class CheckpointRestore:
         outside = payload_outside(qdata)
         if outside is not None and all(part.numel() == 0 for part in outside):
             if changes:  # the target is its whole payload: nothing else decodes under its amax
-                for inner in self._payload:
-                    inner.zero_()
-                self._amax.copy_(amax)
+                self._reset(self._payload, amax)
             return
         storage = qdata.untyped_storage()
-        shared = _PAYLOAD_LOADS.get(storage)
-        if _outside_holds_codes(qdata):
+        if _holds_codes(outside):
+            shared = _PAYLOAD_LOADS.get(storage)
             if shared is not None:  # another view of this payload was loaded in this load
                 if changes or not torch.equal(bits, shared.bits):
                     raise _amax_mismatch(
@@ -154,14 +151,16 @@ class CheckpointRestore:
                         "payload (clone it), or save and load the shared tensor as one entry")
                 return
             if changes:  # rows of other views would decode under the new amax: zero them all
-                _storage_bytes(qdata).zero_()
-                _storage_bytes(self._payload[1]).zero_()
-                self._amax.copy_(amax)
+                self._reset((_storage_bytes(qdata), _storage_bytes(self._payload[1])), amax)
         elif changes:
-            for inner in self._payload:
-                inner.zero_()
-            self._amax.copy_(amax)
+            self._reset(self._payload, amax)
         _PAYLOAD_LOADS[storage] = _PayloadLoad(bits.clone(), storage.nbytes() * 2)
+
+    def _reset(self, payload: tuple[torch.Tensor, ...], amax: torch.Tensor) -> None:
+        """Zero ``payload`` (codes and scales, or their whole storages) and take ``amax``."""
+        for inner in payload:
+            inner.zero_()
+        self._amax.copy_(amax)
 
 
 _RESTORES: WeakIdKeyDictionary = WeakIdKeyDictionary()
