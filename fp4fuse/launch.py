@@ -203,6 +203,7 @@ def _rank_main(
     os.dup2(stderr_file, 2)  # C++ writes too; the parent relays it (_StderrRelay)
     os.close(stderr_file)
     faulthandler.enable(all_threads=True)  # to fd 2
+    _import_dynamo_before_process_groups()
     try:
         if backend is not None:
             if backend == "nccl":
@@ -226,6 +227,18 @@ def _rank_main(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _import_dynamo_before_process_groups() -> None:
+    """Import ``torch._dynamo`` before any process group exists.
+
+    Imported later (the first call of any ``torch.library`` custom op imports it), it takes
+    references to the default group that ``destroy_process_group`` does not drop (torch 2.13 CPU:
+    10 of them). The group then outlives its destruction, and a gloo worker thread releasing a
+    finished collective's tensors during interpreter shutdown needs the GIL that finalization holds:
+    the process aborts ("terminate called without an active exception") after saving its result.
+    Imported first, the group dies in ``destroy_process_group`` and joins its threads there."""
+    import torch._dynamo  # noqa: F401
 
 
 def _ok_path(result_dir: str, rank: int) -> str:

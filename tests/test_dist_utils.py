@@ -137,3 +137,32 @@ def test_rank_exiting_non_zero_after_its_result_is_a_failure():
     assert info.value.rank == 0
     assert info.value.failures[0].startswith("returned its result, then exited with code 7"), info.value.failures
     assert 1 not in info.value.failures
+
+
+def _native_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _group_threads_after_destroy() -> tuple[int, int, int]:
+    """Native threads before init, with a gloo group, and after ``destroy_process_group``, when the
+    first custom-op call (which imports ``torch._dynamo``) comes after the group's creation."""
+    before = _native_threads()
+    dist.init_process_group("gloo", store=dist.FileStore(os.environ["RANKS_TEST_STORE"], 2),
+                            rank=int(os.environ["RANK"]), world_size=2)
+    with_group = _native_threads()
+    torch.ops.fp4fuse.scaled_fp4_quant(torch.randn(4, 32), torch.tensor([1.0]))
+    dist.destroy_process_group()
+    return before, with_group, _native_threads()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux /proc")
+def test_destroy_process_group_stops_the_gloo_threads(tmp_path):
+    """With torch._dynamo first imported after init_process_group, the group outlived
+    destroy_process_group: its gloo threads kept running into interpreter shutdown, where a
+    finished collective's release aborted the rank ('terminate called without an active
+    exception') about one run in eight of tests/test_groups.py."""
+    results = run_on_ranks(_group_threads_after_destroy, 2, backend=None, timeout=120,
+                           env={"RANKS_TEST_STORE": str(tmp_path / "store")})
+    for before, with_group, after in results:
+        assert with_group > before, "a gloo group runs threads of its own"
+        assert after == before, (before, with_group, after)
