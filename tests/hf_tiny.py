@@ -91,14 +91,14 @@ def ties_lm_head(model: nn.Module) -> bool:
     return model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 
-def planned(prefix: str = "model.", kind: str = "llama") -> dict[str, int]:
+def planned(prefix: str = "model.", kind: str = "llama", layers: int = LAYERS) -> dict[str, int]:
     """``{full module name: chunks}`` of the planned linears of a ``kind`` model, written from the
     HF plan by hand: 1 for column-parallel (gathered or not: its input is whole), 0 for
     row-parallel (split input or not: each rank quantizes its features; the caller substitutes the
     TP size)."""
     colwise, rowwise = PROJECTIONS.get(kind, (COLWISE, ROWWISE))
     names = {}
-    for i in range(LAYERS):
+    for i in range(layers):
         names.update({f"{prefix}layers.{i}.{n}": 1 for n in colwise})
         names.update({f"{prefix}layers.{i}.{n}": 0 for n in rowwise})
     return names
@@ -113,7 +113,7 @@ def calibrate(model: nn.Module, ids: torch.Tensor, kind: str = "llama") -> dict[
     amax: dict[str, float] = {}
     hooks = [model.get_submodule(name).register_forward_pre_hook(
         lambda _m, args, name=name: amax.__setitem__(name, max(amax.get(name, 0.0), float(args[0].abs().max()))))
-        for name in planned(kind=kind)]
+        for name in planned(kind=kind, layers=model.config.num_hidden_layers)]
     with torch.no_grad():
         model(ids)
     for h in hooks:
@@ -153,7 +153,7 @@ def nvfp4_reference(model: nn.Module, weights: dict[str, torch.Tensor], input_sc
     """A float64 copy of ``model`` whose planned linears are :class:`FakeQuantLinear` with the
     given decoded ``weights``; static ``input_scales`` or (None) dynamic scales per TP slice."""
     ref = copy.deepcopy(model).double()
-    for name, chunks in planned(kind=kind).items():
+    for name, chunks in planned(kind=kind, layers=model.config.num_hidden_layers).items():
         linear = ref.get_submodule(name)
         static = None if input_scales is None else input_scales[name]
         parent, _, child = name.rpartition(".")

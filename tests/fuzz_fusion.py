@@ -1,0 +1,189 @@
+"""Randomized differential check of the fusion passes at TP=2 on gloo (CPU): run by hand, not
+collected by pytest (a case compiles two graphs, 20-60 s of two CPU cores).
+
+    PYTHONPATH=.:tests python tests/fuzz_fusion.py --cases 12 --seed 0
+
+Each case draws a model and a configuration:
+
+* fp4fuse's TP Llama (``fp4fuse.tp.TPLlamaModel``) with random sizes (no power of two required:
+  hidden a multiple of 32, heads that split over 2 ranks), random norm form, static or dynamic
+  activation scale, bf16 or fp32; or a tiny Hugging Face model (tests/hf_tiny.py: Llama, Qwen2,
+  Qwen3, Granite, Starcoder2, OLMo 2, GLM, Phi-3), static or dynamic scales, vocabulary-parallel or
+  replicated embedding, ``[batch, seq]`` token ids;
+* the passes: sequence parallelism, AsyncTP, norm + quant fusion each on or off, ``min_tokens``,
+  ``rank_check``;
+* the shapes: two to three calls with random token counts (odd ones, counts below and above
+  ``min_tokens``), static shapes or the token / batch dimension marked dynamic at the first call.
+
+The reference is the same model compiled with ``FusionPass()`` (no rewrite enabled; the kernel
+lowering is a no-op on CPU) under the same dynamic setting, called with the same inputs. Every call's
+output must equal it bit for bit (fp4fuse's claim at TP=2: fused graphs are bit-equal to unfused
+ones) and be finite where the reference is. A case that raises is reported with its traceback.
+
+Prints one JSON line per case (``"ok"``, ``"differs"`` or ``"raised"``, the case, what fused) and
+exits 1 if any case did not pass. ``--case N`` reruns case N of ``--seed`` alone.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import sys
+import traceback
+
+import torch
+
+from dist_utils import COMPILE_THREADS, run_on_ranks
+
+WORLD = 2
+HF_KINDS = ("llama", "qwen2", "qwen3", "granite", "starcoder2", "olmo2", "glm", "phi3")
+NORMS = ("fp4fuse", "torch_functional", "torch_manual")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    index: int
+    model: str                      # "tp_llama" or an hf_tiny kind
+    sizes: tuple[int, ...]          # tp_llama: hidden, intermediate, heads, kv_heads, layers, vocab
+    dtype: str
+    norm: str                       # tp_llama's norm form
+    static_scale: bool
+    vocab_parallel: bool            # hf: parallelize(embedding=...)
+    sp: bool
+    async_tp: bool
+    norm_quant: bool
+    min_tokens: int
+    rank_check: str
+    dynamic: bool
+    shapes: tuple[tuple[int, ...], ...]  # tp_llama: (tokens,); hf: (batch, seq)
+
+
+def draw(index: int, seed: int) -> Case:
+    """Case ``index`` of ``seed``: the same case for the same pair, whatever else is drawn."""
+    rng = random.Random(seed * 1_000_003 + index)
+    model = rng.choice(("tp_llama", "tp_llama") + HF_KINDS)
+    dynamic = rng.random() < 0.4
+    if model == "tp_llama":
+        heads = rng.choice((2, 4, 6))
+        kv_heads = rng.choice([k for k in (2, heads) if heads % k == 0])
+        head_dim = rng.choice((16, 32, 48))
+        hidden = heads * head_dim
+        if hidden % 32:  # the row-parallel o shard's K (hidden / 2) must be 16-aligned
+            hidden, heads = 2 * hidden, 2 * heads
+        sizes = (hidden, 32 * rng.randint(2, 9), heads, kv_heads, rng.choice((1, 2)), 2 * rng.randint(40, 90))
+        counts = [rng.choice((rng.randint(1, 17), rng.randint(18, 160))) for _ in range(rng.randint(2, 3))]
+        shapes = tuple((t,) for t in counts)
+        dtype = rng.choice(("bfloat16", "float32"))
+    else:
+        sizes = ()
+        if dynamic:  # decode steps: the batch is dynamic, seq 1
+            shapes = tuple((rng.randint(1, 9), 1) for _ in range(rng.randint(2, 3)))
+        else:
+            shapes = tuple((rng.randint(1, 4), rng.randint(1, 9)) for _ in range(rng.randint(1, 2)))
+        dtype = "float32"  # hf_tiny's fp32 norms are bitwise under Inductor (test_hf_e2e.py)
+    async_tp = rng.random() < 0.6
+    return Case(index=index, model=model, sizes=sizes, dtype=dtype, norm=rng.choice(NORMS),
+                static_scale=rng.random() < 0.5, vocab_parallel=rng.random() < 0.7,
+                sp=async_tp or rng.random() < 0.7, async_tp=async_tp, norm_quant=rng.random() < 0.8,
+                min_tokens=rng.choice((0, 0, 4, 32)), rank_check=rng.choice(("first", "first", "always")),
+                dynamic=dynamic, shapes=shapes)
+
+
+def _build(case: Case):
+    """The model on this rank and a function from a shape to its inputs."""
+    if case.model == "tp_llama":
+        from fp4fuse.tp import LlamaConfig, NormImpl, TPGroup, TPLlamaModel
+        hidden, inter, heads, kv_heads, layers, vocab = case.sizes
+        cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_layers=layers,
+                          num_heads=heads, num_kv_heads=kv_heads, norm_impl=NormImpl(case.norm),
+                          act_global_scale=6.0 if case.static_scale else None, dtype=getattr(torch, case.dtype),
+                          seed=case.index)
+        model = TPLlamaModel(cfg, TPGroup.from_process_group(), "cpu")
+
+        def inputs(shape: tuple[int, ...]) -> torch.Tensor:
+            return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(sum(shape)))
+        return model, inputs, lambda out: out
+
+    import hf_tiny
+    from fp4fuse.tp import parallelize
+    hf = hf_tiny.build(case.model, seed=case.index, layers=1)
+    scales = hf_tiny.calibrate(hf, hf_tiny.token_ids(3, seq=4), kind=case.model) if case.static_scale else None
+    model = parallelize(hf, activation_scales=scales, embedding=case.vocab_parallel)
+
+    def hf_inputs(shape: tuple[int, ...]) -> torch.Tensor:
+        return hf_tiny.token_ids(shape[0], seq=shape[1], seed=sum(shape))
+    return model, hf_inputs, lambda out: out.logits
+
+
+def _run_case(case: Case) -> dict:
+    from fp4fuse.config import FusionConfig
+    from fp4fuse.passes.manager import FusionPass
+
+    torch._dynamo.reset()
+    model, inputs, output = _build(case)
+    fusion = FusionPass(FusionConfig(
+        enable_sequence_parallelism=case.sp, enable_async_tp=case.async_tp, enable_norm_quant_fusion=case.norm_quant,
+        min_tokens=case.min_tokens, rank_check=case.rank_check))
+    shapes = None if case.dynamic else False
+    fused = torch.compile(model, dynamic=shapes, options={"post_grad_custom_post_pass": fusion})
+    plain = torch.compile(model, dynamic=shapes, options={"post_grad_custom_post_pass": FusionPass()})
+    kwargs = {} if case.model == "tp_llama" else {"use_cache": False}
+    calls, fused_keys = [], {}
+    for i, shape in enumerate(case.shapes):
+        ids = inputs(shape)
+        if case.dynamic and i == 0:
+            torch._dynamo.mark_dynamic(ids, 0)
+        before = fusion.calls
+        with torch.no_grad():
+            out = output(fused(ids, **kwargs))
+            ref = output(plain(ids, **kwargs))
+        if fusion.calls > before:
+            for key, n in fusion.last_match_counts.items():
+                fused_keys[key] = fused_keys.get(key, 0) + n
+        diff = float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+        calls.append({"shape": shape, "equal": bool(torch.equal(out, ref)),
+                      "finite": bool(out.isfinite().all()) or not bool(ref.isfinite().all()), "rel": diff})
+    passed = all(c["equal"] and c["finite"] for c in calls)
+    return {"status": "ok" if passed else "differs", "calls": calls,
+            "fused": {k: v for k, v in fused_keys.items() if not k.startswith(("cleanup", "lowering"))}}
+
+
+def _rank_main(cases: tuple[Case, ...]) -> list[dict]:
+    results = []
+    for case in cases:
+        try:
+            results.append(_run_case(case))
+        except Exception as exc:  # noqa: BLE001 - every case is reported, the next one runs
+            results.append({"status": "raised", "error": f"{type(exc).__name__}: {exc}"[:2000],
+                            "traceback": traceback.format_exc()[-4000:]})
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--case", type=int, default=None, help="run this case of --seed alone")
+    parser.add_argument("--per-spawn", type=int, default=4, help="cases run in one spawn of the ranks")
+    parser.add_argument("--timeout", type=float, default=1800.0)
+    args = parser.parse_args(argv)
+    indices = [args.case] if args.case is not None else list(range(args.cases))
+    failed = 0
+    for start in range(0, len(indices), args.per_spawn):
+        cases = tuple(draw(i, args.seed) for i in indices[start:start + args.per_spawn])
+        per_rank = run_on_ranks(_rank_main, WORLD, cases, timeout=args.timeout,
+                                env={"TORCHINDUCTOR_COMPILE_THREADS": COMPILE_THREADS})
+        for case, *ranks in zip(cases, *per_rank):
+            status = "ok" if all(r["status"] == "ok" for r in ranks) else next(
+                r["status"] for r in ranks if r["status"] != "ok")
+            failed += status != "ok"
+            line = {"case": case.index, "seed": args.seed, "status": status, **dataclasses.asdict(case)}
+            line["ranks"] = ranks if status != "ok" else [{"fused": ranks[0]["fused"]}]
+            print(json.dumps(line), flush=True)
+    print(json.dumps({"cases": len(indices), "failed": failed}), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
