@@ -2,6 +2,7 @@
 collected by pytest (a case compiles two graphs, 20-60 s of two CPU cores).
 
     PYTHONPATH=.:tests python tests/fuzz_fusion.py --cases 12 --seed 0
+    PYTHONPATH=.:tests python tests/fuzz_fusion.py --cases 12 --seed 0 --device cuda   # 2 GPUs, NCCL
 
 Each case draws a model and a configuration:
 
@@ -15,8 +16,8 @@ Each case draws a model and a configuration:
 * the shapes: two to three calls with random token counts (odd ones, counts below and above
   ``min_tokens``), static shapes or the token / batch dimension marked dynamic at the first call.
 
-The reference is the same model compiled with ``FusionPass()`` (no rewrite enabled; the kernel
-lowering is a no-op on CPU) under the same dynamic setting, called with the same inputs. Every call's
+The reference is the same model compiled with ``FusionPass()`` (no rewrite enabled, the kernel
+lowering as in the fused graph) under the same dynamic setting, called with the same inputs. Every call's
 output must equal it bit for bit (fp4fuse's claim at TP=2: fused graphs are bit-equal to unfused
 ones) and be finite where the reference is. A case that raises is reported with its traceback.
 
@@ -29,7 +30,9 @@ import argparse
 import dataclasses
 import json
 import random
+import shutil
 import sys
+import tempfile
 import traceback
 
 import torch
@@ -39,6 +42,9 @@ from dist_utils import COMPILE_THREADS, run_on_ranks
 WORLD = 2
 HF_KINDS = ("llama", "qwen2", "qwen3", "granite", "starcoder2", "olmo2", "glm", "phi3")
 NORMS = ("fp4fuse", "torch_functional", "torch_manual")
+#: no NVLink multicast; the collective GEMMs overlap at every size (the shipped thresholds would
+#: leave these token counts to the functional path)
+CUDA_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "FP4FUSE_OVERLAP_MIN_ROWS": "0"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,13 +59,14 @@ class Case:
     sp: bool
     async_tp: bool
     norm_quant: bool
-    min_tokens: int
+    min_tokens: int | None          # None: the shipped thresholds (every size on CPU)
     rank_check: str
     dynamic: bool
+    device: str
     shapes: tuple[tuple[int, ...], ...]  # tp_llama: (tokens,); hf: (batch, seq)
 
 
-def draw(index: int, seed: int) -> Case:
+def draw(index: int, seed: int, device: str = "cpu") -> Case:
     """Case ``index`` of ``seed``: the same case for the same pair, whatever else is drawn."""
     rng = random.Random(seed * 1_000_003 + index)
     model = rng.choice(("tp_llama", "tp_llama") + HF_KINDS)
@@ -86,12 +93,13 @@ def draw(index: int, seed: int) -> Case:
     return Case(index=index, model=model, sizes=sizes, dtype=dtype, norm=rng.choice(NORMS),
                 static_scale=rng.random() < 0.5, vocab_parallel=rng.random() < 0.7,
                 sp=async_tp or rng.random() < 0.7, async_tp=async_tp, norm_quant=rng.random() < 0.8,
-                min_tokens=rng.choice((0, 0, 4, 32)), rank_check=rng.choice(("first", "first", "always")),
-                dynamic=dynamic, shapes=shapes)
+                min_tokens=rng.choice((None, 0, 0, 4, 32)), rank_check=rng.choice(("first", "first", "always")),
+                dynamic=dynamic, shapes=shapes, device=device)
 
 
 def _build(case: Case):
     """The model on this rank and a function from a shape to its inputs."""
+    device = torch.device("cuda", torch.cuda.current_device()) if case.device == "cuda" else torch.device("cpu")
     if case.model == "tp_llama":
         from fp4fuse.tp import LlamaConfig, NormImpl, TPGroup, TPLlamaModel
         hidden, inter, heads, kv_heads, layers, vocab = case.sizes
@@ -99,20 +107,20 @@ def _build(case: Case):
                           num_heads=heads, num_kv_heads=kv_heads, norm_impl=NormImpl(case.norm),
                           act_global_scale=6.0 if case.static_scale else None, dtype=getattr(torch, case.dtype),
                           seed=case.index)
-        model = TPLlamaModel(cfg, TPGroup.from_process_group(), "cpu")
+        model = TPLlamaModel(cfg, TPGroup.from_process_group(), device)
 
         def inputs(shape: tuple[int, ...]) -> torch.Tensor:
-            return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(sum(shape)))
+            return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(sum(shape))).to(device)
         return model, inputs, lambda out: out
 
     import hf_tiny
     from fp4fuse.tp import parallelize
     hf = hf_tiny.build(case.model, seed=case.index, layers=1)
     scales = hf_tiny.calibrate(hf, hf_tiny.token_ids(3, seq=4), kind=case.model) if case.static_scale else None
-    model = parallelize(hf, activation_scales=scales, embedding=case.vocab_parallel)
+    model = parallelize(hf.to(device), activation_scales=scales, embedding=case.vocab_parallel)
 
     def hf_inputs(shape: tuple[int, ...]) -> torch.Tensor:
-        return hf_tiny.token_ids(shape[0], seq=shape[1], seed=sum(shape))
+        return hf_tiny.token_ids(shape[0], seq=shape[1], seed=sum(shape)).to(device)
     return model, hf_inputs, lambda out: out.logits
 
 
@@ -134,12 +142,14 @@ def _run_case(case: Case) -> dict:
         ids = inputs(shape)
         if case.dynamic and i == 0:
             torch._dynamo.mark_dynamic(ids, 0)
-        before = fusion.calls
+        before, served_before = fusion.calls, fusion.cached_match_counts.copy()
         with torch.no_grad():
             out = output(fused(ids, **kwargs))
             ref = output(plain(ids, **kwargs))
-        if fusion.calls > before:
-            for key, n in fusion.last_match_counts.items():
+        # what the passes rewrote in a graph compiled now, or recorded for one the FX graph cache served
+        found = (fusion.last_match_counts if fusion.calls > before else {}), fusion.cached_match_counts - served_before
+        for counts in found:
+            for key, n in counts.items():
                 fused_keys[key] = fused_keys.get(key, 0) + n
         diff = float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
         calls.append({"shape": shape, "equal": bool(torch.equal(out, ref)),
@@ -167,13 +177,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--case", type=int, default=None, help="run this case of --seed alone")
     parser.add_argument("--per-spawn", type=int, default=4, help="cases run in one spawn of the ranks")
     parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: two GPUs, NCCL (the symmetric-memory paths at every size)")
     args = parser.parse_args(argv)
     indices = [args.case] if args.case is not None else list(range(args.cases))
     failed = 0
+    # one Inductor cache for the run, empty at its start: a graph drawn twice is served from it
+    cache_dir = tempfile.mkdtemp(prefix="fp4fuse_fuzz_inductor_")
     for start in range(0, len(indices), args.per_spawn):
-        cases = tuple(draw(i, args.seed) for i in indices[start:start + args.per_spawn])
+        cases = tuple(draw(i, args.seed, args.device) for i in indices[start:start + args.per_spawn])
         per_rank = run_on_ranks(_rank_main, WORLD, cases, timeout=args.timeout,
-                                env={"TORCHINDUCTOR_COMPILE_THREADS": COMPILE_THREADS})
+                                backend="nccl" if args.device == "cuda" else "gloo", hard_exit=args.device == "cuda",
+                                env={"TORCHINDUCTOR_COMPILE_THREADS": COMPILE_THREADS,
+                                     "TORCHINDUCTOR_CACHE_DIR": cache_dir, **(CUDA_ENV if args.device == "cuda" else {})})
         for case, *ranks in zip(cases, *per_rank):
             status = "ok" if all(r["status"] == "ok" for r in ranks) else next(
                 r["status"] for r in ranks if r["status"] != "ok")
@@ -182,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             line["ranks"] = ranks if status != "ok" else [{"fused": ranks[0]["fused"]}]
             print(json.dumps(line), flush=True)
     print(json.dumps({"cases": len(indices), "failed": failed}), flush=True)
+    shutil.rmtree(cache_dir, ignore_errors=True)
     return 1 if failed else 0
 
 

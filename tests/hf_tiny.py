@@ -29,10 +29,12 @@ _SPECIAL_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 #: the (column-parallel, row-parallel) linears of the kinds whose names differ from Llama's, from
-#: their HF plans: GLM merges gate/up (gathered, then chunked), Phi-3 also q/k/v (gathered)
+#: their HF plans: GLM merges gate/up (gathered, then chunked), Phi-3 also q/k/v (gathered); Starcoder2
+#: names its MLP c_fc / c_proj
 PROJECTIONS = {
     "glm": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_up_proj"), ROWWISE),
     "phi3": (("self_attn.qkv_proj", "mlp.gate_up_proj"), ROWWISE),
+    "starcoder2": (COLWISE[:3] + ("mlp.c_fc",), ("self_attn.o_proj", "mlp.c_proj")),
 }
 
 
