@@ -25,6 +25,7 @@ from fp4fuse.distributed import groups
 from fp4fuse.distributed.symm_mem import policy
 from fp4fuse.distributed.symm_mem import workspace
 from fp4fuse.distributed.symm_mem.workspace import all_gather_layout, reduce_scatter_layout
+from fp4fuse.ops import collective_ops
 
 ops = torch.ops.fp4fuse
 # torch's schema check compares inputs with allclose, which has no float8 kernel on CPU.
@@ -148,6 +149,14 @@ def _check_cases(out_dtypes: tuple[torch.dtype, ...]) -> int:
                                                          out_dtype, group)
             assert out_rs.dtype == out_dtype and out_rs.shape == (m, N)
             _check_reduce_scatter_sum(out_rs, _reduce_scatter_partials(m, case, out_dtype, device))
+            if case == 0:  # the ops' CUDA kernels (run on GPUs below) take the functional path for CPU tensors
+                cuda_out, cuda_a, cuda_sa = collective_ops._all_gather_matmul_cuda(
+                    True, t["a_shard"], t["s_shard"], t["b"], t["sb"], t["alpha"], out_dtype, group)
+                assert torch.equal(cuda_out, expected) and torch.equal(cuda_a, a)
+                assert torch.equal(collective_ops._all_gather_matmul_cuda(
+                    False, t["a_shard"], t["s_shard"], t["b"], t["sb"], t["alpha"], out_dtype, group)[0], expected)
+                assert torch.equal(collective_ops._matmul_reduce_scatter_cuda(
+                    t["a_rs"], t["b_rs"], t["s_rs"], t["sb_rs"], t["alpha"], out_dtype, group), out_rs)
             count += 1
     return count
 
@@ -455,7 +464,40 @@ def _gpu_suite() -> dict[str, object]:
     report["modes"] = {f"{str(dtype)[6:]}/{rows}": RowBlockGemm(t["b"], t["sb"], t["alpha"], dtype, rows // 2, rows).mode.name
                        for dtype, rows in ((torch.bfloat16, 80), (torch.bfloat16, 2080), (torch.float32, 400))}
     report["graph"] = [_gpu_graph_capture(device, group, mode) for mode in ("first", "always")]
+    report["other_device"] = _from_another_current_device(device, group)
     return report
+
+
+def _from_another_current_device(device: torch.device, group: str) -> int:
+    """Calls made while another GPU is current (its stream kept busy): each op runs on its inputs'
+    GPU and stream, so the results equal the same calls made from their own GPU, and the current
+    device and streams are what they were. Launched on the current GPU's stream (no device guard),
+    the consumers on the inputs' stream read the outputs before they were written."""
+    other = torch.device("cuda", (device.index + 1) % torch.cuda.device_count())
+    m, out_dtype = 136, torch.bfloat16
+    t = _case_inputs(m, 60, device)
+
+    def calls() -> list[torch.Tensor]:
+        ag = ops.fused_all_gather_fp4_matmul(t["a_shard"], t["s_shard"], t["b"], t["sb"], t["alpha"], out_dtype, group)
+        gathered = ops.fused_all_gather_fp4_matmul_gathered(t["a_shard"], t["s_shard"], t["b"], t["sb"], t["alpha"],
+                                                            out_dtype, group)
+        rs = ops.fused_fp4_matmul_reduce_scatter(t["a_rs"], t["b_rs"], t["s_rs"], t["sb_rs"], t["alpha"], out_dtype,
+                                                 group)
+        return [ag, *gathered, rs]
+
+    want = [x.cpu() for x in calls()]
+    torch.cuda.synchronize(device)
+    with torch.cuda.device(other):
+        before = (torch.cuda.current_stream(device), torch.cuda.current_stream(other))
+        torch.cuda._sleep(1_000_000_000)  # the other GPU's stream busy for about half a second
+        got = [x.cpu() for x in calls()]  # copies on the inputs' GPU's stream
+        assert torch.cuda.current_device() == other.index
+        assert (torch.cuda.current_stream(device), torch.cuda.current_stream(other)) == before
+    torch.cuda.synchronize(other)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g.view(torch.uint8) if g.dtype == torch.float8_e4m3fn else g,
+                           w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w), f"output {i}"
+    return len(got)
 
 
 def _gpu_graph_capture(device: torch.device, group: str, check_mode: str) -> str:
@@ -522,6 +564,7 @@ def test_symmetric_memory_pipelines_on_gpus(world):
     results = run_on_ranks(_gpu_suite, world, backend="nccl", timeout=300, env=_GPU_ENV)
     for r in results:
         assert r["graph"] == ["first", "always"] and r["capacity"] > 0 and r["empty"] == 18
+        assert r["other_device"] == 4, r["other_device"]
         # as mm_fp4 on the whole GEMM: decode GEMM up to 256 rows, then dequantize + cuBLAS for bf16
         # output and the tiled kernel for the others (fp4fuse/kernels/triton/mm.py)
         assert r["modes"] == {"bfloat16/80": "DECODE", "bfloat16/2080": "DEQUANT_CUBLAS", "float32/400": "TILED"}, r["modes"]

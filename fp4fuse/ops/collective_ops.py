@@ -40,6 +40,7 @@ from fp4fuse.distributed.symm_mem import pipelines, workspace
 from fp4fuse.distributed.symm_mem import policy
 from fp4fuse.distributed.symm_mem.policy import CollectiveGemmKind, NoOverlapReason
 from fp4fuse.ops import validation
+from fp4fuse.ops.backend import call_on_device
 from fp4fuse.ops.collective_gemm import RowBlockGemm, sum_in_rank_order
 
 logger = logging.getLogger(__name__)
@@ -126,6 +127,23 @@ def _overlap_workspace(op: str, kind: CollectiveGemmKind, group_name: str, total
     return None
 
 
+def _all_gather_matmul_cuda(
+    need_gathered: bool, a_shard: torch.Tensor, a_scale_shard: torch.Tensor, b: torch.Tensor,
+    b_scale: torch.Tensor, alpha: torch.Tensor, out_dtype: torch.dtype, group_name: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both all-gather ops' CUDA kernel, run with the inputs' GPU current (``call_on_device``: the
+    pipelines launch on the current device's streams): ``(out, a, a_scale)``, the gathered operand
+    made where ``need_gathered`` (or where the functional path gathers it anyway)."""
+    op, kind = ((_AG_GATHERED_OP, CollectiveGemmKind.ALL_GATHER_MATMUL_GATHERED) if need_gathered
+                else (_AG_OP, CollectiveGemmKind.ALL_GATHER_MATMUL))
+    total = _prepare_all_gather(op, kind, a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name)
+    ws = _overlap_workspace(op, kind, group_name, total, b, a_shard.device)
+    if ws is None:
+        return all_gather_fp4_matmul_fallback(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name)
+    res = _overlapped_all_gather(ws, a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, need_gathered=need_gathered)
+    return res.out, res.a, res.a_scale
+
+
 def _overlapped_all_gather(
     ws: workspace.SymmWorkspace, a_shard: torch.Tensor, a_scale_shard: torch.Tensor, b: torch.Tensor,
     b_scale: torch.Tensor, alpha: torch.Tensor, out_dtype: torch.dtype, *, need_gathered: bool,
@@ -160,12 +178,8 @@ def _(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name):
 
 @fused_all_gather_fp4_matmul.register_kernel("cuda")
 def _(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name):
-    total = _prepare_all_gather(_AG_OP, CollectiveGemmKind.ALL_GATHER_MATMUL, a_shard, a_scale_shard, b, b_scale,
-                                alpha, out_dtype, group_name)
-    ws = _overlap_workspace(_AG_OP, CollectiveGemmKind.ALL_GATHER_MATMUL, group_name, total, b, a_shard.device)
-    if ws is None:
-        return all_gather_fp4_matmul_fallback(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name)[0]
-    return _overlapped_all_gather(ws, a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, need_gathered=False).out
+    return call_on_device(a_shard.device, _all_gather_matmul_cuda, False, a_shard, a_scale_shard, b, b_scale,
+                          alpha, out_dtype, group_name)[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -193,14 +207,8 @@ def _(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name):
 
 @fused_all_gather_fp4_matmul_gathered.register_kernel("cuda")
 def _(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name):
-    total = _prepare_all_gather(_AG_GATHERED_OP, CollectiveGemmKind.ALL_GATHER_MATMUL_GATHERED, a_shard, a_scale_shard,
-                                b, b_scale, alpha, out_dtype, group_name)
-    ws = _overlap_workspace(_AG_GATHERED_OP, CollectiveGemmKind.ALL_GATHER_MATMUL_GATHERED, group_name, total, b,
-                            a_shard.device)
-    if ws is None:
-        return all_gather_fp4_matmul_fallback(a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, group_name)
-    res = _overlapped_all_gather(ws, a_shard, a_scale_shard, b, b_scale, alpha, out_dtype, need_gathered=True)
-    return res.out, res.a, res.a_scale
+    return call_on_device(a_shard.device, _all_gather_matmul_cuda, True, a_shard, a_scale_shard, b, b_scale,
+                          alpha, out_dtype, group_name)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -225,6 +233,11 @@ def _(a, b, a_scale, b_scale, alpha, out_dtype, group_name):
 
 @fused_fp4_matmul_reduce_scatter.register_kernel("cuda")
 def _(a, b, a_scale, b_scale, alpha, out_dtype, group_name):
+    return call_on_device(a.device, _matmul_reduce_scatter_cuda, a, b, a_scale, b_scale, alpha, out_dtype,
+                          group_name)
+
+
+def _matmul_reduce_scatter_cuda(a, b, a_scale, b_scale, alpha, out_dtype, group_name):
     total = _prepare_reduce_scatter(a, b, a_scale, b_scale, alpha, out_dtype, group_name)
     ws = _overlap_workspace(_RS_OP, CollectiveGemmKind.MATMUL_REDUCE_SCATTER, group_name, total, b, a.device)
     if ws is None:
