@@ -202,3 +202,18 @@ def test_quantize_matches_torchao(m, k, spread, dtype):
     assert normal.float().mean() > 0.5
     assert code_mismatch <= 1e-3, code_mismatch
     assert scale_mismatch <= 1e-3, scale_mismatch
+
+
+@pytest.mark.parametrize("value", [0.0, -0.0, -2.5, math.inf, -math.inf, math.nan, 1e-30, 3.5, 1e30])
+def test_poison_unless_valid_global_scale(value):
+    """What a third-party quantization kernel returned (random bytes here) passes unchanged under a
+    global scale in (0, inf), and becomes all codes 0, all scales e4m3 NaN (0x7F) under any other."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(0, 256, (7, 40), dtype=torch.uint8, generator=g)
+    s = torch.randint(0, 256, (7, 5), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    q2, s2 = nvfp4.poison_unless_valid_global_scale(q, s, torch.tensor([value]))
+    assert q2.dtype == torch.uint8 and s2.dtype == torch.float8_e4m3fn
+    if 0 < value < math.inf:
+        assert torch.equal(q2, q) and torch.equal(s2.view(torch.uint8), s.view(torch.uint8))
+    else:
+        assert bool((q2 == 0).all()) and bool((oracle.scale_bits(s2) == oracle.E4M3_NAN_BITS).all())

@@ -20,7 +20,7 @@ import logging
 
 import torch
 
-from fp4fuse.nvfp4.format import BLOCK_SIZE, swizzle_scales, unswizzle_scales
+from fp4fuse.nvfp4.format import BLOCK_SIZE, poison_unless_valid_global_scale, swizzle_scales, unswizzle_scales
 
 logger = logging.getLogger(__name__)
 
@@ -31,14 +31,16 @@ MM_BACKEND = "cutlass"
 
 
 def scaled_fp4_quant_flashinfer(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` -> ``(q uint8 [M, K/2], s float8_e4m3fn [M, K/16])`` (linear scales)."""
+    """``x [M, K]`` -> ``(q uint8 [M, K/2], s float8_e4m3fn [M, K/16])`` (linear scales). A global
+    scale outside ``(0, inf)`` poisons the result as the contract says, whatever flashinfer makes of
+    it (``poison_unless_valid_global_scale``: two elementwise kernels)."""
     import flashinfer
 
     m, k = x.shape
     q, sf = flashinfer.fp4_quantize(
         x, global_scale.reshape(1).float(), sf_vec_size=BLOCK_SIZE, is_sf_swizzled_layout=True)
     s = unswizzle_scales(sf.view(torch.uint8), m, k // BLOCK_SIZE).view(torch.float8_e4m3fn)
-    return q.view(torch.uint8).reshape(m, k // 2), s
+    return poison_unless_valid_global_scale(q.view(torch.uint8).reshape(m, k // 2), s, global_scale)
 
 
 def mm_fp4_flashinfer(

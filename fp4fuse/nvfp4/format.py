@@ -55,6 +55,7 @@ __all__ = [
     "unpack_nibbles",
     "global_scale_from_amax",
     "block_scales",
+    "poison_unless_valid_global_scale",
     "quantize_reference",
     "dequantize_reference",
     "mm_fp4_reference",
@@ -132,6 +133,19 @@ def block_scales(block_amax: torch.Tensor, global_scale: torch.Tensor) -> torch.
     s = torch.where(gs_ok, s, torch.full_like(s, float("nan")))
     # clamp_max keeps NaN; torch's cast to e4m3fn does not saturate, so clamp first.
     return torch.clamp(s, max=E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def poison_unless_valid_global_scale(
+    q: torch.Tensor, s: torch.Tensor, global_scale: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, s)`` where ``0 < global_scale < inf``; else every code 0 and every block scale NaN
+    (``0x7F``): the poison rule (module docstring) applied on the device, without a host sync, to
+    a quantization whose kernel does not follow it itself (a third-party kernel)."""
+    gs = global_scale.float().reshape(())
+    gs_ok = (gs > 0) & torch.isfinite(gs)
+    q = torch.where(gs_ok, q, torch.zeros_like(q))
+    s = torch.where(gs_ok, s.view(torch.uint8), torch.full_like(s.view(torch.uint8), 0x7F))
+    return q, s.view(torch.float8_e4m3fn)
 
 
 def quantize_reference(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
