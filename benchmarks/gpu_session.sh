@@ -9,6 +9,8 @@
 # --static-scales (a checkpoint's static activation scales) or --family qwen2 --hidden 3584 --heads 28
 # --kv-heads 4 --ffn 18944 (another model family and shape).
 # pytest gets SIGINT at its limit, so it still reports which tests failed; bench_e2e rewrites out_dir/e2e_partial.json after every token count.
+# The randomized differential check of the passes on NCCL (stage fuzz, FUZZ_S, 300; FUZZ_CASES, 8;
+# FUZZ_SEED, 0) runs when STAGES names it.
 # STAGES (default "tests e2e bench") picks stages, so that a device call's time limit can split them.
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
 set -uo pipefail
@@ -32,5 +34,10 @@ timeout -s INT "${BENCH_S:-600}" python benchmarks/bench_e2e.py --tp "${TP:-2}" 
   --tokens "${TOKENS:-16,128,1024,8192}" --modes "${MODES:-cudagraphs,default}" \
   --variants "${VARIANTS:-bf16,bf16-fp4fuse,nvfp4,sp,fp4fuse}" --profile ${BENCH_FLAGS:-} \
   --partial "$out/e2e_partial.json" --json "$out/e2e.json" --out "$out/e2e.md" 2>&1 | tail -60
+fi
+if [[ " ${STAGES:-} " == *" fuzz "* ]]; then
+stage "tests/fuzz_fusion.py on CUDA"
+PYTHONPATH="$PYTHONPATH:tests" timeout -s INT "${FUZZ_S:-300}" python tests/fuzz_fusion.py --device cuda \
+  --cases "${FUZZ_CASES:-8}" --seed "${FUZZ_SEED:-0}" 2>&1 | grep -E '^\{' | tail -60
 fi
 stage "end"
