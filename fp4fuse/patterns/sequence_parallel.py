@@ -699,24 +699,63 @@ def round_residual_adds(graph: fx.Graph, group_name: str) -> int:
     bf16/fp16 norms as eager-level ops, as AOT autograd marked the ops they replace (module
     docstring, "Numerics"): ``add(shard, shard_rows(...))`` in either order, where ``shard`` is
     ``wait(reduce_scatter(..., group))`` or that with its :class:`Epilogue`, an add only the
-    replacements above write; and each epilogue of ``wait(reduce_scatter(..., group))``. Returns how
-    many ops were marked (none without the setting)."""
+    replacements above write; each epilogue of ``wait(reduce_scatter(..., group))``; and the ops of a
+    ``torch_manual`` norm in bf16/fp16 that reads one of these (all eager-level low-precision ops).
+    Returns how many ops were marked (none without the setting)."""
     if not inductor_config.emulate_precision_casts:
         return 0
     marked = 0
+    # what a rewritten norm reads: the shard, its epilogue or the residual add
+    norm_inputs = [op for op in graph.find_nodes(op="call_function", target=c10d.wait_tensor)
+                   if _is_local_shard(op, group_name)]
     for op in [*graph.find_nodes(op="call_function", target=aten.mul.Tensor),
                *graph.find_nodes(op="call_function", target=aten.add.Tensor)]:
         if _low_precision(op) and _is_epilogue_of_local_shard(op, group_name):
-            op.meta["low_precision_pointwise_barrier"] = True
+            op.meta[_BARRIER] = True
             marked += 1
+            norm_inputs.append(op)
     for add in graph.find_nodes(op="call_function", target=aten.add.Tensor):
         args = [a for a in add.args if isinstance(a, fx.Node)]
         if (len(args) == 2 and _plain_binary(add) and _low_precision(add)
                 and any(_is_local_shard(a, group_name) or _is_epilogue_of_local_shard(a, group_name) for a in args)
                 and any(is_call(a, torch.ops.fp4fuse.shard_rows) for a in args)):
-            add.meta["low_precision_pointwise_barrier"] = True
+            add.meta[_BARRIER] = True
             marked += 1
+            norm_inputs.append(add)
+    for x in norm_inputs:
+        for op in _low_precision_manual_norm(x):
+            if not op.meta.get(_BARRIER):
+                op.meta[_BARRIER] = True
+                marked += 1
     return marked
+
+
+_BARRIER = "low_precision_pointwise_barrier"
+
+
+def _low_precision_manual_norm(x: fx.Node) -> list[fx.Node]:
+    """The ops of ``x * rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight`` (``torch_manual``)
+    computed on ``x`` in bf16/fp16, as the rewrite writes them: pow, mean, add, rsqrt and both muls.
+    Each is an eager-level low-precision op, which AOT autograd marks in the graph the rewrite
+    replaced (the other norm forms compute in fp32, or are fp4fuse's ops); [] where ``x`` has no
+    such norm."""
+    if not _low_precision(x):
+        return []
+    for square in x.users:
+        if not (is_call(square, aten.pow.Tensor_Scalar) and square.args[1] == 2):
+            continue
+        chain = [square]
+        for target in (aten.mean.dim, (aten.add.Tensor, aten.add.Scalar), aten.rsqrt.default):
+            users = [u for u in chain[-1].users if is_call(u, *(target if isinstance(target, tuple) else (target,)))]
+            if len(users) != 1:
+                break
+            chain.append(users[0])
+        else:
+            scaled = [u for u in chain[-1].users if is_call(u, aten.mul.Tensor) and x in u.args]
+            if len(scaled) == 1 and len(scaled[0].users) == 1 and is_call(next(iter(scaled[0].users)), aten.mul.Tensor):
+                chain += [scaled[0], next(iter(scaled[0].users))]
+                return [op for op in chain if _low_precision(op)]
+    return []
 
 
 def _low_precision(node: fx.Node) -> bool:
