@@ -706,7 +706,7 @@ def round_residual_adds(graph: fx.Graph, group_name: str) -> int:
         return 0
     marked = 0
     # what a rewritten norm reads: the shard, its epilogue or the residual add
-    norm_inputs = [op for op in graph.find_nodes(op="call_function", target=c10d.wait_tensor)
+    norm_inputs = [op for op in graph.find_nodes(op="call_function", target=c10d.wait_tensor.default)
                    if _is_local_shard(op, group_name)]
     for op in [*graph.find_nodes(op="call_function", target=aten.mul.Tensor),
                *graph.find_nodes(op="call_function", target=aten.add.Tensor)]:
