@@ -54,9 +54,10 @@ tests/e2e/test_norm_numerics_e2e.py: at most 2 ulp, in about a fifth of the outp
 ``torch._inductor.config.emulate_precision_casts = True`` both graphs round every eager-level op as
 eager does, and the rewrite is bitwise: AOT autograd marks eager-level low-precision ops
 (``low_precision_pointwise_barrier``) for Inductor, the nodes a pattern replacement inserts lose
-that mark, and :func:`round_residual_adds` puts it back on the one op of the replacements whose
-rounding a fused kernel would skip, the residual add. fp32, and fp4fuse's own norm ops (opaque
-to Inductor), are bitwise either way.
+that mark, and :func:`round_residual_adds` puts it back on the ops of the replacements whose
+rounding a fused kernel would skip: the residual add, the epilogues, and every op of a
+``torch_manual`` norm in bf16/fp16 (the other torch forms compute in fp32 between explicit casts).
+fp32, and fp4fuse's own norm ops (opaque to Inductor), are bitwise either way.
 """
 from __future__ import annotations
 

@@ -6,7 +6,10 @@ whether it materializes the residual sum before the norm reads it depends on the
 readers, which the rewrite changes (fp4fuse.patterns.sequence_parallel, "Numerics"). So:
 
 * ``torch._inductor.config.emulate_precision_casts = True`` (both graphs round as eager): bitwise,
-  ``F.rms_norm`` in bf16 and fp16 and ``LlamaRMSNorm`` in bf16, at 8x64, 128x64 and 128x256;
+  ``F.rms_norm`` in bf16 and fp16 and ``LlamaRMSNorm`` in bf16, at 8x64, 128x64 and 128x256, and
+  the all-bf16 manual form ``x * rsqrt(x.pow(2).mean(-1) + eps) * w`` at 8x64 and 128x256 (every op
+  of its shard copy must carry the eager-rounding mark: before the twenty-fifth session only the
+  residual add did, and the rewrite differed there);
 * Inductor's default: fp32 bitwise; bf16/fp16 norm outputs differ by at most 2 ulp, in about a
   fifth of the elements (the sum itself is bitwise: both graphs round it when they store it).
 
@@ -29,6 +32,7 @@ SHAPES = ((8, 64), (128, 64), (128, 256))
 #: (norm form, dtype, rows, hidden): F.rms_norm in bf16/fp16 at every shape, LlamaRMSNorm in bf16, fp32 once
 CASES = [("functional", dtype, rows, hidden) for dtype in ("bfloat16", "float16") for rows, hidden in SHAPES]
 CASES += [("llama", "bfloat16", rows, hidden) for rows, hidden in SHAPES]
+CASES += [("manual", "bfloat16", rows, hidden) for rows, hidden in SHAPES[::2]]
 CASES.append(("functional", "float32", 8, 64))
 IDS = [f"{form}-{dtype}-{rows}x{hidden}" for form, dtype, rows, hidden in CASES]
 MAX_ULP = 2
@@ -52,6 +56,9 @@ def _rank_main(cases: list[tuple[str, str, int, int]]) -> dict:
         xf = x.to(torch.float32)
         return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
 
+    def manual_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # every op in x's dtype
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+
     class ResidualNorms(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -63,7 +70,8 @@ def _rank_main(cases: list[tuple[str, str, int, int]]) -> dict:
             outs = []
             for (form, *_), e, p, w in zip(cases, embeds, partials, self.weights):
                 total = funcol.all_reduce(e, "sum", group) + funcol.all_reduce(p, "sum", group)
-                norm = F.rms_norm(total, (total.shape[-1],), w, 1e-6) if form == "functional" else llama_rms_norm(total, w)
+                norm = (F.rms_norm(total, (total.shape[-1],), w, 1e-6) if form == "functional"
+                        else manual_rms_norm(total, w) if form == "manual" else llama_rms_norm(total, w))
                 outs += [norm, total]
             return outs
 
@@ -103,6 +111,7 @@ def test_every_norm_is_rewritten(results, emulate):
     counts = results[emulate]["counts"]
     assert counts["sequence_parallel.middle.torch_functional"] == sum(c[0] == "functional" for c in CASES)
     assert counts["sequence_parallel.middle.torch_fp32"] == sum(c[0] == "llama" for c in CASES)
+    assert counts["sequence_parallel.middle.torch_manual"] == sum(c[0] == "manual" for c in CASES)
 
 
 def _assert_within_default_bound(got: dict, dtype: str) -> None:
