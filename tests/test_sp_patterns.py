@@ -365,6 +365,28 @@ def test_a_layer_norm_bias_that_may_differ_across_ranks_is_left_alone(sp_pass, c
     assert_skipped(sp_pass, caplog, "norm bias", "torch_layer_norm")
 
 
+@pytest.mark.parametrize("rows", [2, 4])
+def test_a_layer_norm_over_one_row_per_rank_is_left_alone(sp_pass, caplog, rows):
+    """Inductor computes a one-row LayerNorm (Welford) in another order than the same row among
+    several: at 2 tokens (one row per rank) the rewrite changed last bits of HF Starcoder2's logits
+    (fp32, 2 gloo ranks; tests/fuzz_fusion.py --seed 2 --case 37), so it is skipped there. RMS
+    norms (one row computed as among many) and 4 tokens rewrite."""
+    def fn(x0, w0, b0, x1, w1):
+        n0 = layer_norm(all_reduce(x0), w0, b=b0)
+        n1 = all_reduce(x1)
+        n1 = n1 * torch.rsqrt(n1.pow(2).mean(-1, keepdim=True) + 1e-6) * w1
+        return static_quant(n0)[0], static_quant(n1)[0]
+    gm = trace(fn, [(rows, H), (H,), (H,), (rows, H), (H,)],
+               state={1: "layers.0.input_norm.weight", 2: "layers.0.input_norm.bias", 4: "layers.1.input_norm.weight"})
+    with caplog.at_level(logging.DEBUG, logger=SP_LOGGER):
+        run(sp_pass, gm)
+    if rows == 2:
+        assert counts(sp_pass) == {"first.torch_manual": 1, "quant_before_gather": 1}
+        assert_skipped(sp_pass, caplog, "2 tokens leave one row per rank", "first.torch_layer_norm")
+    else:
+        assert counts(sp_pass) == {"first.torch_layer_norm": 1, "first.torch_manual": 1, "quant_before_gather": 2}
+
+
 def biased_hf_layers(norm):
     """Hugging Face layers with row-parallel biases: each row-parallel linear adds its bias to the
     all-reduced 2-D rows, then views them back to ``[b, s, h]`` (fp4fuse.tp.rows.row_parallel_sum)."""
