@@ -9,8 +9,8 @@ Each case draws a model and a configuration:
 * fp4fuse's TP Llama (``fp4fuse.tp.TPLlamaModel``) with random sizes (no power of two required:
   hidden a multiple of 32, heads that split over 2 ranks), random norm form, static or dynamic
   activation scale, bf16 or fp32; or a tiny Hugging Face model (tests/hf_tiny.py: Llama, Qwen2,
-  Qwen3, Granite, Starcoder2, OLMo 2, GLM, Phi-3), static or dynamic scales, vocabulary-parallel or
-  replicated embedding, ``[batch, seq]`` token ids;
+  Qwen3, Granite, Starcoder2, OLMo 2, GLM, Phi-3, Gemma 3), fp32 or bf16, static or dynamic
+  scales, vocabulary-parallel or replicated embedding, ``[batch, seq]`` token ids;
 * the passes: sequence parallelism, AsyncTP, norm + quant fusion each on or off, ``min_tokens``,
   ``rank_check``;
 * the shapes: two to three calls with random token counts (odd ones, counts below and above
@@ -43,7 +43,7 @@ import torch
 from dist_utils import COMPILE_THREADS, run_on_ranks
 
 WORLD = 2
-HF_KINDS = ("llama", "qwen2", "qwen3", "granite", "starcoder2", "olmo2", "glm", "phi3")
+HF_KINDS = ("llama", "qwen2", "qwen3", "granite", "starcoder2", "olmo2", "glm", "phi3", "gemma3")
 NORMS = ("fp4fuse", "torch_functional", "torch_manual")
 #: no NVLink multicast; the collective GEMMs overlap at every size (the shipped thresholds would
 #: leave these token counts to the functional path)
@@ -92,7 +92,7 @@ def draw(index: int, seed: int, device: str = "cpu") -> Case:
             shapes = tuple((rng.randint(1, 9), 1) for _ in range(rng.randint(2, 3)))
         else:
             shapes = tuple((rng.randint(1, 4), rng.randint(1, 9)) for _ in range(rng.randint(1, 2)))
-        dtype = "float32"  # hf_tiny's fp32 norms are bitwise under Inductor (test_hf_e2e.py)
+        dtype = rng.choice(("float32", "float32", "bfloat16"))
     async_tp = rng.random() < 0.6
     return Case(index=index, model=model, sizes=sizes, dtype=dtype, norm=rng.choice(NORMS),
                 static_scale=rng.random() < 0.5, vocab_parallel=rng.random() < 0.7,
@@ -119,7 +119,7 @@ def _build(case: Case):
 
     import hf_tiny
     from fp4fuse.tp import parallelize
-    hf = hf_tiny.build(case.model, seed=case.index, layers=1)
+    hf = hf_tiny.build(case.model, dtype=getattr(torch, case.dtype), seed=case.index, layers=1)
     scales = hf_tiny.calibrate(hf, hf_tiny.token_ids(3, seq=4), kind=case.model) if case.static_scale else None
     model = parallelize(hf.to(device), activation_scales=scales, embedding=case.vocab_parallel)
 
