@@ -146,6 +146,7 @@ def _native_threads() -> int:
 def _group_threads_after_destroy() -> tuple[int, int, int]:
     """Native threads before init, with a gloo group, and after ``destroy_process_group``, when the
     first custom-op call (which imports ``torch._dynamo``) comes after the group's creation."""
+    torch.randn(512, 512) @ torch.randn(512, 512)  # intra-op threads (where a rank has several) start first
     before = _native_threads()
     dist.init_process_group("gloo", store=dist.FileStore(os.environ["RANKS_TEST_STORE"], 2),
                             rank=int(os.environ["RANK"]), world_size=2)
