@@ -95,6 +95,9 @@ logger = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
+#: AOT autograd's mark on an eager-level low-precision op: Inductor rounds its result as eager does
+#: under ``emulate_precision_casts`` (module docstring, "Numerics")
+_BARRIER = "low_precision_pointwise_barrier"
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 #: What reads a gathered norm output such that the gather can pay: a quantization (the gather then
 #: moves its 4-bit codes) or a matmul (a collective GEMM can overlap the gather).
@@ -695,8 +698,8 @@ def views_before_row_biases(graph: fx.Graph, group_name: str) -> int:
             with graph.inserting_before(views[0]):
                 view = insert_call(graph, aten.reshape.default, (c.wait, get_arg(views[0], 1, "size")))
                 biased = insert_call(graph, aten.add.Tensor, (view, add.args[1]))
-            if "low_precision_pointwise_barrier" in add.meta:  # keep the eager rounding AOT autograd marked
-                biased.meta["low_precision_pointwise_barrier"] = add.meta["low_precision_pointwise_barrier"]
+            if _BARRIER in add.meta:  # keep the eager rounding AOT autograd marked
+                biased.meta[_BARRIER] = add.meta[_BARRIER]
             for v in views:
                 v.replace_all_uses_with(biased)
             erase_if_unused([*views, add])
@@ -740,9 +743,6 @@ def round_residual_adds(graph: fx.Graph, group_name: str) -> int:
     return marked
 
 
-_BARRIER = "low_precision_pointwise_barrier"
-
-
 def _low_precision_manual_norm(x: fx.Node) -> list[fx.Node]:
     """The ops of ``x * rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight`` (``torch_manual``)
     computed on ``x`` in bf16/fp16, as the rewrite writes them: pow, mean, add, rsqrt and both muls.
@@ -755,8 +755,8 @@ def _low_precision_manual_norm(x: fx.Node) -> list[fx.Node]:
         if not (is_call(square, aten.pow.Tensor_Scalar) and square.args[1] == 2):
             continue
         chain = [square]
-        for target in (aten.mean.dim, (aten.add.Tensor, aten.add.Scalar), aten.rsqrt.default):
-            users = [u for u in chain[-1].users if is_call(u, *(target if isinstance(target, tuple) else (target,)))]
+        for targets in ((aten.mean.dim,), (aten.add.Tensor, aten.add.Scalar), (aten.rsqrt.default,)):
+            users = [u for u in chain[-1].users if is_call(u, *targets)]
             if len(users) != 1:
                 break
             chain.append(users[0])
