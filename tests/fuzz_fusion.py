@@ -30,6 +30,7 @@ exits 1 if any case did not pass. ``--case N`` reruns case N of ``--seed`` alone
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import random
@@ -40,10 +41,14 @@ import traceback
 
 import torch
 
+import hf_tiny
 from dist_utils import COMPILE_THREADS, run_on_ranks
 
 WORLD = 2
 HF_KINDS = ("llama", "qwen2", "qwen3", "granite", "starcoder2", "olmo2", "glm", "phi3", "gemma3")
+#: From this seed on, HF models are drawn in bf16 too and Gemma 3 among them; earlier seeds draw as
+#: when they ran (fp32, the first eight families), so their recorded cases still reproduce.
+FIRST_HF_BF16_SEED = 4
 NORMS = ("fp4fuse", "torch_functional", "torch_manual")
 #: no NVLink multicast; the collective GEMMs overlap at every size (the shipped thresholds would
 #: leave these token counts to the functional path)
@@ -73,7 +78,8 @@ class Case:
 def draw(index: int, seed: int, device: str = "cpu") -> Case:
     """Case ``index`` of ``seed``: the same case for the same pair, whatever else is drawn."""
     rng = random.Random(seed * 1_000_003 + index)
-    model = rng.choice(("tp_llama", "tp_llama") + HF_KINDS)
+    extended = seed >= FIRST_HF_BF16_SEED
+    model = rng.choice(("tp_llama", "tp_llama") + (HF_KINDS if extended else HF_KINDS[:-1]))
     dynamic = rng.random() < 0.4
     if model == "tp_llama":
         heads = rng.choice((2, 4, 6))
@@ -92,7 +98,7 @@ def draw(index: int, seed: int, device: str = "cpu") -> Case:
             shapes = tuple((rng.randint(1, 9), 1) for _ in range(rng.randint(2, 3)))
         else:
             shapes = tuple((rng.randint(1, 4), rng.randint(1, 9)) for _ in range(rng.randint(1, 2)))
-        dtype = rng.choice(("float32", "float32", "bfloat16"))
+        dtype = rng.choice(("float32", "float32", "bfloat16")) if extended else "float32"
     async_tp = rng.random() < 0.6
     return Case(index=index, model=model, sizes=sizes, dtype=dtype, norm=rng.choice(NORMS),
                 static_scale=rng.random() < 0.5, vocab_parallel=rng.random() < 0.7,
@@ -117,7 +123,6 @@ def _build(case: Case):
             return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(sum(shape))).to(device)
         return model, inputs, lambda out: out
 
-    import hf_tiny
     from fp4fuse.tp import parallelize
     hf = hf_tiny.build(case.model, dtype=getattr(torch, case.dtype), seed=case.index, layers=1)
     scales = hf_tiny.calibrate(hf, hf_tiny.token_ids(3, seq=4), kind=case.model) if case.static_scale else None
@@ -142,7 +147,7 @@ def _run_case(case: Case) -> dict:
                                                           "triton.cudagraphs": case.cudagraphs})
     plain = torch.compile(model, dynamic=shapes, options={"post_grad_custom_post_pass": FusionPass()})
     kwargs = {} if case.model == "tp_llama" else {"use_cache": False}
-    calls, fused_keys = [], {}
+    calls, fused_keys = [], collections.Counter()
     for i, shape in enumerate(case.shapes):
         ids = inputs(shape)
         if case.dynamic and i == 0:
@@ -159,11 +164,10 @@ def _run_case(case: Case) -> dict:
         # what the passes rewrote in a graph compiled now, or recorded for one the FX graph cache served
         found = (fusion.last_match_counts if fusion.calls > before else {}), fusion.cached_match_counts - served_before
         for counts in found:
-            for key, n in counts.items():
-                fused_keys[key] = fused_keys.get(key, 0) + n
-        diff = float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+            fused_keys.update(counts)
         calls.append({"shape": shape, "equal": bool(torch.equal(out, ref)),
-                      "finite": bool(out.isfinite().all()) or not bool(ref.isfinite().all()), "rel": diff})
+                      "finite": bool(out.isfinite().all()) or not bool(ref.isfinite().all()),
+                      "rel": hf_tiny.rel_error(out, ref)})
     passed = all(c["equal"] and c["finite"] for c in calls)
     return {"status": "ok" if passed else "differs", "calls": calls,
             "fused": {k: v for k, v in fused_keys.items() if not k.startswith(("cleanup", "lowering"))}}
