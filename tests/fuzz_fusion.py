@@ -17,15 +17,24 @@ Each case draws a model and a configuration:
   ``min_tokens``), static shapes or the token / batch dimension marked dynamic at the first call;
   on CUDA, CUDA graphs or not (each shape then called three times: warm-up, capture, replay).
 
-The reference is the same model compiled with ``FusionPass()`` (no rewrite enabled, the kernel
-lowering as in the fused graph) under the same dynamic setting, called with the same inputs; bf16
+The reference is the same model compiled with ``FusionPass()`` (fp4fuse's defaults: no sequence
+parallelism or AsyncTP; the symmetric-memory all-reduce, CSE, norm + quant fusion and kernel
+lowering on) under the same dynamic setting, called with the same inputs; bf16
 models compile with ``emulate_precision_casts`` (README "Numerics": the rewrites' bitwise promise
 for low-precision torch-form norms holds under it). Every call's
 output must equal it bit for bit (fp4fuse's claim at TP=2: fused graphs are bit-equal to unfused
-ones) and be finite where the reference is. A case that raises is reported with its traceback.
+ones) and be finite where the reference is; the reference, called twice, must repeat its own
+bits (``"reference_repeats": false`` otherwise: something ran nondeterministically). A case that
+raises is reported with its traceback. A differing call names how many elements differ and in
+which rows and columns.
 
 Prints one JSON line per case (``"ok"``, ``"differs"`` or ``"raised"``, the case, what fused) and
-exits 1 if any case did not pass. ``--case N`` reruns case N of ``--seed`` alone.
+exits 1 if any case did not pass. ``--case N`` reruns case N of ``--seed`` alone; ``--set
+FIELD=JSON`` (repeatable) overrides a field of every drawn case, to narrow a difference down, e.g.
+``--case 1 --set async_tp=false --set 'shapes=[[4, 2]]'``. ``--control same`` compiles the
+tested model as the reference (a difference then is not the rewrites' under test), ``--control
+bare`` both without fp4fuse's pass (a difference then is torch's); on CUDA a differing case is
+rerun as both controls and its line says how they came out.
 """
 from __future__ import annotations
 
@@ -50,9 +59,13 @@ HF_KINDS = ("llama", "qwen2", "qwen3", "granite", "starcoder2", "olmo2", "glm", 
 #: when they ran (fp32, the first eight families), so their recorded cases still reproduce.
 FIRST_HF_BF16_SEED = 4
 NORMS = ("fp4fuse", "torch_functional", "torch_manual")
+CONTROLS = ("same", "bare")
 #: no NVLink multicast; the collective GEMMs overlap at every size (the shipped thresholds would
-#: leave these token counts to the functional path)
-CUDA_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "FP4FUSE_OVERLAP_MIN_ROWS": "0"}
+#: leave these token counts to the functional path); Inductor keeps no benchmarked configuration
+#: (on CUDA it times a reduction's candidate configurations, which change its numerics; seed 0's
+#: case 3, HF Qwen2, differed from its reference by 2.8e-8 without this and matched with it)
+CUDA_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "FP4FUSE_OVERLAP_MIN_ROWS": "0",
+            "TORCHINDUCTOR_DETERMINISTIC": "1"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,19 +146,24 @@ def _build(case: Case):
     return model, hf_inputs, lambda out: out.logits
 
 
-def _run_case(case: Case) -> dict:
+def _run_case(case: Case, control: str | None = None, reference_first: bool = False) -> dict:
+    """Compile and compare ``case`` (module docstring). ``control``: ``"same"`` compiles the tested
+    model with the reference's ``FusionPass()`` too, ``"bare"`` compiles both without fp4fuse's pass
+    (nothing of fp4fuse's rewrites, the always-on ones included)."""
     from fp4fuse.config import FusionConfig
     from fp4fuse.passes.manager import FusionPass
 
     torch._dynamo.reset()
     model, inputs, output = _build(case)
-    fusion = FusionPass(FusionConfig(
+    fusion = FusionPass() if control else FusionPass(FusionConfig(
         enable_sequence_parallelism=case.sp, enable_async_tp=case.async_tp, enable_norm_quant_fusion=case.norm_quant,
         min_tokens=case.min_tokens, rank_check=case.rank_check))
+
+    def options(post_grad_pass: FusionPass) -> dict:
+        return {} if control == "bare" else {"post_grad_custom_post_pass": post_grad_pass}
     shapes = None if case.dynamic else False
-    fused = torch.compile(model, dynamic=shapes, options={"post_grad_custom_post_pass": fusion,
-                                                          "triton.cudagraphs": case.cudagraphs})
-    plain = torch.compile(model, dynamic=shapes, options={"post_grad_custom_post_pass": FusionPass()})
+    fused = torch.compile(model, dynamic=shapes, options={**options(fusion), "triton.cudagraphs": case.cudagraphs})
+    plain = torch.compile(model, dynamic=shapes, options=options(FusionPass()))
     kwargs = {} if case.model == "tp_llama" else {"use_cache": False}
     calls, fused_keys = [], collections.Counter()
     for i, shape in enumerate(case.shapes):
@@ -157,30 +175,78 @@ def _run_case(case: Case) -> dict:
         # rewrites promise bitwise outputs (README "Numerics"; by default a torch-form norm after a
         # residual add may differ in last bits, which a dynamic NVFP4 scale amplifies)
         with torch.no_grad(), torch._inductor.config.patch(emulate_precision_casts=case.dtype != "float32"):
-            # under CUDA graphs: warm-up, capture, replay, every output kept (a replay overwrites it)
-            outs = [output(fused(ids, **kwargs)).clone() for _ in range(3 if case.cudagraphs else 1)]
-            ref = output(plain(ids, **kwargs))
-        out = next((o for o in outs if not torch.equal(o, ref)), outs[-1])
+            # under CUDA graphs: warm-up, capture, replay; otherwise a first call and a second, every
+            # output kept (a replay overwrites it)
+            if reference_first:
+                ref, ref_again = output(plain(ids, **kwargs)).clone(), output(plain(ids, **kwargs)).clone()
+            outs = [output(fused(ids, **kwargs)).clone() for _ in range(3 if case.cudagraphs else 2)]
+            if not reference_first:
+                ref, ref_again = output(plain(ids, **kwargs)).clone(), output(plain(ids, **kwargs))
+        differing = [j for j, o in enumerate(outs) if not torch.equal(o, ref)]
+        out = outs[differing[0] if differing else -1]
         # what the passes rewrote in a graph compiled now, or recorded for one the FX graph cache served
         found = (fusion.last_match_counts if fusion.calls > before else {}), fusion.cached_match_counts - served_before
         for counts in found:
             fused_keys.update(counts)
         calls.append({"shape": shape, "equal": bool(torch.equal(out, ref)),
                       "finite": bool(out.isfinite().all()) or not bool(ref.isfinite().all()),
-                      "rel": hf_tiny.rel_error(out, ref)})
-    passed = all(c["equal"] and c["finite"] for c in calls)
+                      "rel": hf_tiny.rel_error(out, ref), **_where_they_differ(out, ref),
+                      **({"differing_calls": differing} if differing else {}),
+                      **({} if torch.equal(ref, ref_again) else {"reference_repeats": False})})
+    passed = all(c["equal"] and c["finite"] and "reference_repeats" not in c for c in calls)
     return {"status": "ok" if passed else "differs", "calls": calls,
             "fused": {k: v for k, v in fused_keys.items() if not k.startswith(("cleanup", "lowering"))}}
 
 
-def _rank_main(cases: tuple[Case, ...]) -> list[dict]:
+def _where_they_differ(out: torch.Tensor, ref: torch.Tensor) -> dict:
+    """How many elements differ, and in which rows (token positions, leading dimensions flattened;
+    the first 16) and last-dimension columns (the first 16)."""
+    differ = (out != ref) & ~(out.isnan() & ref.isnan())
+    if not differ.any():
+        return {}
+    flat = differ.reshape(-1, differ.shape[-1])
+    return {"elements": int(differ.sum()), "rows": flat.any(1).nonzero().flatten()[:16].tolist(),
+            "columns": flat.any(0).nonzero().flatten()[:16].tolist()}
+
+
+def _override(case: Case, assignments: list[str]) -> Case:
+    """``case`` with each ``FIELD=JSON`` of ``assignments`` set (lists become tuples)."""
+    def frozen(value):
+        return tuple(frozen(v) for v in value) if isinstance(value, list) else value
+    fields = {f.name for f in dataclasses.fields(Case)}
+    changes = {}
+    for assignment in assignments:
+        name, _, value = assignment.partition("=")
+        if name not in fields:
+            raise SystemExit(f"--set {assignment}: no field {name!r}; fields: {sorted(fields)}")
+        changes[name] = frozen(json.loads(value))
+    return dataclasses.replace(case, **changes)
+
+
+def _rank_main(cases: tuple[Case, ...], control: str | None, reference_first: bool) -> list[dict]:
     results = []
     for case in cases:
         try:
-            results.append(_run_case(case))
+            results.append(_run_case(case, control, reference_first))
         except Exception as exc:  # noqa: BLE001 - every case is reported, the next one runs
             results.append({"status": "raised", "error": f"{type(exc).__name__}: {exc}"[:2000],
                             "traceback": traceback.format_exc()[-4000:]})
+    return results
+
+
+def _spawn(cases: tuple[Case, ...], args: argparse.Namespace, cache_dir: str | None, control: str | None
+           ) -> list[tuple]:
+    """Run ``cases`` on two ranks: per case, ``(status, [rank results])`` (status: the first rank's
+    that is not ``"ok"``)."""
+    per_rank = run_on_ranks(_rank_main, WORLD, cases, control, args.reference_first, timeout=args.timeout,
+                            backend="nccl" if args.device == "cuda" else "gloo", hard_exit=args.device == "cuda",
+                            env={"TORCHINDUCTOR_COMPILE_THREADS": COMPILE_THREADS,
+                                 **({"TORCHINDUCTOR_CACHE_DIR": cache_dir} if cache_dir else {}),
+                                 **(CUDA_ENV if args.device == "cuda" else {})})
+    results = []
+    for ranks in zip(*per_rank):
+        status = next((r["status"] for r in ranks if r["status"] != "ok"), "ok")
+        results.append((status, list(ranks)))
     return results
 
 
@@ -194,27 +260,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fresh-cache", action="store_true", help="compile into an empty Inductor cache")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: two GPUs, NCCL (the symmetric-memory paths at every size)")
+    parser.add_argument("--control", choices=CONTROLS, default=None,
+                        help="same: compile the tested model with the reference's FusionPass() too (a difference "
+                             "then comes from compiling or running, not from the rewrites under test); bare: "
+                             "compile both without fp4fuse's pass (a difference is torch's)")
+    parser.add_argument("--no-auto-control", action="store_true",
+                        help="on CUDA, do not rerun a differing case as both controls")
+    parser.add_argument("--reference-first", action="store_true",
+                        help="compile and call the reference before the tested model (default: after)")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
+                        help="override a field of every drawn case (repeatable)")
     args = parser.parse_args(argv)
     indices = [args.case] if args.case is not None else list(range(args.cases))
-    failed = 0
+    # on CUDA two compiles of one graph in one process have differed with no rewrite enabled
+    # (benchmarks/results/2026-11-28-gpu-test-runs.md): a differing case is rerun as both controls there
+    auto_control = args.device == "cuda" and not args.control and not args.no_auto_control
+    failed, control_differs = 0, collections.Counter()
     # --fresh-cache: one Inductor cache for the run, empty at its start (cold compiles: slower); a
     # graph drawn twice is served from it. Otherwise torch's default cache directory.
     cache_dir = tempfile.mkdtemp(prefix="fp4fuse_fuzz_inductor_") if args.fresh_cache else None
     for start in range(0, len(indices), args.per_spawn):
-        cases = tuple(draw(i, args.seed, args.device) for i in indices[start:start + args.per_spawn])
-        per_rank = run_on_ranks(_rank_main, WORLD, cases, timeout=args.timeout,
-                                backend="nccl" if args.device == "cuda" else "gloo", hard_exit=args.device == "cuda",
-                                env={"TORCHINDUCTOR_COMPILE_THREADS": COMPILE_THREADS,
-                                     **({"TORCHINDUCTOR_CACHE_DIR": cache_dir} if cache_dir else {}),
-                                     **(CUDA_ENV if args.device == "cuda" else {})})
-        for case, *ranks in zip(cases, *per_rank):
-            status = "ok" if all(r["status"] == "ok" for r in ranks) else next(
-                r["status"] for r in ranks if r["status"] != "ok")
+        cases = tuple(_override(draw(i, args.seed, args.device), args.set)
+                      for i in indices[start:start + args.per_spawn])
+        for case, (status, ranks) in zip(cases, _spawn(cases, args, cache_dir, args.control)):
             failed += status != "ok"
             line = {"case": case.index, "seed": args.seed, "status": status, **dataclasses.asdict(case)}
             line["ranks"] = ranks if status != "ok" else [{"fused": ranks[0]["fused"]}]
+            if auto_control and status == "differs":
+                # compiled as the reference is, or both without fp4fuse: do those differ too?
+                line["control"] = {}
+                for kind in CONTROLS:
+                    control, control_ranks = _spawn((case,), args, cache_dir, control=kind)[0]
+                    line["control"][kind] = {"status": control, "calls": [r.get("calls") for r in control_ranks]}
+                control_differs.update(kind for kind in CONTROLS if line["control"][kind]["status"] == "differs")
             print(json.dumps(line), flush=True)
-    print(json.dumps({"cases": len(indices), "failed": failed}), flush=True)
+    summary = {"cases": len(indices), "failed": failed}
+    if auto_control:
+        summary.update({f"failed_and_{kind}_control_differs": control_differs[kind] for kind in CONTROLS})
+    print(json.dumps(summary), flush=True)
     if cache_dir:
         shutil.rmtree(cache_dir, ignore_errors=True)
     return 1 if failed else 0
