@@ -10,9 +10,11 @@ Each case draws a model and a configuration:
   hidden a multiple of 32, heads that split over 2 ranks), random norm form, static or dynamic
   activation scale, bf16 or fp32; or a tiny Hugging Face model (tests/hf_tiny.py: Llama, Qwen2,
   Qwen3, Granite, Starcoder2, OLMo 2, GLM, Phi-3, Gemma 3), fp32 or bf16, static or dynamic
-  scales, vocabulary-parallel or replicated embedding, ``[batch, seq]`` token ids;
+  scales, vocabulary-parallel or replicated embedding, ``[batch, seq]`` token ids; from seed 7
+  also unquantized (``WeightFormat.BF16``) linears and two layers;
 * the passes: sequence parallelism, AsyncTP, norm + quant fusion each on or off, ``min_tokens``,
-  ``rank_check``;
+  ``rank_check``; from seed 7 AsyncTP's plain-GEMM variant (``enable_bf16_async_tp``; CUDA only,
+  skipped with its reason elsewhere);
 * the shapes: two to three calls with random token counts (odd ones, counts below and above
   ``min_tokens``), static shapes or the token / batch dimension marked dynamic at the first call;
   on CUDA, CUDA graphs or not (each shape then called three times: warm-up, capture, replay).
@@ -58,6 +60,9 @@ HF_KINDS = ("llama", "qwen2", "qwen3", "granite", "starcoder2", "olmo2", "glm", 
 #: From this seed on, HF models are drawn in bf16 too and Gemma 3 among them; earlier seeds draw as
 #: when they ran (fp32, the first eight families), so their recorded cases still reproduce.
 FIRST_HF_BF16_SEED = 4
+#: From this seed on, HF models are also drawn with unquantized weights (``WeightFormat.BF16``: the
+#: rewrites on plain GEMMs) and with two layers, and AsyncTP cases with its plain-GEMM variant.
+FIRST_WEIGHT_FORMAT_SEED = 7
 NORMS = ("fp4fuse", "torch_functional", "torch_manual")
 CONTROLS = ("same", "bare")
 #: no NVLink multicast; the collective GEMMs overlap at every size (the shipped thresholds would
@@ -72,7 +77,7 @@ CUDA_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "F
 class Case:
     index: int
     model: str                      # "tp_llama" or an hf_tiny kind
-    sizes: tuple[int, ...]          # tp_llama: hidden, intermediate, heads, kv_heads, layers, vocab
+    sizes: tuple[int, ...]          # tp_llama: hidden, intermediate, heads, kv_heads, layers, vocab; hf: (layers,) or ()
     dtype: str
     norm: str                       # tp_llama's norm form
     static_scale: bool
@@ -86,6 +91,8 @@ class Case:
     device: str
     cudagraphs: bool                # CUDA only: triton.cudagraphs, each shape called 3 times
     shapes: tuple[tuple[int, ...], ...]  # tp_llama: (tokens,); hf: (batch, seq)
+    weight_format: str = "nvfp4"    # hf: parallelize(weight_format=...)
+    bf16_async_tp: bool = False     # AsyncTP on plain GEMMs too (CUDA only; skipped with a reason elsewhere)
 
 
 def draw(index: int, seed: int, device: str = "cpu") -> Case:
@@ -113,11 +120,21 @@ def draw(index: int, seed: int, device: str = "cpu") -> Case:
             shapes = tuple((rng.randint(1, 4), rng.randint(1, 9)) for _ in range(rng.randint(1, 2)))
         dtype = rng.choice(("float32", "float32", "bfloat16")) if extended else "float32"
     async_tp = rng.random() < 0.6
-    return Case(index=index, model=model, sizes=sizes, dtype=dtype, norm=rng.choice(NORMS),
+    case = Case(index=index, model=model, sizes=sizes, dtype=dtype, norm=rng.choice(NORMS),
                 static_scale=rng.random() < 0.5, vocab_parallel=rng.random() < 0.7,
                 sp=async_tp or rng.random() < 0.7, async_tp=async_tp, norm_quant=rng.random() < 0.8,
                 min_tokens=rng.choice((None, 0, 0, 4, 32)), rank_check=rng.choice(("first", "first", "always")),
                 dynamic=dynamic, shapes=shapes, device=device, cudagraphs=device == "cuda" and rng.random() < 0.5)
+    if seed < FIRST_WEIGHT_FORMAT_SEED:
+        return case
+    # drawn after everything above, so that the fields above follow the same draws as before
+    bf16_async_tp = async_tp and rng.random() < 0.5
+    if model == "tp_llama":
+        return dataclasses.replace(case, bf16_async_tp=bf16_async_tp)
+    weight_format = rng.choice(("nvfp4", "nvfp4", "bf16"))
+    return dataclasses.replace(case, sizes=(rng.choice((1, 2)),), weight_format=weight_format,
+                               static_scale=case.static_scale and weight_format == "nvfp4",
+                               bf16_async_tp=bf16_async_tp)
 
 
 def _build(case: Case):
@@ -136,10 +153,12 @@ def _build(case: Case):
             return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(sum(shape))).to(device)
         return model, inputs, lambda out: out
 
-    from fp4fuse.tp import parallelize
-    hf = hf_tiny.build(case.model, dtype=getattr(torch, case.dtype), seed=case.index, layers=1)
+    from fp4fuse.tp import WeightFormat, parallelize
+    hf = hf_tiny.build(case.model, dtype=getattr(torch, case.dtype), seed=case.index,
+                       layers=case.sizes[0] if case.sizes else 1)
     scales = hf_tiny.calibrate(hf, hf_tiny.token_ids(3, seq=4), kind=case.model) if case.static_scale else None
-    model = parallelize(hf.to(device), activation_scales=scales, embedding=case.vocab_parallel)
+    model = parallelize(hf.to(device), weight_format=WeightFormat(case.weight_format), activation_scales=scales,
+                        embedding=case.vocab_parallel)
 
     def hf_inputs(shape: tuple[int, ...]) -> torch.Tensor:
         return hf_tiny.token_ids(shape[0], seq=shape[1], seed=sum(shape)).to(device)
@@ -156,8 +175,8 @@ def _run_case(case: Case, control: str | None = None, reference_first: bool = Fa
     torch._dynamo.reset()
     model, inputs, output = _build(case)
     fusion = FusionPass() if control else FusionPass(FusionConfig(
-        enable_sequence_parallelism=case.sp, enable_async_tp=case.async_tp, enable_norm_quant_fusion=case.norm_quant,
-        min_tokens=case.min_tokens, rank_check=case.rank_check))
+        enable_sequence_parallelism=case.sp, enable_async_tp=case.async_tp, enable_bf16_async_tp=case.bf16_async_tp,
+        enable_norm_quant_fusion=case.norm_quant, min_tokens=case.min_tokens, rank_check=case.rank_check))
 
     def options(post_grad_pass: FusionPass) -> dict:
         return {} if control == "bare" else {"post_grad_custom_post_pass": post_grad_pass}
