@@ -10,7 +10,8 @@
 # --kv-heads 4 --ffn 18944 (another model family and shape).
 # pytest gets SIGINT at its limit, so it still reports which tests failed; bench_e2e rewrites out_dir/e2e_partial.json after every token count.
 # The randomized differential check of the passes on NCCL (stage fuzz, FUZZ_S, 300; FUZZ_CASES, 8;
-# FUZZ_SEED, 0) runs when STAGES names it.
+# FUZZ_SEED, 0) runs when STAGES names it; it reruns a differing case as its two controls (the tested
+# model compiled as the reference; both without fp4fuse), 1-2 minutes more per difference.
 # STAGES (default "tests e2e bench") picks stages, so that a device call's time limit can split them.
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
 set -uo pipefail
