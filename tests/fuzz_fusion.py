@@ -28,7 +28,8 @@ output must equal it bit for bit (fp4fuse's claim at TP=2: fused graphs are bit-
 ones) and be finite where the reference is; the reference, called twice, must repeat its own
 bits (``"reference_repeats": false`` otherwise: something ran nondeterministically). A case that
 raises is reported with its traceback. A differing call names how many elements differ and in
-which rows and columns.
+which rows and columns, and compares the two models' compiled code: the same sources or not, and
+the Triton kernels of both that kept different configurations.
 
 Prints one JSON line per case (``"ok"``, ``"differs"`` or ``"raised"``, the case, what fused) and
 exits 1 if any case did not pass. ``--case N`` reruns case N of ``--seed`` alone; ``--set
@@ -43,14 +44,18 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import hashlib
 import json
+import pathlib
 import random
 import shutil
 import sys
 import tempfile
 import traceback
+from types import ModuleType
 
 import torch
+from torch._inductor.codecache import PyCodeCache
 
 import hf_tiny
 from dist_utils import COMPILE_THREADS, run_on_ranks
@@ -195,12 +200,15 @@ def _run_case(case: Case, control: str | None = None, reference_first: bool = Fa
         # residual add may differ in last bits, which a dynamic NVFP4 scale amplifies)
         with torch.no_grad(), torch._inductor.config.patch(emulate_precision_casts=case.dtype != "float32"):
             # under CUDA graphs: warm-up, capture, replay; otherwise a first call and a second, every
-            # output kept (a replay overwrites it)
-            if reference_first:
-                ref, ref_again = output(plain(ids, **kwargs)).clone(), output(plain(ids, **kwargs)).clone()
-            outs = [output(fused(ids, **kwargs)).clone() for _ in range(3 if case.cudagraphs else 2)]
-            if not reference_first:
-                ref, ref_again = output(plain(ids, **kwargs)).clone(), output(plain(ids, **kwargs))
+            # output kept (a replay overwrites it); the modules Inductor loads during each model's
+            # calls are its compiled code
+            runs = [("tested", fused, 3 if case.cudagraphs else 2), ("reference", plain, 2)]
+            results, modules = {}, {}
+            for name, compiled, times in (runs[::-1] if reference_first else runs):
+                loaded = len(PyCodeCache.modules)
+                results[name] = [output(compiled(ids, **kwargs)).clone() for _ in range(times)]
+                modules[name] = PyCodeCache.modules[loaded:]
+        outs, (ref, ref_again) = results["tested"], results["reference"]
         differing = [j for j, o in enumerate(outs) if not torch.equal(o, ref)]
         out = outs[differing[0] if differing else -1]
         # what the passes rewrote in a graph compiled now, or recorded for one the FX graph cache served
@@ -210,7 +218,9 @@ def _run_case(case: Case, control: str | None = None, reference_first: bool = Fa
         calls.append({"shape": shape, "equal": bool(torch.equal(out, ref)),
                       "finite": bool(out.isfinite().all()) or not bool(ref.isfinite().all()),
                       "rel": hf_tiny.rel_error(out, ref), **_where_they_differ(out, ref),
-                      **({"differing_calls": differing} if differing else {}),
+                      **({"differing_calls": differing,
+                          "code": _compiled_code_comparison(modules["tested"], modules["reference"])}
+                         if differing else {}),
                       **({} if torch.equal(ref, ref_again) else {"reference_repeats": False})})
     passed = all(c["equal"] and c["finite"] and "reference_repeats" not in c for c in calls)
     return {"status": "ok" if passed else "differs", "calls": calls,
@@ -226,6 +236,27 @@ def _where_they_differ(out: torch.Tensor, ref: torch.Tensor) -> dict:
     flat = differ.reshape(-1, differ.shape[-1])
     return {"elements": int(differ.sum()), "rows": flat.any(1).nonzero().flatten()[:16].tolist(),
             "columns": flat.any(0).nonzero().flatten()[:16].tolist()}
+
+
+def _compiled_code_comparison(tested: list[ModuleType], reference: list[ModuleType]) -> dict:
+    """The two models' compiled code (the Python modules Inductor loaded while each ran): how
+    many modules each loaded (none: served from the modules already loaded), whether their sources
+    are the same files' contents, and the Triton kernels (by name, the first 16) that are in both
+    but run with another configuration chosen (``CachingAutotuner.launchers`` after the calls: the
+    configurations kept, after any benchmarking)."""
+    def sources_and_configs(mods: list[ModuleType]) -> tuple[list[str], dict[str, list[str]]]:
+        sources = sorted(hashlib.sha1(pathlib.Path(m.__file__).read_bytes()).hexdigest()
+                         for m in mods if getattr(m, "__file__", None))
+        configs = {name: [str(getattr(launcher, "config", launcher)) for launcher in obj.launchers]
+                   for m in mods for name, obj in vars(m).items()
+                   if isinstance(getattr(obj, "launchers", None), list) and obj.launchers}
+        return sources, configs
+    tested_sources, tested_configs = sources_and_configs(tested)
+    reference_sources, reference_configs = sources_and_configs(reference)
+    return {"tested_modules": len(tested), "reference_modules": len(reference),
+            "same_source": tested_sources == reference_sources,
+            "configs_differ": sorted(k for k in tested_configs.keys() & reference_configs.keys()
+                                     if tested_configs[k] != reference_configs[k])[:16]}
 
 
 def _override(case: Case, assignments: list[str]) -> Case:
