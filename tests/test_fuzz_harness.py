@@ -60,6 +60,16 @@ def test_where_they_differ_counts_elements_rows_and_columns_and_not_shared_nans(
     assert fuzz._where_they_differ(out, ref) == {"elements": 2, "rows": [1, 5], "columns": [4, 6]}
 
 
+def test_same_values_is_bitwise_with_shared_nans_and_needs_one_shape_and_dtype():
+    ref = torch.randn(4, 6, generator=torch.Generator().manual_seed(2))
+    ref[1, 3] = float("nan")
+    out = ref.clone()
+    assert fuzz._same_values(out, ref)
+    out[2, 0] = torch.nextafter(out[2, 0], torch.tensor(float("inf")))
+    assert not fuzz._same_values(out, ref)
+    assert not fuzz._same_values(ref.double(), ref) and not fuzz._same_values(ref[:2], ref[:2].reshape(3, 4))
+
+
 def _compiled_modules(fn, x):
     loaded = len(PyCodeCache.modules)
     torch.compile(fn)(x)
