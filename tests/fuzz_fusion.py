@@ -70,6 +70,8 @@ FIRST_HF_BF16_SEED = 4
 FIRST_WEIGHT_FORMAT_SEED = 7
 NORMS = ("fp4fuse", "torch_functional", "torch_manual")
 CONTROLS = ("same", "bare")
+#: the one line of an Inductor output module that differs between two compiles of one graph
+_COMPILE_ID_COMMENT = "# AOT ID:"
 #: no NVLink multicast; the collective GEMMs overlap at every size (the shipped thresholds would
 #: leave these token counts to the functional path); Inductor keeps no benchmarked configuration
 #: (on CUDA it times a reduction's candidate configurations, which change its numerics; seed 0's
@@ -246,12 +248,15 @@ def _where_they_differ(out: torch.Tensor, ref: torch.Tensor) -> dict:
 def _compiled_code_comparison(tested: list[ModuleType], reference: list[ModuleType]) -> dict:
     """The two models' compiled code (the Python modules Inductor loaded while each ran): how
     many modules each loaded (none: served from the modules already loaded), whether their sources
-    are the same files' contents, and the Triton kernels (by name, the first 16) that are in both
-    but run with another configuration chosen (``CachingAutotuner.launchers`` after the calls: the
-    configurations kept, after any benchmarking)."""
+    are the same (up to the compile id Inductor writes into each), and the Triton kernels (by
+    name, the first 16) that are in both but run with another configuration
+    (``CachingAutotuner.launchers`` after the calls: the configurations kept, after any
+    benchmarking)."""
     def sources_and_configs(mods: list[ModuleType]) -> tuple[list[str], dict[str, list[str]]]:
-        sources = sorted(hashlib.sha1(pathlib.Path(m.__file__).read_bytes()).hexdigest()
-                         for m in mods if getattr(m, "__file__", None))
+        sources = sorted(hashlib.sha1("\n".join(
+            line for line in pathlib.Path(m.__file__).read_text().splitlines()
+            if not line.startswith(_COMPILE_ID_COMMENT)).encode()).hexdigest()
+            for m in mods if getattr(m, "__file__", None))
         configs = {name: [str(getattr(launcher, "config", launcher)) for launcher in obj.launchers]
                    for m in mods for name, obj in vars(m).items()
                    if isinstance(getattr(obj, "launchers", None), list) and obj.launchers}
