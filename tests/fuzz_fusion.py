@@ -52,7 +52,9 @@ import shutil
 import sys
 import tempfile
 import traceback
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch._inductor.codecache import PyCodeCache
@@ -207,9 +209,8 @@ def _run_case(case: Case, control: str | None = None, reference_first: bool = Fa
             runs = [("tested", fused, 3 if case.cudagraphs else 2), ("reference", plain, 2)]
             results, modules = {}, {}
             for name, compiled, times in (runs[::-1] if reference_first else runs):
-                loaded = len(PyCodeCache.modules)
-                results[name] = [output(compiled(ids, **kwargs)).clone() for _ in range(times)]
-                modules[name] = PyCodeCache.modules[loaded:]
+                results[name], modules[name] = _calls_and_loaded_modules(
+                    lambda: output(compiled(ids, **kwargs)).clone(), times)
         outs, (ref, ref_again) = results["tested"], results["reference"]
         differing = [j for j, o in enumerate(outs) if not _same_values(o, ref)]
         out = outs[differing[0] if differing else -1]
@@ -227,6 +228,14 @@ def _run_case(case: Case, control: str | None = None, reference_first: bool = Fa
     passed = all(c["equal"] and c["finite"] and "reference_repeats" not in c for c in calls)
     return {"status": "ok" if passed else "differs", "calls": calls,
             "fused": {k: v for k, v in fused_keys.items() if not k.startswith(("cleanup", "lowering"))}}
+
+
+def _calls_and_loaded_modules(call: Callable[[], Any], times: int) -> tuple[list[Any], list[ModuleType]]:
+    """``call()`` ``times`` times: the results, and the Python modules Inductor loaded meanwhile (the
+    compiled code of what the calls compiled, or loaded again from its caches)."""
+    loaded = len(PyCodeCache.modules)
+    results = [call() for _ in range(times)]
+    return results, PyCodeCache.modules[loaded:]
 
 
 def _same_values(out: torch.Tensor, ref: torch.Tensor) -> bool:

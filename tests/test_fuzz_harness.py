@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._inductor.codecache import PyCodeCache
 
 import fuzz_fusion as fuzz
 
@@ -71,9 +70,7 @@ def test_same_values_is_bitwise_with_shared_nans_and_needs_one_shape_and_dtype()
 
 
 def _compiled_modules(fn, x):
-    loaded = len(PyCodeCache.modules)
-    torch.compile(fn)(x)
-    return PyCodeCache.modules[loaded:]
+    return fuzz._calls_and_loaded_modules(lambda: torch.compile(fn)(x), 1)[1]
 
 
 @torch._inductor.config.patch(fx_graph_cache=False)  # each compile writes its own module: ids differ
