@@ -6,8 +6,9 @@
 ``mm_fp4_hopper``'s ``scale_ahead=1`` loads a K step's weight scale words during the step before,
 out of the consumer's per-step chain; the results of 2026-11-27 (benchmarks/results/) measured it
 only at 16-128-token tiles. Above ``DECODE_MAX_M`` rows (and from ``SPLIT_MIN_M`` rows on large
-weights) the shipped dispatch takes the 256-token tile with the scales in the step. This script
-times that launch (``a0``) against the same launch with the scales ahead (``a1``) at the shipped
+weights) the shipped dispatch takes the 256-token tile (with the scales ahead since 2026-11-28, on
+this script's results). This script times that launch with the scales in the step (``a0``) and
+ahead (``a1``) at the shipped
 split-K count, with the shipped dispatch and cuBLAS bf16, over ``--rounds`` interleaved rounds
 (CUDA-graph replays over rotating weight copies, ``bench_ops._hopper_point``; the median of the
 rounds per variant, microseconds). ``scale_ahead`` moves loads only: the sums, and so the output
