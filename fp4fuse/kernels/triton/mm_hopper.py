@@ -31,13 +31,13 @@ Design (``_mm_hopper_kernel``):
   decoder and multiplies by the block scales (loaded from global memory as int32 words of four:
   one word per row and step).
 * Weight scales a step ahead (``SCALE_AHEAD``, shipped): a consumer loads the next step's scale
-  words during the step before, out of the step's chain (``bench_hopper_scale_ahead.py``:
-  0-8% faster on the shipped 256-token tile, never slower beyond the run-to-run spread;
-  benchmarks/results/). It moves loads only: the sums are unchanged.
+  words during the step before, out of the step's chain (``bench_hopper_scale_ahead.py``; results
+  in benchmarks/results/). It moves loads only: the sums are unchanged.
 * Sweep parameters (``mm_fp4_hopper``; the shipped launches use the defaults): ``step_k=128``
   steps of 128 elements (64 code bytes, one int64 word of eight scales a row), half the per-step
-  chains (barrier waits, scale load, decode, wgmma wait) for twice the fragment registers, and
-  ``scale_ahead=0`` (``bench_hopper_wide_step.py``; benchmarks/results/).
+  chains (barrier waits, scale load, decode, wgmma wait) for twice the fragment registers
+  (``bench_hopper_wide_step.py``; benchmarks/results/), and ``scale_ahead=0``, the scales loaded
+  in their own step.
 * Queued wgmmas: a step is decoded and its wgmmas issued while the previous step's still run; then
   the consumer waits for the previous step's and frees its stage. A wgmma reads its register
   operand asynchronously, so nothing may write those registers before a wait covers it: the loop
