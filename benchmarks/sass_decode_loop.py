@@ -66,12 +66,16 @@ def _compile(m: int, n: int, k: int) -> tuple[mm_decode.DecodeConfig, str]:
     if cfg.max_registers:
         options["maxnreg"] = cfg.max_registers
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    return cfg, cuobjdump(compiled.asm["cubin"], "-sass")
+
+
+def cuobjdump(cubin: bytes, flag: str) -> str:
+    """What the installed Triton's ``cuobjdump <flag>`` prints for ``cubin`` (``-sass``, ``-res-usage``)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
+        f.write(cubin)
         f.flush()
-        sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", f.name], capture_output=True,
-                              text=True, check=True).stdout
-    return cfg, sass
+        return subprocess.run([os.path.join(_BIN, "cuobjdump"), flag, f.name], capture_output=True, text=True,
+                              check=True).stdout
 
 
 def _k_loop(sass: str) -> list[str]:

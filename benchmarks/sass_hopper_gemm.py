@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import pathlib
 import re
-import subprocess
 import sys
 import tempfile
 
@@ -27,10 +25,11 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 
+from sass_decode_loop import cuobjdump  # benchmarks/, this script's folder
+
 #: Gluon calls renamed after Triton 3.6: (3.6 name, later name).
 RENAMES = (("tma.async_copy_global_to_shared(", "tma.async_load("), ("gl.thread_barrier()", "gl.barrier()"))
 _SOURCE = pathlib.Path(__file__).resolve().parents[1] / "fp4fuse" / "kernels" / "triton" / "mm_hopper.py"
-_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
 def _module(directory: str):
@@ -70,13 +69,8 @@ def compile_report(hopper, block_m: int, partial: bool) -> tuple[str, str]:
                             constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAX_REGISTERS))
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True,
-                               text=True, check=True).stdout
-        sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
+    usage = cuobjdump(compiled.asm["cubin"], "-res-usage")
+    sass = cuobjdump(compiled.asm["cubin"], "-sass")
     line = next((ln.strip() for ln in usage.splitlines() if "REG:" in ln), usage.strip())
     return line, sass
 
