@@ -53,6 +53,7 @@ import functools
 import json
 import logging
 import os
+import statistics
 import sys
 import time
 from typing import Any
@@ -779,17 +780,21 @@ def _hopper_point(a, sa, alpha, x, weights, w_t, variants: dict[str, dict]) -> t
 
 
 def hopper_sweep_main(argv: list[str] | None, doc: str, shapes: tuple, default_ms: tuple, variants, label: str,
-                      raw_key: str) -> int:
+                      raw_key: str, default_rounds: int = 1) -> int:
     """The ``main`` of a Hopper Gluon GEMM sweep script (``bench_hopper_stages.py``,
-    ``bench_hopper_wide_step.py``): ``--ms`` (default ``default_ms``), ``--shapes`` (default
-    ``shapes``) and ``--json``; at each ``shapes`` x M point ``variants(hopper, m, n, k, sms)``
-    (name -> ``mm_fp4_hopper`` keyword arguments) timed by :func:`_hopper_point`, one ``label``
-    line a point, the rows written to the raw file under ``raw_key``. 2 where the machine has no
-    CUDA GPU or no Gluon GEMM."""
+    ``bench_hopper_wide_step.py``, ``bench_hopper_scale_ahead.py``): ``--ms`` (default
+    ``default_ms``), ``--shapes`` (default ``shapes``), ``--rounds`` (default ``default_rounds``) and
+    ``--json``; at each ``shapes`` x M point ``variants(hopper, m, n, k, sms)`` (name ->
+    ``mm_fp4_hopper`` keyword arguments) timed by :func:`_hopper_point` in each of the interleaved
+    rounds (the median of the rounds per variant; with more than one, every round's times kept
+    under ``"rounds"``), one ``label`` line a point, the rows written to the raw file under
+    ``raw_key``. 2 where the machine has no CUDA GPU or no Gluon GEMM."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--ms", help="comma-separated row counts (default: %s)" % ",".join(map(str, default_ms)))
     parser.add_argument("--shapes", help="comma-separated NxK weight shapes (default: %s)"
                         % ",".join(f"{n}x{k}" for n, k in shapes))
+    parser.add_argument("--rounds", type=int, default=default_rounds,
+                        help="interleaved rounds a point (default: %d)" % default_rounds)
     parser.add_argument("--json", help="raw results as JSON")
     args = parser.parse_args(argv)
     if args.shapes:
@@ -806,8 +811,12 @@ def hopper_sweep_main(argv: list[str] | None, doc: str, shapes: tuple, default_m
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {triton.__version__}")
     rows = []
     for m, n, k, x, a, sa, alpha, weights, w_t in _rotating_points(shapes, ms):
-        us, worst = _hopper_point(a, sa, alpha, x, weights, w_t, variants(hopper, m, n, k, sms))
-        rows.append(_report_point(label, m, n, k, us, worst, {}))
+        timed = [_hopper_point(a, sa, alpha, x, weights, w_t, variants(hopper, m, n, k, sms))
+                 for _ in range(args.rounds)]
+        us = {key: statistics.median(t[key] for t, _ in timed) for key in timed[0][0]}
+        worst = max(diff for _, diff in timed)
+        every_round = {"rounds": [t for t, _ in timed]} if args.rounds > 1 else {}
+        rows.append(_report_point(label, m, n, k, us, worst, every_round))
     write_raw(args.json, **{raw_key: rows})
     return 0
 
