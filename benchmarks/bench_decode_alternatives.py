@@ -13,7 +13,8 @@ times one alternative against it (no flag: all four):
   half step, the same bytes as ``k_width`` 8 over the fp16 planes, so the decoded planes need no
   layout conversion), decodes each word with one PTX block that also applies its block scale, and
   prefetches the next K step's words in registers. No CTA barrier in the K loop; split-K and the
-  epilogue are the Hopper Gluon GEMM's (``mm_hopper.finish_tile``). 16 activation rows; a sweep of
+  epilogue are the Hopper Gluon GEMM's (``mm_hopper.finish_tile``, then ``reduce.sum_split_partials``
+  since the twenty-eighth session). 16 activation rows; a sweep of
   weight rows per program, warps, step and split. Gluon: Triton 3.6 only.
 * ``--predecode``: the shipped configuration with the activation pre-decoded by a launch of its own
   (``DecodeConfig.predecode``, the 65-256-row path), at 16-64 rows.
@@ -60,6 +61,7 @@ def _gluon_kernel():
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
     from fp4fuse.kernels.triton.mm_hopper import finish_tile
+    from fp4fuse.kernels.triton.reduce import sum_split_partials
 
     # One code word (4 bytes, 8 codes of one 16-element block) and the word holding its block scale
     # with the prmt selector of that byte -> 8 fp16 halves, e2m1 * 2**-14 * scale (exact): $0..$3 the
@@ -85,7 +87,7 @@ def _gluon_kernel():
         return lo, hi
 
     @gluon.jit
-    def kernel(a_ptr, as_ptr, b_ptr, bs_ptr, alpha_ptr, alpha_b_ptr, out_ptr, part_ptr, count_ptr,
+    def kernel(a_ptr, as_ptr, b_ptr, bs_ptr, alpha_ptr, alpha_b_ptr, out_ptr, part_ptr,
                M, N, KW, KSW, iters_per_split,
                BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STEP_W: gl.constexpr, PARTIAL: gl.constexpr,
                ALPHA_FROM_SCALES: gl.constexpr, ALPHA_DIV_RN: gl.constexpr, num_warps: gl.constexpr):
@@ -136,7 +138,7 @@ def _gluon_kernel():
             w, ws, x, xs = w_next, ws_next, x_next, xs_next
             kw += STEP_W
 
-        finish_tile(acc, alpha_ptr, alpha_b_ptr, out_ptr, part_ptr, count_ptr, tile, split, 0, off_n, M, N,
+        finish_tile(acc, alpha_ptr, alpha_b_ptr, out_ptr, part_ptr, split, 0, off_n, M, N,
                     PARTIAL, ALPHA_FROM_SCALES, ALPHA_DIV_RN, num_warps)
 
     def launch(a, b, sa, sb, alpha, block_n, step_w, split_k, num_warps, workspace):
@@ -145,12 +147,12 @@ def _gluon_kernel():
         out = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
         tiles = triton.cdiv(n, block_n)
         splits, iters = split_ranges(kb // (4 * step_w), split_k)
-        part, count = workspace if splits > 1 else (out, out)
+        part = workspace if splits > 1 else out
         alpha_a, alpha_b = alpha_operands(alpha)
-        kernel[(tiles, splits)](a, sa, b, sb, alpha_a, alpha_b, out, part, count, m, n, kb // 4, kb // 32, iters,
+        kernel[(tiles, splits)](a, sa, b, sb, alpha_a, alpha_b, out, part, m, n, kb // 4, kb // 32, iters,
                                 BLOCK_N=block_n, BLOCK_M=16, STEP_W=step_w, PARTIAL=splits > 1,
                                 num_warps=num_warps, **alpha_meta(alpha))
-        return out
+        return sum_split_partials(part, out, alpha) if splits > 1 else out
 
     launch.kernel = kernel
     return launch
@@ -186,7 +188,7 @@ def mma_sync_sweep(sms: int) -> list[dict]:
             for per_sm in (4, 8, 16):
                 split = max(1, min(16, per_sm * sms // tiles, (k // 2) // (4 * step_w) // 3))
                 splits, _ = split_ranges((k // 2) // (4 * step_w), split)
-                ws = mm_decode.empty_decode_workspace(tiles * splits * block_n * 16, tiles, a.device)
+                ws = torch.empty((splits, m, n), dtype=torch.float32, device=a.device)
                 out = launch(a, weights[0][0], sa, weights[0][1], alpha, block_n, step_w, split, warps, ws)
                 err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
                 t = bench_ops.bench_graph([functools.partial(launch, a, wq, sa, wsq, alpha, block_n, step_w, split,

@@ -33,12 +33,12 @@ _SOURCE = pathlib.Path(__file__).resolve().parents[1] / "fp4fuse" / "kernels" / 
 
 
 def _module(directory: str):
-    """``mm_hopper`` as the installed Triton's Gluon names it (``RENAMES`` applied where needed)."""
+    """``mm_hopper`` as the installed Triton's Gluon names it (``RENAMES`` applied where they occur)."""
     source = _SOURCE.read_text()
     if tuple(int(v) for v in triton.__version__.split(".")[:2]) > (3, 6):
+        if not any(old in source for old, _ in RENAMES):
+            raise SystemExit(f"{_SOURCE}: none of {[old for old, _ in RENAMES]} found; update RENAMES")
         for old, new in RENAMES:
-            if old not in source:
-                raise SystemExit(f"{_SOURCE}: {old!r} not found; update RENAMES")
             source = source.replace(old, new)
     path = pathlib.Path(directory) / "mm_hopper_offline.py"
     path.write_text(source)

@@ -127,6 +127,11 @@ def test_refuses_operands_it_cannot_read_with_the_rule():
         mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, block_m=96)
     with pytest.raises(ValueError, match="split_k must be at least 1"):
         mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, split_k=0)
+    # a 2**23-row weight (untouched pages): the split partials' 32-bit offsets in a 256-row tile would wrap
+    tall = torch.empty(1 << 23, 32, dtype=torch.uint8), torch.empty(1 << 23, 4, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"split_k > 1 needs block_m \* N < 2\*\*31"):
+        mm_hopper.mm_fp4_hopper(a[:, :32].contiguous(), tall[0], sa[:, :4].contiguous(), tall[1], alpha,
+                                torch.bfloat16, split_k=2)
     with pytest.raises(ValueError, match="stages must be 2 to 4 for 256-token tiles"):
         mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, stages=5)  # 5 x 36 KiB: no room
     with pytest.raises(ValueError, match="stages must be 2 to 8 for 128-token tiles"):

@@ -315,12 +315,24 @@ def case_mm() -> None:
         assert rel <= 1e-2, f"dequant+mm {m}x{n}x{k}: rel {rel:.2e}"
         # ordered fp32 sum of partials (fp32 out: bitwise; bf16: the interpreter truncates, 1 ulp)
         from fp4fuse.kernels.triton import reduce as triton_reduce
+        from fp4fuse.kernels.triton.alpha import GlobalScales
         for dtype in (torch.float32, torch.bfloat16):
             parts = (torch.randn(3, m, n, generator=gen) * 1e3).to(dtype)
             ordered = ((parts[0].float() + parts[1].float()) + parts[2].float()).to(dtype)
             got = triton_reduce.sum_partials_in_order(parts)
             ok = torch.equal(got, ordered) if dtype == torch.float32 else _ulps_ok(got, ordered, 1)
             assert ok, f"sum_partials_in_order {dtype} {m}x{n}"
+        # split-K partials (the Gluon GEMM's): fp32 sums in split order, then * 2**28 * alpha, one rounding
+        splits = (torch.randn(4, m, n, generator=gen) * 2.0 ** -20).float()
+        in_order = ((splits[0] + splits[1]) + splits[2]) + splits[3]
+        ga2 = torch.rand(1, generator=gen) + 0.5
+        for alpha_form, alpha_value in ((alpha.reshape(1).float(), alpha.reshape(1).float()),
+                                        (GlobalScales(ga.reshape(1), ga2), torch.reciprocal(ga.reshape(1) * ga2))):
+            for dtype in (torch.float32, torch.bfloat16):
+                want = ((in_order * 2.0 ** 28) * alpha_value).to(dtype)
+                got = triton_reduce.sum_split_partials(splits, torch.empty(m, n, dtype=dtype), alpha_form)
+                ok = torch.equal(got, want) if dtype == torch.float32 else _ulps_ok(got, want, 1)
+                assert ok, f"sum_split_partials {dtype} {type(alpha_form).__name__} {m}x{n}"
         # the rounded fp32 product (the interpreter truncates fp32 -> bf16: 1 ulp here, bitwise on
         # CUDA in test_triton_kernels.py)
         x = (torch.randn(m, n, generator=gen) * 100).to(torch.bfloat16)
@@ -689,7 +701,7 @@ def _check_offsets_past_int32(gen: torch.Generator) -> None:
     for i in range(3):
         parts[i * n:i * n + 2048] = torch.randint(0, 64, (2048,), generator=gen, dtype=torch.uint8)
     got = torch.empty(2048, dtype=torch.float32)
-    triton_reduce._sum_in_order_kernel[(1,)](parts, got, n, 3, BLOCK=2048)
+    triton_reduce._sum_in_order_kernel[(1,)](parts, got, parts, parts, n, 3, BLOCK=2048)
     want = sum(parts[i * n:i * n + 2048].double() for i in range(3))
     assert torch.equal(got.double(), want), "sum_partials_in_order: partials past 2**31 elements"
 

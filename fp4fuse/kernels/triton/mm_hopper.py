@@ -51,13 +51,13 @@ Design (``_mm_hopper_kernel``):
   so the tile is read from HBM once. 168 registers per thread for 12 warps (the loader's
   warpgroup gives its registers to the consumers: ``setmaxnreg`` 24 / 240).
 * Split-K (up to ``DECODE_MAX_M`` rows, where the 256-token tiles number only N / 128): program
-  ``(tile, split)`` covers K steps ``[split * iters, +iters)``. With more than one split each
-  program stores its fp32 partial tile in a per-call workspace, then (after a CTA barrier) one
-  thread adds 1 to the tile's counter with an acq_rel atomic at GPU scope; the program that sees
-  ``splits - 1`` earlier arrivals reads every split's partial (L1 bypassed), adds them in split
-  order (the same bits whichever arrives last), writes the output and zeroes the counter. The
-  split count is part of the numerics: row blocks match the whole product with its split count
-  (``split_for`` of the whole M).
+  ``(tile, split)`` covers K steps ``[split * iters, +iters)`` and stores its unscaled fp32 sums
+  into a per-call ``[splits, M, N]`` workspace, straight from the accumulator's layout; a second
+  launch (``reduce.sum_split_partials``, over every multiprocessor) adds them in split order and
+  applies the epilogue. The split count is part of the numerics: row blocks match the whole
+  product with its split count (``split_for`` of the whole M). The reduction used to run inside
+  the launch (the last of a tile's programs to arrive summed the tile alone), which cost more
+  than the programs' own K steps at small shapes (``profile_hopper_split.py``; benchmarks/results/).
 
 Measured against the other paths and cuBLAS bf16 in benchmarks/results/ (``bench_ops.py
 --hopper-sweep`` and ``--hopper-split-sweep``); :data:`HOPPER_BF16_MAX_M`, :data:`SPLIT_MIN_M` and
@@ -86,7 +86,8 @@ from fp4fuse.kernels.triton.decode import (
     DECODE_PTX, DECODE_SCALE_UNDO, decode_fp4_halves, grouped_tile, num_sms, split_ranges,
 )
 from fp4fuse.kernels.triton.launch import FastKernel, Relaunch, launch_hooks_set, traceable, tracing, triton_version
-from fp4fuse.kernels.triton.mm_decode import DECODE_MAX_M, empty_decode_workspace
+from fp4fuse.kernels.triton.mm_decode import DECODE_MAX_M
+from fp4fuse.kernels.triton.reduce import sum_split_partials
 
 __all__ = ["DEFAULT_LAUNCH", "ENV_DISABLE_GLUON", "HOPPER_BF16_MAX_M", "HopperLaunch", "SPLIT_MIN_M", "SPLIT_MIN_WEIGHT",
            "fills_the_gpu", "finish_tile",
@@ -374,14 +375,13 @@ def _store_output(acc, alpha_ptr, alpha_b_ptr, out_ptr, off_m, off_n, M, N, ALPH
 
 
 @gluon.jit
-def _mm_hopper_kernel(xlo_desc, xhi_desc, w_desc, ws_ptr, alpha_ptr, alpha_b_ptr, out_ptr, part_ptr, count_ptr,
+def _mm_hopper_kernel(xlo_desc, xhi_desc, w_desc, ws_ptr, alpha_ptr, alpha_b_ptr, out_ptr, part_ptr,
                       M, N, k_steps, words_per_row, iters_per_split,
                       ALPHA_FROM_SCALES: gl.constexpr, ALPHA_DIV_RN: gl.constexpr, PARTIAL: gl.constexpr,
                       STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCALE_AHEAD: gl.constexpr,
                       num_warps: gl.constexpr):
     """Program ``(tile, split)``: the tile's K steps ``[split * iters_per_split, +iters_per_split)``;
-    the output (not PARTIAL) or the partial and the last-arriver reduction (PARTIAL: split-K, module
-    docstring)."""
+    the output (not PARTIAL) or the split's partial sums (PARTIAL: split-K, module docstring)."""
     BLOCK_M: gl.constexpr = xlo_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     step_bytes: gl.constexpr = w_desc.block_type.shape[1]
@@ -408,41 +408,31 @@ def _mm_hopper_kernel(xlo_desc, xhi_desc, w_desc, ws_ptr, alpha_ptr, alpha_b_ptr
         (_load_partition, (xlo_desc, xhi_desc, w_desc, xlo_bufs, xhi_bufs, w_bufs, ready, empty, off_m, off_n,
                            k_begin, k_count)),
     ], [1], [LOADER_REGISTERS])
-    finish_tile(results[0], alpha_ptr, alpha_b_ptr, out_ptr, part_ptr, count_ptr, tile, split, off_m, off_n, M, N,
-                PARTIAL, ALPHA_FROM_SCALES, ALPHA_DIV_RN, num_warps)
+    finish_tile(results[0], alpha_ptr, alpha_b_ptr, out_ptr, part_ptr, split, off_m, off_n, M, N, PARTIAL,
+                ALPHA_FROM_SCALES, ALPHA_DIV_RN, num_warps)
 
 
 @gluon.jit
-def finish_tile(acc, alpha_ptr, alpha_b_ptr, out_ptr, part_ptr, count_ptr, tile, split, off_m, off_n, M, N,
-                PARTIAL: gl.constexpr, ALPHA_FROM_SCALES: gl.constexpr, ALPHA_DIV_RN: gl.constexpr,
-                num_warps: gl.constexpr):
-    """The end of program ``(tile, split)`` of a grid ``(tiles, splits)`` with its fp32
-    ``acc[BLOCK_N, BLOCK_M]`` (any distributed layout) for outputs ``[off_m, +BLOCK_M) x [off_n,
-    +BLOCK_N)``: the output (not PARTIAL), or the partial and the last-arriver reduction (PARTIAL:
-    split-K, module docstring)."""
+def finish_tile(acc, alpha_ptr, alpha_b_ptr, out_ptr, part_ptr, split, off_m, off_n, M, N, PARTIAL: gl.constexpr,
+                ALPHA_FROM_SCALES: gl.constexpr, ALPHA_DIV_RN: gl.constexpr, num_warps: gl.constexpr):
+    """The end of program ``(tile, split)`` with its fp32 ``acc[BLOCK_N, BLOCK_M]`` (any distributed
+    layout) for outputs ``[off_m, +BLOCK_M) x [off_n, +BLOCK_N)`` inside ``[M, N]``: the output (not
+    PARTIAL), or (PARTIAL: split-K) the unscaled sums into ``part[split, m, n]`` of the fp32
+    ``[splits, M, N]`` workspace, which ``reduce.sum_split_partials`` sums after the launch."""
     if not PARTIAL:
         _store_output(acc, alpha_ptr, alpha_b_ptr, out_ptr, off_m, off_n, M, N, ALPHA_FROM_SCALES, ALPHA_DIV_RN,
                       num_warps)
     else:
-        # fp32 partial of this split -> workspace; the last of the tile's splits to arrive sums all
-        # of them in split order (the same bits whichever arrives last) and writes the output
+        # stored from the accumulator's own layout: a warp's store covers 8 consecutive n (32 bytes)
+        # in each of 4 rows, whole sectors, with no shared-memory round trip
         BLOCK_N: gl.constexpr = acc.shape[0]
         BLOCK_M: gl.constexpr = acc.shape[1]
-        n_split = gl.num_programs(1)
-        TILE: gl.constexpr = BLOCK_N * BLOCK_M
-        in_tile = (gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc.type.layout))[:, None] * BLOCK_M
-                   + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc.type.layout))[None, :])
-        tile_base = part_ptr + tile.to(gl.int64) * n_split * TILE
-        gl.store(tile_base + split * TILE + in_tile, acc)
-        gl.thread_barrier()  # every thread's partial is written before the arrival is released
-        arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == n_split - 1:
-            total = gl.load(tile_base + in_tile, cache_modifier=".cg")
-            for sp in range(1, n_split):
-                total += gl.load(tile_base + sp * TILE + in_tile, cache_modifier=".cg")
-            _store_output(total, alpha_ptr, alpha_b_ptr, out_ptr, off_m, off_n, M, N, ALPHA_FROM_SCALES,
-                          ALPHA_DIV_RN, num_warps)
-            gl.store(count_ptr + tile, 0)
+        # 32-bit offsets inside the tile (BLOCK_M * N < 2**31), the tile's corner in 64 bits
+        n_in = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc.type.layout))
+        m_in = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc.type.layout))
+        corner = part_ptr + (split.to(gl.int64) * M + off_m) * N + off_n
+        gl.store(corner + (m_in[None, :] * N + n_in[:, None]), acc,
+                 mask=(m_in < M - off_m)[None, :] & (n_in < N - off_n)[:, None])
 
 
 def hopper_split(m: int, n: int, k: int, sms: int, block_m: int) -> int:
@@ -544,6 +534,8 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_s
         raise ValueError(f"mm_fp4_hopper: block_m must be one of {BLOCK_M_CHOICES}; got {block_m}")
     if split_k is not None and split_k < 1:
         raise ValueError(f"mm_fp4_hopper: split_k must be at least 1; got {split_k}")
+    if split_k not in (None, 1) and block_m * n >= 2 ** 31:  # the partials' 32-bit offsets in a tile
+        raise ValueError(f"mm_fp4_hopper: split_k > 1 needs block_m * N < 2**31; got block_m={block_m}, N={n}")
     if not 2 <= stages <= max_stages(block_m, step_k):
         raise ValueError(f"mm_fp4_hopper: stages must be 2 to {max_stages(block_m, step_k)} for {block_m}-token tiles "
                          f"and {step_k}-element steps (the ring, {stage_bytes(block_m, step_k)} bytes a stage, must "
@@ -575,11 +567,12 @@ def mm_fp4_hopper_halves(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, 
         key = _relaunch_key(xlo, xhi, b, b_scale, alpha_a, alpha_b, alpha_flags, out_dtype, launch)
         prepared = _RELAUNCHES.get(key)
         if prepared is not None:
-            relaunch, workspace = prepared
+            relaunch, splits = prepared
             out = torch.empty((m, n), dtype=out_dtype, device=b.device)
-            partials, counters = empty_decode_workspace(*workspace, b.device) if workspace else (out, out)
-            relaunch(b_scale.view(_SCALE_WORD[launch.step_k]), alpha_a, alpha_b, out, partials, counters)
-            return out
+            partials = _split_workspace(splits, m, n, b.device)
+            relaunch(b_scale.view(_SCALE_WORD[launch.step_k]), alpha_a, alpha_b, out,
+                     out if partials is None else partials)
+            return _sum_splits(partials, out, alpha)
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=b.device)
     block_m, step_k = launch.block_m, launch.step_k
@@ -587,34 +580,44 @@ def mm_fp4_hopper_halves(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, 
     k_steps = k // step_k
     splits, iters = split_ranges(k_steps, split_k)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, BLOCK_N)
-    partials, counters, workspace = out, out, None
-    if splits > 1:  # fresh per call: nothing may outlive a CUDA-graph tree's pool (mm_decode's workspace rule)
-        workspace = (tiles * splits * BLOCK_N * block_m, tiles)
-        partials, counters = empty_decode_workspace(*workspace, b.device)
+    partials = _split_workspace(splits, m, n, b.device)
     step_bytes = step_k // 2
     x_layout, w_layout = _smem_layouts(block_m, step_bytes)
     # one scale word per weight row and step: words_per_row == k_steps
     args = (TensorDescriptor.from_tensor(xlo, [block_m, step_bytes], x_layout),
             TensorDescriptor.from_tensor(xhi, [block_m, step_bytes], x_layout),
             TensorDescriptor.from_tensor(b, [BLOCK_N, step_bytes], w_layout),
-            b_scale.view(_SCALE_WORD[step_k]), alpha_a, alpha_b, out, partials, counters, m, n, k_steps, k_steps, iters)
+            b_scale.view(_SCALE_WORD[step_k]), alpha_a, alpha_b, out, out if partials is None else partials, m, n,
+            k_steps, k_steps, iters)
     meta = dict(**alpha_flags, PARTIAL=splits > 1, STAGES=launch.stages, GROUP_M=GROUP_M,
                 SCALE_AHEAD=launch.scale_ahead, num_warps=NUM_WARPS, maxnreg=launch.max_registers)
     kernel = traceable(_mm_hopper_kernel)
     if key is None or not isinstance(kernel, FastKernel):
         kernel[(tiles, splits)](*args, **meta)
-        return out
+        return _sum_splits(partials, out, alpha)
     relaunch = kernel.prepare((tiles, splits), *args, **meta)  # launches
     if relaunch is not None:
         if len(_RELAUNCHES) >= MAX_RELAUNCHES:
             _RELAUNCHES.clear()
-        _RELAUNCHES[key] = (relaunch, workspace)
-    return out
+        _RELAUNCHES[key] = (relaunch, splits)
+    return _sum_splits(partials, out, alpha)
+
+
+def _split_workspace(splits: int, m: int, n: int, device: torch.device) -> torch.Tensor | None:
+    """The fp32 ``[splits, m, n]`` partial sums of a split-K launch (None for one split), fresh per
+    call: nothing may outlive a CUDA-graph tree's pool (``mm_decode``'s workspace rule). Every
+    element is written by its split's program, so it needs no zeroing."""
+    return torch.empty((splits, m, n), dtype=torch.float32, device=device) if splits > 1 else None
+
+
+def _sum_splits(partials: torch.Tensor | None, out: torch.Tensor, alpha: Alpha) -> torch.Tensor:
+    """``out``, after the split-K launch's partials (if any) are summed into it in split order."""
+    return out if partials is None else sum_split_partials(partials, out, alpha)
 
 
 #: Prepared launches of :func:`mm_fp4_hopper_halves`, by :func:`_relaunch_key`; cleared when full
 #: (a graph's calls hold a few dozen; addresses that change every call would otherwise pile up).
-_RELAUNCHES: dict[tuple, tuple[Relaunch, tuple[int, int] | None]] = {}
+_RELAUNCHES: dict[tuple, tuple[Relaunch, int]] = {}
 MAX_RELAUNCHES = 1024
 
 
