@@ -39,7 +39,7 @@ process, interleaved round by round:
 
 A variant whose compile or first call fails is reported and dropped (the others still run).
 
-Token counts T are shaped like serving batches: up to 128 tokens as decode steps ``[T, 1]``
+Token counts T are shaped like serving batches: up to 256 tokens as decode steps ``[T, 1]``
 (T sequences of one token), above as prefill chunks ``[T / 512, 512]``. The batch dimension is
 dynamic (``torch._dynamo.mark_dynamic``), so each variant compiles once per shape family (plus once
 more where a pass's size threshold splits the range); ``--static`` compiles each token count on its
@@ -96,7 +96,7 @@ import time
 from typing import Any
 
 VARIANTS = ("bf16", "bf16-fp4fuse", "nvfp4", "lowered", "sp", "fp4fuse", "forced", "fp4fuse-sl", "fp4fuse-bucketed")
-DECODE_MAX_TOKENS = 128
+DECODE_MAX_TOKENS = 256
 PREFILL_SEQ = 512
 
 

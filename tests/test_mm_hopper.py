@@ -47,10 +47,13 @@ def test_the_gluon_switch_is_read_on_every_call(monkeypatch):
     (1024, 14336, 4096, torch.bfloat16, True),   # 448 tiles in 4 waves: 0.85 filled
     (257, 300, 192, torch.float16, True),        # fp16 / fp32: any fill, no upper bound (the tiled
     (9000, 8192, 8192, torch.float32, True),     # kernel, their other path, is slower)
-    (256, 8192, 8192, torch.float32, True),      # up to 256 rows: split-K on weights of 2**25 elements
+    (256, 8192, 8192, torch.float32, True),      # up to 256 rows: split-K on weights of 3 * 2**22 elements
     (129, 8192, 4096, torch.bfloat16, True),
+    (200, 4096, 7168, torch.bfloat16, True),
+    (256, 3072, 4096, torch.bfloat16, True),     # the smallest: 3 * 2**22
     (128, 8192, 8192, torch.bfloat16, False),    # the decode GEMM's below 129 rows
-    (200, 4096, 7168, torch.bfloat16, False),    # and on smaller weights
+    (200, 4096, 2048, torch.bfloat16, False),    # and on smaller weights
+    (256, 3072, 4088, torch.bfloat16, False),
     (256, 8192, 4088, torch.float32, False),
     (1000, 8192, 8160, torch.bfloat16, False),   # K not a multiple of 64 (whole scale words per step)
     (1000, 0, 256, torch.float16, False),

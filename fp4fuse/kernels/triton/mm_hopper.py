@@ -106,10 +106,11 @@ GLUON_TRITON = (3, 6)
 #: kernel, is 2-3x slower).
 HOPPER_BF16_MAX_M = 2048
 #: Up to DECODE_MAX_M rows the kernel takes products above SPLIT_MIN_M rows whose weight holds at
-#: least SPLIT_MIN_WEIGHT elements, with split-K (``split_for``); the decode GEMM keeps the rest,
-#: where it was faster (benchmarks/results/, ``bench_ops.py --hopper-split-sweep``).
+#: least SPLIT_MIN_WEIGHT elements (3072 x 4096, Llama-3-8B's and Qwen3-8B's TP=2 q/k/v shard),
+#: with split-K (``split_for``); the decode GEMM keeps the rest, where it was faster
+#: (benchmarks/results/, ``bench_ops.py --hopper-split-sweep``).
 SPLIT_MIN_M = 128
-SPLIT_MIN_WEIGHT = 1 << 25
+SPLIT_MIN_WEIGHT = 3 << 22
 #: ``fills_the_gpu``'s least fill of the launched tiles, in tenths.
 MIN_FILL_TENTHS = 8
 #: K elements per step (code bytes: half), and the alignment of K it needs (whole scale words).
