@@ -491,7 +491,8 @@ def test_cuda_compiled_graph_lowers_the_gluon_gemm_with_its_bits(m, n, k, later,
     if later is not None:
         a2, sa2 = _operands(later, n, k, seed=14)[:2]
         assert torch.equal(compiled(a2, b, sa2, sb, ga, gb), _gemm_graph(a2, b, sa2, sb, ga, gb))
-        assert fusion.calls == 1  # one graph serves the range
+        # one graph serves the range: compiled here, or served from the FX graph cache of an earlier run
+        assert fusion.calls + fusion.cached_graphs == 1
 
 
 @pytest.mark.cuda
