@@ -227,9 +227,9 @@ def test_cuda_matches_float64(m, n, k, out_dtype):
 ])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_cuda_split_k_and_small_tiles_match_float64(m, n, k, block_m, split_k, out_dtype):
-    """Split-K (the last of a tile's splits to arrive sums the fp32 partials in split order) and the
+    """Split-K (each split's fp32 partial sums, added in split order by a second launch) and the
     64- / 128-token tiles: the float64 reference up to fp32 accumulation and one rounding, and the
-    same bits on a second call (whichever split arrives last, the sum's order is fixed)."""
+    same bits on a second call."""
     _require_hopper()
     a, sa, ga, b, sb, gb = _operands(m, n, k, seed=m * 7 + n + split_k)
     alpha = 1.0 / (ga * gb)
