@@ -8,10 +8,12 @@ averaged over ``CALLS`` calls that rotate over ``bench_ops.ROTATIONS`` weight co
 
 - ``decode``: the activation's decode into fp16 halves (``decode.decode_fp4_halves``);
 - ``split s``: the Gluon kernel alone on those halves at the smallest token tile holding M and
-  ``s`` K ranges a tile, with the zeroing of its split-K counters (its own kernel) beside it;
+  ``s`` K ranges a tile, with the other kernels its call launches beside it (since the
+  twenty-eighth session the split sum, ``reduce.sum_split_partials``; before, the zeroing of the
+  in-kernel reduction's counters);
 - ``same grid, no reduction``: the kernel on an ``[s * N, K_s]`` weight with one split, ``K_s`` the
   K elements of one of the ``s`` ranges: the same programs, each with the same K steps, and no
-  partial store or last-arriver sum. Its difference from ``split s`` is what the reduction costs;
+  partial sums to store or combine. Its difference from ``split s`` is what the reduction costs;
 - ``steps j``: the same control with ``j`` K steps a program, fitted as ``fixed + j * per_step``;
 - cuBLAS bf16 and the shipped dispatch (``mm_fp4_triton``), each kernel by name.
 
@@ -63,6 +65,7 @@ def short(name: str) -> str:
 
 
 def parse_points(text: str) -> tuple[tuple[int, int, int], ...]:
+    """``"M:NxK,..."`` -> ``((M, N, K), ...)``."""
     points = []
     for item in text.split(","):
         m, shape = item.split(":")
@@ -72,12 +75,15 @@ def parse_points(text: str) -> tuple[tuple[int, int, int], ...]:
 
 
 def hopper_launch(hopper, m: int, split: int | None):
-    """The launch ``bench_ops`` sweeps use at M rows: the smallest token tile that holds M."""
+    """The launch ``bench_ops`` sweeps use at M rows: the smallest token tile that holds M, ``split``
+    K ranges (None: ``hopper_split``'s)."""
     block_m = next(b for b in hopper.BLOCK_M_CHOICES if b >= m) if m <= max(hopper.BLOCK_M_CHOICES) else hopper.BLOCK_M
     return hopper.HopperLaunch(block_m=block_m, split_k=split)
 
 
 def gemm_us(hopper, xlo, xhi, weights, alpha, launch) -> dict[str, float]:
+    """``kernel_us`` of ``mm_fp4_hopper_halves`` under ``launch`` on the decoded activation, over the
+    rotating ``weights`` (``bench_ops.quantize`` triples)."""
     return kernel_us([functools.partial(hopper.mm_fp4_hopper_halves, xlo, xhi, wq, wsq, alpha, torch.bfloat16,
                                         None, launch) for wq, wsq, _ in weights])
 
@@ -95,6 +101,7 @@ def control_us(hopper, m: int, n: int, steps: int, programs_per_tile: int, launc
 
 
 def profile_point(hopper, m: int, n: int, k: int, sms: int) -> dict:
+    """One ``M:NxK`` point (module docstring): printed as it comes, returned as a raw row."""
     weights = [quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16)) for _ in range(ROTATIONS)]
     w_t = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() for _ in range(ROTATIONS)]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -139,6 +146,7 @@ def profile_point(hopper, m: int, n: int, k: int, sms: int) -> dict:
 
 
 def ncu_target(hopper, m: int, n: int, k: int, split: int | None) -> None:
+    """``CALLS`` launches of ``hopper_launch``'s launch at one point, nothing timed (``--ncu-target``)."""
     b, sb, gb = quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
     a, sa, ga = quantize(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
     xlo, xhi = triton_decode.decode_fp4_halves(a, sa)
