@@ -6,9 +6,9 @@ Compiles ``fp4fuse.kernels.triton.mm_hopper._mm_hopper_kernel`` with the install
 bundled ptxas and cuobjdump) for each token tile, with and without split-K (``PARTIAL``), at the
 shipped launch otherwise (``STAGES``, ``SCALE_AHEAD``, ``MAX_REGISTERS``), and prints what
 ``cuobjdump -res-usage`` reports and the SASS's local-memory stores and loads (spills). The module is
-written to Triton 3.6's Gluon API; later releases renamed two calls (``tma.async_load``,
-``gl.barrier``), so the source compiled here is the module's own with those names replaced (the
-script stops if it does not find them). The GPU machines run Triton 3.6, whose register allocation
+written to Triton 3.6's Gluon API; later releases renamed a call it makes (``tma.async_load``),
+so the source compiled here is the module's own with that name replaced (the script stops if it
+does not find it). The GPU machines run Triton 3.6, whose register allocation
 may differ: these counts say what the kernel asks of a compiler, not what ships. Results in
 benchmarks/results/.
 """
@@ -27,18 +27,18 @@ from triton.backends.compiler import GPUTarget
 
 from sass_decode_loop import cuobjdump  # benchmarks/, this script's folder
 
-#: Gluon calls renamed after Triton 3.6: (3.6 name, later name).
-RENAMES = (("tma.async_copy_global_to_shared(", "tma.async_load("), ("gl.thread_barrier()", "gl.barrier()"))
+#: Gluon calls the module makes that were renamed after Triton 3.6: (3.6 name, later name).
+RENAMES = (("tma.async_copy_global_to_shared(", "tma.async_load("),)
 _SOURCE = pathlib.Path(__file__).resolve().parents[1] / "fp4fuse" / "kernels" / "triton" / "mm_hopper.py"
 
 
 def _module(directory: str):
-    """``mm_hopper`` as the installed Triton's Gluon names it (``RENAMES`` applied where they occur)."""
+    """``mm_hopper`` as the installed Triton's Gluon names it (``RENAMES`` applied where needed)."""
     source = _SOURCE.read_text()
     if tuple(int(v) for v in triton.__version__.split(".")[:2]) > (3, 6):
-        if not any(old in source for old, _ in RENAMES):
-            raise SystemExit(f"{_SOURCE}: none of {[old for old, _ in RENAMES]} found; update RENAMES")
         for old, new in RENAMES:
+            if old not in source:
+                raise SystemExit(f"{_SOURCE}: {old!r} not found; update RENAMES")
             source = source.replace(old, new)
     path = pathlib.Path(directory) / "mm_hopper_offline.py"
     path.write_text(source)
@@ -60,8 +60,7 @@ def compile_report(hopper, block_m: int, partial: bool) -> tuple[str, str]:
                                           w_layout)
     kernel = hopper._mm_hopper_kernel
     types = {"xlo_desc": x_desc.__mangle__(), "xhi_desc": x_desc.__mangle__(), "w_desc": w_desc.__mangle__(),
-             "ws_ptr": "*i32", "alpha_ptr": "*fp32", "alpha_b_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32",
-             "count_ptr": "*i32"}
+             "ws_ptr": "*i32", "alpha_ptr": "*fp32", "alpha_b_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32"}
     constexprs = dict(ALPHA_FROM_SCALES=False, ALPHA_DIV_RN=False, PARTIAL=partial, STAGES=hopper.STAGES,
                       GROUP_M=hopper.GROUP_M, SCALE_AHEAD=hopper.SCALE_AHEAD, num_warps=hopper.NUM_WARPS)
     signature = {p.name: "constexpr" if p.name in constexprs else types.get(p.name, "i32") for p in kernel.params}
