@@ -143,8 +143,12 @@ def test_refuses_operands_it_cannot_read_with_the_rule():
         mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, step_k=96)
     with pytest.raises(ValueError, match="K % 128 == 0"):  # K = 192
         mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, step_k=128)
-    with pytest.raises(ValueError, match="scale_ahead must be 0 or 1"):
-        mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, scale_ahead=2)
+    with pytest.raises(ValueError, match=r"scale_ahead must be one of \(0, 1, 2\)"):
+        mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, scale_ahead=3)
+    with pytest.raises(ValueError, match=r"queue_depth must be one of \(1, 2\) and below stages"):
+        mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, queue_depth=3)
+    with pytest.raises(ValueError, match="got queue_depth=2, stages=2"):  # the ring would deadlock
+        mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, queue_depth=2, stages=2)
     a2, b2, sa2, sb2, _ = _cpu_operands(300, 96, 256)
     sb_half_word = _off_word(sb2, offset=4)  # 4-byte aligned: enough for 64-element steps, not 128
     assert sb_half_word.data_ptr() % 8 == 4
@@ -269,6 +273,34 @@ def test_cuda_wide_steps_and_scales_ahead_match_float64(m, n, k, block_m, split_
                                         step_k=step_k, scale_ahead=1)
         assert torch.equal(again, out) and torch.equal(ahead, out), step_k
         assert _rel_error(out, a, b, sa, sb, alpha) <= _TOL[torch.bfloat16], step_k
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m,n,k,block_m,split_k", [
+    (40, 200, 128, 16, 1),      # 2 steps: the loop never runs
+    (13, 300, 320, 16, 1),      # 5 steps: none after the loop
+    (50, 1000, 384, 64, 1),     # 6 steps: one after the loop
+    (100, 136, 448, 128, 1),    # 7 steps: two after the loop
+    (37, 520, 576, 32, 4),      # 9 steps as 3 / 3 / 3
+    (40, 200, 448, 32, 4),      # 7 steps as 2 / 2 / 2 / 1: a one-step program queues one step
+    (300, 1000, 640, 256, 2),   # the 256-token tile, two ranges of 5
+])
+def test_cuda_queue_depth_and_scales_two_ahead_keep_the_sums(m, n, k, block_m, split_k):
+    """The sweep parameters ``queue_depth=2`` (two steps' wgmmas in flight while the next is decoded,
+    each step's fragments in registers of their own) and ``scale_ahead=2``: bitwise the shipped
+    launch (neither moves a sum; a fragment overwritten while a wgmma reads it would show here)
+    and the float64 reference up to fp32 accumulation and one rounding, over program lengths that
+    leave 0, 1 and 2 steps after the unrolled loop, and a range of one step."""
+    _require_hopper()
+    a, sa, ga, b, sb, gb = _operands(m, n, k, seed=3 * m + n + k)
+    alpha = 1.0 / (ga * gb)
+    shipped = mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, block_m=block_m, split_k=split_k)
+    assert _rel_error(shipped, a, b, sa, sb, alpha) <= _TOL[torch.bfloat16]
+    for depth, ahead in ((1, 0), (1, 2), (2, 0), (2, 1), (2, 2)):
+        for stages in (3, mm_hopper.max_stages(block_m)) if depth == 2 else (mm_hopper.STAGES,):
+            got = mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, block_m=block_m, split_k=split_k,
+                                          queue_depth=depth, scale_ahead=ahead, stages=stages)
+            assert torch.equal(got, shipped), (depth, ahead, stages)
 
 
 @pytest.mark.cuda

@@ -124,9 +124,14 @@ _SCALE_WORD = {64: torch.int32, 128: torch.int64}
 BLOCK_M = 256
 BLOCK_N = 128
 STAGES = 4
-#: K steps ahead of its use that a consumer loads a step's weight scales (0 or 1; ``mm_fp4_hopper``'s
+#: K steps ahead of its use that a consumer loads a step's weight scales (0 to 2; ``mm_fp4_hopper``'s
 #: ``scale_ahead``; module docstring).
 SCALE_AHEAD = 1
+SCALE_AHEAD_CHOICES = (0, 1, 2)
+#: K steps whose wgmmas may still run while a consumer decodes the next (1 or 2;
+#: ``mm_fp4_hopper``'s ``queue_depth``; module docstring).
+QUEUE_DEPTH = 1
+QUEUE_DEPTH_CHOICES = (1, 2)
 #: Shared memory a program may hold (sm_90: 227 KiB), and what the ring leaves of it for the
 #: epilogue's layout conversion and the mbarriers (``max_stages``).
 SMEM_BYTES = 227 * 1024
@@ -150,7 +155,8 @@ class HopperLaunch:
     """How :func:`mm_fp4_hopper` launches ``_mm_hopper_kernel`` (its keyword arguments, which document
     each field): ``block_m`` tokens a program; ``split_k`` K ranges a tile (None: :func:`split_for`
     of the call's M); ptxas's ``max_registers`` a thread; ``stages`` of the TMA ring;
-    ``scale_ahead`` K steps the weight scales load early; ``step_k`` K elements a step. The
+    ``scale_ahead`` K steps the weight scales load early; ``step_k`` K elements a step;
+    ``queue_depth`` K steps whose wgmmas run while the next is decoded. The
     defaults are the shipped launch (:data:`DEFAULT_LAUNCH`), the only one a traced call makes."""
 
     block_m: int = BLOCK_M
@@ -159,6 +165,7 @@ class HopperLaunch:
     stages: int = STAGES
     scale_ahead: int = SCALE_AHEAD
     step_k: int = STEP_K
+    queue_depth: int = QUEUE_DEPTH
 
 
 DEFAULT_LAUNCH = HopperLaunch()
@@ -279,42 +286,61 @@ def _decoded_weight(w_buf, words, shift, a_layout: gl.constexpr):
 
 @gluon.jit
 def _step_words(word_ptrs, i, k_count, SCALE_AHEAD: gl.constexpr):
-    """The scale words ``_queued_step`` decodes step ``i`` with when it is called for step ``i -
-    SCALE_AHEAD`` (clamped to the program's last step, so no load reads past its range)."""
+    """The scale words of step ``i + SCALE_AHEAD``, the ones ``_queued_step`` loads when called for
+    step ``i`` (clamped to the program's last step, so no load reads past its range)."""
     return gl.load(word_ptrs + gl.minimum(i + SCALE_AHEAD, k_count - 1))
 
 
 @gluon.jit
-def _queued_step(acc, i, lo_prev, hi_prev, words, xlo_bufs, xhi_bufs, w_bufs, ready, empty, word_ptrs, shift, k_count,
-                 a_layout: gl.constexpr, SCALE_AHEAD: gl.constexpr):
-    """K step ``i`` (of the program's range): decode its weight fragments (while step i - 1's
-    wgmmas run), issue its wgmmas, then wait for step i - 1's (whose fragments ``lo_prev, hi_prev``
-    stay live until then) and free that step's stage. Returns the accumulator, step i's fragments
-    and the scale words of step ``i + 1``. SCALE_AHEAD: ``words`` are step i's, loaded a step
-    earlier, and step i + 1's load is issued before step i's wait for its codes; 0: ``words`` are
-    ignored and step i's are loaded here (the load's latency in the step)."""
+def _issued_step(acc, i, words, xlo_bufs, xhi_bufs, w_bufs, ready, shift, a_layout: gl.constexpr,
+                 USE_ACC: gl.constexpr = True):
+    """K step ``i``: wait for its codes, decode its weight fragments with its scale ``words`` and
+    issue its two wgmma groups (even, odd elements). Returns the accumulator and the fragments,
+    which the wgmmas read asynchronously: they must stay unwritten until a wait covers them."""
     num_stages: gl.constexpr = w_bufs.type.shape[0]
     stage = i % num_stages
-    if SCALE_AHEAD:
-        next_words = _step_words(word_ptrs, i, k_count, SCALE_AHEAD)
-    else:
-        words = gl.load(word_ptrs + i)
-        next_words = words
     mbarrier.wait(ready.index(stage), (i // num_stages) & 1)
     lo, hi = _decoded_weight(w_bufs.index(stage), words, shift, a_layout)
-    acc = warpgroup_mma(lo, xlo_bufs.index(stage).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(lo, xlo_bufs.index(stage).permute((1, 0)), acc, use_acc=USE_ACC, is_async=True)
     acc = warpgroup_mma(hi, xhi_bufs.index(stage).permute((1, 0)), acc, is_async=True)
-    lo_prev, hi_prev = warpgroup_mma_wait(num_outstanding=2, deps=(lo_prev, hi_prev))
-    mbarrier.arrive(empty.index((i - 1) % num_stages))
-    return acc, lo, hi, next_words
+    return acc, lo, hi
+
+
+@gluon.jit
+def _queued_step(acc, i, lo_old, hi_old, words, later_words, xlo_bufs, xhi_bufs, w_bufs, ready, empty, word_ptrs,
+                 shift, k_count, a_layout: gl.constexpr, SCALE_AHEAD: gl.constexpr, QUEUE_DEPTH: gl.constexpr,
+                 FREE: gl.constexpr = True):
+    """K step ``i`` of the program's range, while the wgmmas of steps ``i - QUEUE_DEPTH .. i - 1``
+    run: issue it (``_issued_step``), then wait until only the last ``QUEUE_DEPTH`` steps' wgmmas
+    may still run, which covers step ``i - QUEUE_DEPTH``'s (whose fragments ``lo_old, hi_old`` stay
+    live until then), and free that step's stage (not FREE: ``i < QUEUE_DEPTH``, no such step).
+
+    Scale words: with SCALE_AHEAD 0 ``words`` are ignored and step i's are loaded in the step; else
+    ``words`` are step i's and ``later_words`` step i + 1's (SCALE_AHEAD 2), loaded that many steps
+    earlier; step ``i + SCALE_AHEAD``'s load is issued before the wait for step i's codes. Returns
+    the accumulator, step i's fragments and the words of steps i + 1 and i + 2 (as far as loaded)."""
+    num_stages: gl.constexpr = w_bufs.type.shape[0]
+    if SCALE_AHEAD == 0:
+        words = gl.load(word_ptrs + i)
+        loaded = words
+    else:
+        loaded = _step_words(word_ptrs, i, k_count, SCALE_AHEAD)
+    acc, lo, hi = _issued_step(acc, i, words, xlo_bufs, xhi_bufs, w_bufs, ready, shift, a_layout)
+    lo_old, hi_old = warpgroup_mma_wait(num_outstanding=2 * QUEUE_DEPTH, deps=(lo_old, hi_old))
+    if FREE:
+        mbarrier.arrive(empty.index((i - QUEUE_DEPTH) % num_stages))
+    if SCALE_AHEAD == 2:
+        return acc, lo, hi, later_words, loaded
+    return acc, lo, hi, loaded, loaded
 
 
 @gluon.jit
 def _mma_partition(xlo_bufs, xhi_bufs, w_bufs, ready, empty, ws_ptr, words_per_row, off_n, N, k_begin, k_count,
-                   BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SCALE_AHEAD: gl.constexpr, num_warps: gl.constexpr):
+                   BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SCALE_AHEAD: gl.constexpr,
+                   QUEUE_DEPTH: gl.constexpr, num_warps: gl.constexpr):
     """Consumer warpgroups: decode each step's weight rows into wgmma fragments and accumulate
     ``acc[BLOCK_N, BLOCK_M]`` over K steps ``[k_begin, k_begin + k_count)`` (a step decoded and its
-    wgmmas queued while the previous step's run)."""
+    wgmmas queued while the previous ``QUEUE_DEPTH`` steps' run; ``k_count >= QUEUE_DEPTH``)."""
     step_bytes: gl.constexpr = w_bufs.type.shape[2]
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_M, 16])
@@ -325,36 +351,72 @@ def _mma_partition(xlo_bufs, xhi_bufs, w_bufs, ready, empty, ws_ptr, words_per_r
     word_ptrs = ws_ptr + rows.to(gl.int64) * words_per_row + k_begin
     # byte of the row's scale word for each code byte of the step (8 code bytes per 16-element block)
     shift = (gl.arange(0, step_bytes, layout=gl.SliceLayout(0, a_layout)) // 8) * 8
-    # Step i's wgmmas are issued while step i - 1's still run. A wgmma reads its register operand
-    # asynchronously, so no instruction may write those registers before a wait covers it: two
-    # call sites of _queued_step per loop iteration give consecutive steps their own registers, and
-    # each site rewrites its registers one step after the wait on the wgmmas that read them.
-    # Step 0 with use_acc=False: nothing but wgmmas may write the accumulator while they are in
-    # flight (ptxas would serialize them), and from then on they always are.
-    if SCALE_AHEAD:
-        words = gl.load(word_ptrs)
-        next_words = _step_words(word_ptrs, 0, k_count, SCALE_AHEAD)
-        mbarrier.wait(ready.index(0), 0)
-    else:
-        mbarrier.wait(ready.index(0), 0)
-        words = gl.load(word_ptrs)
+    # Step i's wgmmas are issued while steps i - QUEUE_DEPTH .. i - 1's still run. A wgmma reads its
+    # register operand asynchronously, so no instruction may write those registers before a wait
+    # covers it: QUEUE_DEPTH + 1 call sites of _queued_step per loop iteration give that many
+    # consecutive steps their own registers, and each site rewrites its registers only after the
+    # wait on the wgmmas that read them. Step 0 with use_acc=False: nothing but wgmmas may write
+    # the accumulator while they are in flight (ptxas would serialize them), and from then on
+    # they always are.
+    words = gl.load(word_ptrs)
+    if SCALE_AHEAD == 0:
         next_words = words
-    lo_a, hi_a = _decoded_weight(w_bufs.index(0), words, shift, a_layout)
-    acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, mma_layout)
-    acc = warpgroup_mma(lo_a, xlo_bufs.index(0).permute((1, 0)), acc, use_acc=False, is_async=True)
-    acc = warpgroup_mma(hi_a, xhi_bufs.index(0).permute((1, 0)), acc, is_async=True)
-    for i in range(1, k_count - 1, 2):
-        acc, lo_b, hi_b, next_words = _queued_step(acc, i, lo_a, hi_a, next_words, xlo_bufs, xhi_bufs, w_bufs, ready,
-                                                   empty, word_ptrs, shift, k_count, a_layout, SCALE_AHEAD)
-        acc, lo_a, hi_a, next_words = _queued_step(acc, i + 1, lo_b, hi_b, next_words, xlo_bufs, xhi_bufs, w_bufs,
-                                                   ready, empty, word_ptrs, shift, k_count, a_layout, SCALE_AHEAD)
-    if k_count % 2 == 0:
-        acc, lo_b, hi_b, next_words = _queued_step(acc, k_count - 1, lo_a, hi_a, next_words, xlo_bufs, xhi_bufs,
-                                                   w_bufs, ready, empty, word_ptrs, shift, k_count, a_layout,
-                                                   SCALE_AHEAD)
-        result, lo_b, hi_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc, lo_b, hi_b))
+        later_words = words
+    elif SCALE_AHEAD == 1:
+        next_words = _step_words(word_ptrs, 0, k_count, 1)
+        later_words = next_words
     else:
-        result, lo_a, hi_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, lo_a, hi_a))
+        next_words = _step_words(word_ptrs, 0, k_count, 1)
+        later_words = _step_words(word_ptrs, 0, k_count, 2)
+    acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, mma_layout)
+    acc, lo_a, hi_a = _issued_step(acc, 0, words, xlo_bufs, xhi_bufs, w_bufs, ready, shift, a_layout, False)
+    if QUEUE_DEPTH == 1:
+        for i in range(1, k_count - 1, 2):
+            acc, lo_b, hi_b, next_words, later_words = _queued_step(
+                acc, i, lo_a, hi_a, next_words, later_words, xlo_bufs, xhi_bufs, w_bufs, ready, empty, word_ptrs,
+                shift, k_count, a_layout, SCALE_AHEAD, QUEUE_DEPTH)
+            acc, lo_a, hi_a, next_words, later_words = _queued_step(
+                acc, i + 1, lo_b, hi_b, next_words, later_words, xlo_bufs, xhi_bufs, w_bufs, ready, empty, word_ptrs,
+                shift, k_count, a_layout, SCALE_AHEAD, QUEUE_DEPTH)
+        if k_count % 2 == 0:
+            acc, lo_b, hi_b, next_words, later_words = _queued_step(
+                acc, k_count - 1, lo_a, hi_a, next_words, later_words, xlo_bufs, xhi_bufs, w_bufs, ready, empty,
+                word_ptrs, shift, k_count, a_layout, SCALE_AHEAD, QUEUE_DEPTH)
+            result, lo_b, hi_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc, lo_b, hi_b))
+        else:
+            result, lo_a, hi_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, lo_a, hi_a))
+    else:
+        # step 1 queued behind step 0 with nothing to wait for or free; then three sites a loop iteration
+        acc, lo_b, hi_b, next_words, later_words = _queued_step(
+            acc, 1, lo_a, hi_a, next_words, later_words, xlo_bufs, xhi_bufs, w_bufs, ready, empty, word_ptrs, shift,
+            k_count, a_layout, SCALE_AHEAD, QUEUE_DEPTH, False)
+        for i in range(2, k_count - 2, 3):
+            acc, lo_c, hi_c, next_words, later_words = _queued_step(
+                acc, i, lo_a, hi_a, next_words, later_words, xlo_bufs, xhi_bufs, w_bufs, ready, empty, word_ptrs,
+                shift, k_count, a_layout, SCALE_AHEAD, QUEUE_DEPTH)
+            acc, lo_a, hi_a, next_words, later_words = _queued_step(
+                acc, i + 1, lo_b, hi_b, next_words, later_words, xlo_bufs, xhi_bufs, w_bufs, ready, empty, word_ptrs,
+                shift, k_count, a_layout, SCALE_AHEAD, QUEUE_DEPTH)
+            acc, lo_b, hi_b, next_words, later_words = _queued_step(
+                acc, i + 2, lo_c, hi_c, next_words, later_words, xlo_bufs, xhi_bufs, w_bufs, ready, empty, word_ptrs,
+                shift, k_count, a_layout, SCALE_AHEAD, QUEUE_DEPTH)
+        # steps a (second to last) and b (last) queued; 0 to 2 steps left
+        left = (k_count - 2) % 3
+        if left == 0:
+            result, lo_a, hi_a, lo_b, hi_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc, lo_a, hi_a, lo_b, hi_b))
+        else:
+            acc, lo_c, hi_c, next_words, later_words = _queued_step(
+                acc, k_count - left, lo_a, hi_a, next_words, later_words, xlo_bufs, xhi_bufs, w_bufs, ready, empty,
+                word_ptrs, shift, k_count, a_layout, SCALE_AHEAD, QUEUE_DEPTH)
+            if left == 1:
+                result, lo_b, hi_b, lo_c, hi_c = warpgroup_mma_wait(num_outstanding=0,
+                                                                     deps=(acc, lo_b, hi_b, lo_c, hi_c))
+            else:
+                acc, lo_a, hi_a, next_words, later_words = _queued_step(
+                    acc, k_count - 1, lo_b, hi_b, next_words, later_words, xlo_bufs, xhi_bufs, w_bufs, ready, empty,
+                    word_ptrs, shift, k_count, a_layout, SCALE_AHEAD, QUEUE_DEPTH)
+                result, lo_c, hi_c, lo_a, hi_a = warpgroup_mma_wait(num_outstanding=0,
+                                                                     deps=(acc, lo_c, hi_c, lo_a, hi_a))
     return (result,)
 
 
@@ -380,7 +442,7 @@ def _mm_hopper_kernel(xlo_desc, xhi_desc, w_desc, ws_ptr, alpha_ptr, alpha_b_ptr
                       M, N, k_steps, words_per_row, iters_per_split,
                       ALPHA_FROM_SCALES: gl.constexpr, ALPHA_DIV_RN: gl.constexpr, PARTIAL: gl.constexpr,
                       STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCALE_AHEAD: gl.constexpr,
-                      num_warps: gl.constexpr):
+                      QUEUE_DEPTH: gl.constexpr, num_warps: gl.constexpr):
     """Program ``(tile, split)``: the tile's K steps ``[split * iters_per_split, +iters_per_split)``;
     the output (not PARTIAL) or the split's partial sums (PARTIAL: split-K, module docstring)."""
     BLOCK_M: gl.constexpr = xlo_desc.block_type.shape[0]
@@ -405,7 +467,7 @@ def _mm_hopper_kernel(xlo_desc, xhi_desc, w_desc, ws_ptr, alpha_ptr, alpha_b_ptr
 
     results = gl.warp_specialize([
         (_mma_partition, (xlo_bufs, xhi_bufs, w_bufs, ready, empty, ws_ptr, words_per_row, off_n, N, k_begin, k_count,
-                          BLOCK_N, BLOCK_M, SCALE_AHEAD, num_warps)),
+                          BLOCK_N, BLOCK_M, SCALE_AHEAD, QUEUE_DEPTH, num_warps)),
         (_load_partition, (xlo_desc, xhi_desc, w_desc, xlo_bufs, xhi_bufs, w_bufs, ready, empty, off_m, off_n,
                            k_begin, k_count)),
     ], [1], [LOADER_REGISTERS])
@@ -457,6 +519,7 @@ def mm_fp4_hopper(
     a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, alpha: Alpha,
     out_dtype: torch.dtype, out: torch.Tensor | None = None, block_m: int = BLOCK_M, split_k: int | None = None,
     max_registers: int = MAX_REGISTERS, stages: int = STAGES, scale_ahead: int = SCALE_AHEAD, step_k: int = STEP_K,
+    queue_depth: int = QUEUE_DEPTH,
 ) -> torch.Tensor:
     """``alpha * (q_a * s_a) @ (q_b * s_b)^T`` (module docstring); ``out``: where to write it;
     ``block_m``: tokens per program, one of ``BLOCK_M_CHOICES``; ``split_k``: K ranges per tile
@@ -465,8 +528,10 @@ def mm_fp4_hopper(
     whole product's ``split_k``. ``max_registers``: ptxas's cap per thread over the 12 warps
     (sweeps: below 171 two programs fit a multiprocessor's registers, below 114 three).
     ``stages``: depth of the TMA ring, 2 to :func:`max_stages` (sweeps; the sums do not depend on it).
-    ``scale_ahead``: 1 (shipped) loads each K step's weight scales a step ahead, 0 in the step (the
-    sums do not depend on it). ``step_k``: K elements a step, one of ``STEP_K_CHOICES`` (sweeps;
+    ``scale_ahead``: 1 (shipped) loads each K step's weight scales a step ahead, 2 two steps, 0 in
+    the step (the sums do not depend on it). ``queue_depth``: K steps whose wgmmas may still run
+    while a consumer decodes the next, 1 (shipped) or 2 (needs ``stages > queue_depth``; a program
+    of fewer K steps than that queues fewer; the sums do not depend on it). ``step_k``: K elements a step, one of ``STEP_K_CHOICES`` (sweeps;
     128 needs K % 128 == 0 and an 8-byte aligned ``b_scale``). A step's two nibble planes are
     accumulated one after the other, so the order of the fp32 sums, and with it the last bits,
     depends on it.
@@ -475,7 +540,7 @@ def mm_fp4_hopper(
     launch and the Gluon launch, whose TMA descriptors Inductor cannot build, as one call of the
     internal op ``fp4fuse::_mm_fp4_hopper`` (``mm.mm_fp4_hopper_decoded``): the default launch
     only, so the compiled graph computes what the eager call computes, bit for bit."""
-    launch = HopperLaunch(block_m, split_k, max_registers, stages, scale_ahead, step_k)
+    launch = HopperLaunch(block_m, split_k, max_registers, stages, scale_ahead, step_k, queue_depth)
     _check_operands(a, b, a_scale, b_scale, out_dtype, out, launch)
     xlo, xhi = decode_fp4_halves(a, a_scale)
     return _on_halves(a, a_scale, xlo, xhi, b, b_scale, alpha, out_dtype, out, launch)
@@ -502,7 +567,7 @@ def _on_halves(a: torch.Tensor, a_scale: torch.Tensor, xlo: torch.Tensor, xhi: t
     if tracing():
         if out is not None or launch != DEFAULT_LAUNCH:
             raise RuntimeError("mm_fp4_hopper: a traced call takes the default launch (no out, block_m, split_k, "
-                               "max_registers, stages, scale_ahead or step_k): the op fp4fuse::_mm_fp4_hopper "
+                               "max_registers, stages, scale_ahead, step_k or queue_depth): the op fp4fuse::_mm_fp4_hopper "
                                "makes it")
         alpha_a, alpha_b = alpha_operands(alpha)
         meta = alpha_meta(alpha)
@@ -541,9 +606,13 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_s
         raise ValueError(f"mm_fp4_hopper: stages must be 2 to {max_stages(block_m, step_k)} for {block_m}-token tiles "
                          f"and {step_k}-element steps (the ring, {stage_bytes(block_m, step_k)} bytes a stage, must "
                          f"fit {SMEM_BYTES - EPILOGUE_SMEM_BYTES} bytes of shared memory); got {stages}")
-    if scale_ahead not in (0, 1):
-        raise ValueError(f"mm_fp4_hopper: scale_ahead must be 0 or 1 (K steps the weight scales load ahead); "
-                         f"got {scale_ahead}")
+    if scale_ahead not in SCALE_AHEAD_CHOICES:
+        raise ValueError(f"mm_fp4_hopper: scale_ahead must be one of {SCALE_AHEAD_CHOICES} (K steps the weight "
+                         f"scales load ahead); got {scale_ahead}")
+    if launch.queue_depth not in QUEUE_DEPTH_CHOICES or stages <= launch.queue_depth:
+        raise ValueError(f"mm_fp4_hopper: queue_depth must be one of {QUEUE_DEPTH_CHOICES} and below stages (the "
+                         f"ring holds each queued step's operands and the next step's); got queue_depth="
+                         f"{launch.queue_depth}, stages={stages}")
 
 
 def mm_fp4_hopper_halves(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
@@ -591,7 +660,8 @@ def mm_fp4_hopper_halves(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, 
             b_scale.view(_SCALE_WORD[step_k]), alpha_a, alpha_b, out, out if partials is None else partials, m, n,
             k_steps, k_steps, iters)
     meta = dict(**alpha_flags, PARTIAL=splits > 1, STAGES=launch.stages, GROUP_M=GROUP_M,
-                SCALE_AHEAD=launch.scale_ahead, num_warps=NUM_WARPS, maxnreg=launch.max_registers)
+                SCALE_AHEAD=launch.scale_ahead, QUEUE_DEPTH=_kernel_queue_depth(launch, k_steps, splits, iters),
+                num_warps=NUM_WARPS, maxnreg=launch.max_registers)
     kernel = traceable(_mm_hopper_kernel)
     if key is None or not isinstance(kernel, FastKernel):
         kernel[(tiles, splits)](*args, **meta)
@@ -602,6 +672,14 @@ def mm_fp4_hopper_halves(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, 
             _RELAUNCHES.clear()
         _RELAUNCHES[key] = (relaunch, splits)
     return _sum_splits(partials, out, alpha)
+
+
+def _kernel_queue_depth(launch: HopperLaunch, k_steps: int, splits: int, iters: int) -> int:
+    """The kernel's ``QUEUE_DEPTH`` for a launch of ``splits`` K ranges of ``iters`` steps over
+    ``k_steps``: ``launch.queue_depth``, or 1 where a program (the last range is the shortest) has
+    fewer steps than that (its step 1 would never arrive). The sums do not depend on it."""
+    shortest = k_steps - (splits - 1) * iters
+    return launch.queue_depth if shortest >= launch.queue_depth else 1
 
 
 def _split_workspace(splits: int, m: int, n: int, device: torch.device) -> torch.Tensor | None:
