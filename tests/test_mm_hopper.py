@@ -303,6 +303,48 @@ def test_cuda_queue_depth_and_scales_two_ahead_keep_the_sums(m, n, k, block_m, s
             assert torch.equal(got, shipped), (depth, ahead, stages)
 
 
+def test_pack_weight_puts_each_tile_and_step_in_one_block():
+    """``pack_weight``'s order, checked element by element against the linear weight with the
+    index arithmetic written out here: tile t, step j, row r, byte c at codes row
+    (t * steps + j) * 128 + r; rows past N zero (N = 300: three tiles, the last one 44 rows)."""
+    n, k = 300, 192
+    gen = torch.Generator().manual_seed(7)
+    b = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    sb = torch.randint(0, 0x7F, (n, k // 16), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
+    packed = mm_hopper.pack_weight(b, sb)
+    steps = k // 64
+    assert packed.codes.shape == (3 * steps * 128, 32) and packed.words.shape == (3 * steps * 128,)
+    words = sb.view(torch.uint8).view(torch.int32)  # [N, steps]: one row's 4 scales of a step
+    for t in range(3):
+        for j in range(steps):
+            for r in (0, 1, 43, 44, 127):
+                row, idx = t * 128 + r, (t * steps + j) * 128 + r
+                if row < n:
+                    assert torch.equal(packed.codes[idx], b[row, 32 * j:32 * (j + 1)]), (t, j, r)
+                    assert packed.words[idx] == words[row, j], (t, j, r)
+                else:
+                    assert not packed.codes[idx].any() and packed.words[idx] == 0, (t, j, r)
+    with pytest.raises(ValueError, match="pack_weight: needs K % 64 == 0"):
+        mm_hopper.pack_weight(b[:, :40], sb[:, :5])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m,n,k,block_m,split_k", [
+    (13, 300, 1024, 16, 4), (100, 1000, 448, 128, 1), (300, 136, 640, 256, 2)])
+def test_cuda_packed_weight_gives_the_linear_weights_bits(m, n, k, block_m, split_k):
+    """The kernel on ``pack_weight``'s copy reads the same codes and scales in the same order: the
+    linear weight's output bit for bit (N not a multiple of the 128-row tile: padded rows)."""
+    _require_hopper()
+    a, sa, ga, b, sb, gb = _operands(m, n, k, seed=5 * m + n + k)
+    alpha = 1.0 / (ga * gb)
+    linear = mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, block_m=block_m, split_k=split_k)
+    packed = mm_hopper.pack_weight(b, sb)
+    for depth in (1, 2):
+        got = mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, block_m=block_m, split_k=split_k,
+                                      queue_depth=depth, packed=packed)
+        assert torch.equal(got, linear), depth
+
+
 @pytest.mark.cuda
 def test_cuda_fast_launch_serves_the_kernel_tritons_dispatch_picks(monkeypatch):
     """The Gluon launch goes through ``FastKernel`` (fp4fuse.kernels.triton.launch), keyed on its TMA
