@@ -49,10 +49,8 @@ def _module(directory: str):
     return module
 
 
-def compile_report(hopper, block_m: int, partial: bool, queue_depth: int | None = None,
-                   scale_ahead: int | None = None, packed: bool = False) -> tuple[str, str]:
-    """``(cuobjdump -res-usage line, SASS)`` of one launch form (``queue_depth``, ``scale_ahead``:
-    the module's defaults where None)."""
+def compile_report(hopper, block_m: int, partial: bool) -> tuple[str, str]:
+    """``(cuobjdump -res-usage line, SASS)`` of one launch form."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     x_layout, w_layout = hopper._smem_layouts(block_m)
@@ -64,10 +62,7 @@ def compile_report(hopper, block_m: int, partial: bool, queue_depth: int | None 
     types = {"xlo_desc": x_desc.__mangle__(), "xhi_desc": x_desc.__mangle__(), "w_desc": w_desc.__mangle__(),
              "ws_ptr": "*i32", "alpha_ptr": "*fp32", "alpha_b_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32"}
     constexprs = dict(ALPHA_FROM_SCALES=False, ALPHA_DIV_RN=False, PARTIAL=partial, STAGES=hopper.STAGES,
-                      GROUP_M=hopper.GROUP_M,
-                      SCALE_AHEAD=hopper.SCALE_AHEAD if scale_ahead is None else scale_ahead,
-                      QUEUE_DEPTH=hopper.QUEUE_DEPTH if queue_depth is None else queue_depth, PACKED=packed,
-                      num_warps=hopper.NUM_WARPS)
+                      GROUP_M=hopper.GROUP_M, SCALE_AHEAD=hopper.SCALE_AHEAD, num_warps=hopper.NUM_WARPS)
     signature = {p.name: "constexpr" if p.name in constexprs else types.get(p.name, "i32") for p in kernel.params}
     source = GluonASTSource(fn=kernel, signature=signature,
                             constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
@@ -83,17 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--block-ms", default="64,128,256")
     parser.add_argument("--sass-dir", help="also write each form's SASS here")
-    parser.add_argument("--queue-depth", type=int, help="the kernel's QUEUE_DEPTH (default: the module's)")
-    parser.add_argument("--scale-ahead", type=int, help="the kernel's SCALE_AHEAD (default: the module's)")
-    parser.add_argument("--packed", action="store_true", help="the packed weight's form (PACKED)")
     args = parser.parse_args(argv)
     print(f"Triton {triton.__version__}, sm_90")
     with tempfile.TemporaryDirectory() as directory:
         hopper = _module(directory)
         for block_m in (int(v) for v in args.block_ms.split(",")):
             for partial in (False, True):
-                usage, sass = compile_report(hopper, block_m, partial, args.queue_depth, args.scale_ahead,
-                                             args.packed)
+                usage, sass = compile_report(hopper, block_m, partial)
                 spills = len(re.findall(r"\bSTL\b", sass)), len(re.findall(r"\bLDL\b", sass))
                 print(f"block_m={block_m} split-K={partial}: {usage} | STL {spills[0]} LDL {spills[1]}", flush=True)
                 if args.sass_dir:

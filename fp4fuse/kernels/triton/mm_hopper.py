@@ -70,7 +70,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import NamedTuple
 
 import torch
 import triton
@@ -125,14 +124,9 @@ _SCALE_WORD = {64: torch.int32, 128: torch.int64}
 BLOCK_M = 256
 BLOCK_N = 128
 STAGES = 4
-#: K steps ahead of its use that a consumer loads a step's weight scales (0 to 2; ``mm_fp4_hopper``'s
+#: K steps ahead of its use that a consumer loads a step's weight scales (0 or 1; ``mm_fp4_hopper``'s
 #: ``scale_ahead``; module docstring).
 SCALE_AHEAD = 1
-SCALE_AHEAD_CHOICES = (0, 1, 2)
-#: K steps whose wgmmas may still run while a consumer decodes the next (1 or 2;
-#: ``mm_fp4_hopper``'s ``queue_depth``; module docstring).
-QUEUE_DEPTH = 1
-QUEUE_DEPTH_CHOICES = (1, 2)
 #: Shared memory a program may hold (sm_90: 227 KiB), and what the ring leaves of it for the
 #: epilogue's layout conversion and the mbarriers (``max_stages``).
 SMEM_BYTES = 227 * 1024
@@ -156,8 +150,7 @@ class HopperLaunch:
     """How :func:`mm_fp4_hopper` launches ``_mm_hopper_kernel`` (its keyword arguments, which document
     each field): ``block_m`` tokens a program; ``split_k`` K ranges a tile (None: :func:`split_for`
     of the call's M); ptxas's ``max_registers`` a thread; ``stages`` of the TMA ring;
-    ``scale_ahead`` K steps the weight scales load early; ``step_k`` K elements a step;
-    ``queue_depth`` K steps whose wgmmas run while the next is decoded. The
+    ``scale_ahead`` K steps the weight scales load early; ``step_k`` K elements a step. The
     defaults are the shipped launch (:data:`DEFAULT_LAUNCH`), the only one a traced call makes."""
 
     block_m: int = BLOCK_M
@@ -166,7 +159,6 @@ class HopperLaunch:
     stages: int = STAGES
     scale_ahead: int = SCALE_AHEAD
     step_k: int = STEP_K
-    queue_depth: int = QUEUE_DEPTH
 
 
 DEFAULT_LAUNCH = HopperLaunch()
@@ -256,13 +248,10 @@ def hopper_operands_ok(b: torch.Tensor, b_scale: torch.Tensor, step_k: int = STE
 
 
 @gluon.jit
-def _load_partition(xlo_desc, xhi_desc, w_desc, xlo_bufs, xhi_bufs, w_bufs, ready, empty, off_m, w_row, k_begin,
-                    k_count, PACKED: gl.constexpr):
+def _load_partition(xlo_desc, xhi_desc, w_desc, xlo_bufs, xhi_bufs, w_bufs, ready, empty, off_m, off_n, k_begin,
+                    k_count):
     """Loader warp: TMA loads of the activation halves and weight codes of K steps
-    ``[k_begin, k_begin + k_count)`` into the ring. The weight tile of step j is at ``[w_row,
-    j * step_bytes]`` of the linear weight, or (PACKED) at ``[w_row + j * BLOCK_N, 0]`` of the
-    packed one (``pack_weight``)."""
-    block_n: gl.constexpr = w_desc.block_type.shape[0]
+    ``[k_begin, k_begin + k_count)`` into the ring."""
     num_stages: gl.constexpr = w_bufs.type.shape[0]
     step_bytes: gl.constexpr = w_desc.block_type.shape[1]
     nbytes: gl.constexpr = 2 * xlo_desc.block_type.nbytes + w_desc.block_type.nbytes
@@ -274,10 +263,7 @@ def _load_partition(xlo_desc, xhi_desc, w_desc, xlo_bufs, xhi_bufs, w_bufs, read
         col = (k_begin + i) * step_bytes
         tma.async_copy_global_to_shared(xlo_desc, [off_m, col], bar, xlo_bufs.index(stage))
         tma.async_copy_global_to_shared(xhi_desc, [off_m, col], bar, xhi_bufs.index(stage))
-        if PACKED:
-            tma.async_copy_global_to_shared(w_desc, [w_row + (k_begin + i) * block_n, 0], bar, w_bufs.index(stage))
-        else:
-            tma.async_copy_global_to_shared(w_desc, [w_row, col], bar, w_bufs.index(stage))
+        tma.async_copy_global_to_shared(w_desc, [off_n, col], bar, w_bufs.index(stage))
 
 
 @gluon.jit
@@ -292,143 +278,83 @@ def _decoded_weight(w_buf, words, shift, a_layout: gl.constexpr):
 
 
 @gluon.jit
-def _step_words(word_ptrs, i, k_count, SCALE_AHEAD: gl.constexpr, WORD_STRIDE: gl.constexpr):
-    """The scale words of step ``i + SCALE_AHEAD``, the ones ``_queued_step`` loads when called for
-    step ``i`` (clamped to the program's last step, so no load reads past its range); a row's
-    words of consecutive steps are ``WORD_STRIDE`` words apart."""
-    return gl.load(word_ptrs + gl.minimum(i + SCALE_AHEAD, k_count - 1) * WORD_STRIDE)
+def _step_words(word_ptrs, i, k_count, SCALE_AHEAD: gl.constexpr):
+    """The scale words ``_queued_step`` decodes step ``i`` with when it is called for step ``i -
+    SCALE_AHEAD`` (clamped to the program's last step, so no load reads past its range)."""
+    return gl.load(word_ptrs + gl.minimum(i + SCALE_AHEAD, k_count - 1))
 
 
 @gluon.jit
-def _issued_step(acc, i, words, xlo_bufs, xhi_bufs, w_bufs, ready, shift, a_layout: gl.constexpr,
-                 USE_ACC: gl.constexpr = True):
-    """K step ``i``: wait for its codes, decode its weight fragments with its scale ``words`` and
-    issue its two wgmma groups (even, odd elements). Returns the accumulator and the fragments,
-    which the wgmmas read asynchronously: they must stay unwritten until a wait covers them."""
+def _queued_step(acc, i, lo_prev, hi_prev, words, xlo_bufs, xhi_bufs, w_bufs, ready, empty, word_ptrs, shift, k_count,
+                 a_layout: gl.constexpr, SCALE_AHEAD: gl.constexpr):
+    """K step ``i`` (of the program's range): decode its weight fragments (while step i - 1's
+    wgmmas run), issue its wgmmas, then wait for step i - 1's (whose fragments ``lo_prev, hi_prev``
+    stay live until then) and free that step's stage. Returns the accumulator, step i's fragments
+    and the scale words of step ``i + 1``. SCALE_AHEAD: ``words`` are step i's, loaded a step
+    earlier, and step i + 1's load is issued before step i's wait for its codes; 0: ``words`` are
+    ignored and step i's are loaded here (the load's latency in the step)."""
     num_stages: gl.constexpr = w_bufs.type.shape[0]
     stage = i % num_stages
+    if SCALE_AHEAD:
+        next_words = _step_words(word_ptrs, i, k_count, SCALE_AHEAD)
+    else:
+        words = gl.load(word_ptrs + i)
+        next_words = words
     mbarrier.wait(ready.index(stage), (i // num_stages) & 1)
     lo, hi = _decoded_weight(w_bufs.index(stage), words, shift, a_layout)
-    acc = warpgroup_mma(lo, xlo_bufs.index(stage).permute((1, 0)), acc, use_acc=USE_ACC, is_async=True)
+    acc = warpgroup_mma(lo, xlo_bufs.index(stage).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma(hi, xhi_bufs.index(stage).permute((1, 0)), acc, is_async=True)
-    return acc, lo, hi
-
-
-@gluon.jit
-def _queued_step(acc, i, lo_old, hi_old, words, later_words, xlo_bufs, xhi_bufs, w_bufs, ready, empty, word_ptrs,
-                 shift, k_count, a_layout: gl.constexpr, SCALE_AHEAD: gl.constexpr, QUEUE_DEPTH: gl.constexpr,
-                 WORD_STRIDE: gl.constexpr, FREE: gl.constexpr = True):
-    """K step ``i`` of the program's range, while the wgmmas of steps ``i - QUEUE_DEPTH .. i - 1``
-    run: issue it (``_issued_step``), then wait until only the last ``QUEUE_DEPTH`` steps' wgmmas
-    may still run, which covers step ``i - QUEUE_DEPTH``'s (whose fragments ``lo_old, hi_old`` stay
-    live until then), and free that step's stage (not FREE: ``i < QUEUE_DEPTH``, no such step).
-
-    Scale words: with SCALE_AHEAD 0 ``words`` are ignored and step i's are loaded in the step; else
-    ``words`` are step i's and ``later_words`` step i + 1's (SCALE_AHEAD 2), loaded that many steps
-    earlier; step ``i + SCALE_AHEAD``'s load is issued before the wait for step i's codes. Returns
-    the accumulator, step i's fragments and the words of steps i + 1 and i + 2 (as far as loaded)."""
-    num_stages: gl.constexpr = w_bufs.type.shape[0]
-    if SCALE_AHEAD == 0:
-        words = gl.load(word_ptrs + i * WORD_STRIDE)
-        loaded = words
-    else:
-        loaded = _step_words(word_ptrs, i, k_count, SCALE_AHEAD, WORD_STRIDE)
-    acc, lo, hi = _issued_step(acc, i, words, xlo_bufs, xhi_bufs, w_bufs, ready, shift, a_layout)
-    lo_old, hi_old = warpgroup_mma_wait(num_outstanding=2 * QUEUE_DEPTH, deps=(lo_old, hi_old))
-    if FREE:
-        mbarrier.arrive(empty.index((i - QUEUE_DEPTH) % num_stages))
-    if SCALE_AHEAD == 2:
-        return acc, lo, hi, later_words, loaded
-    return acc, lo, hi, loaded, loaded
+    lo_prev, hi_prev = warpgroup_mma_wait(num_outstanding=2, deps=(lo_prev, hi_prev))
+    mbarrier.arrive(empty.index((i - 1) % num_stages))
+    return acc, lo, hi, next_words
 
 
 @gluon.jit
 def _mma_partition(xlo_bufs, xhi_bufs, w_bufs, ready, empty, ws_ptr, words_per_row, off_n, N, k_begin, k_count,
-                   BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SCALE_AHEAD: gl.constexpr,
-                   QUEUE_DEPTH: gl.constexpr, PACKED: gl.constexpr, num_warps: gl.constexpr):
+                   BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SCALE_AHEAD: gl.constexpr, num_warps: gl.constexpr):
     """Consumer warpgroups: decode each step's weight rows into wgmma fragments and accumulate
     ``acc[BLOCK_N, BLOCK_M]`` over K steps ``[k_begin, k_begin + k_count)`` (a step decoded and its
-    wgmmas queued while the previous ``QUEUE_DEPTH`` steps' run; ``k_count >= QUEUE_DEPTH``)."""
+    wgmmas queued while the previous step's run)."""
     step_bytes: gl.constexpr = w_bufs.type.shape[2]
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
     rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
+    rows = gl.where(rows < N, rows, 0)  # rows past N (zero codes from TMA) read row 0's scales; not stored
     # one int32 word holds a row's 4 block scales of one 64-element step
-    WORD_STRIDE: gl.constexpr = BLOCK_N if PACKED else 1
-    if PACKED:  # words [tile, step, row in tile] (pack_weight: rows past N are zeros)
-        word_ptrs = ws_ptr + (off_n.to(gl.int64) * words_per_row + k_begin * BLOCK_N) + (rows - off_n)
-    else:
-        rows = gl.where(rows < N, rows, 0)  # rows past N (zero codes from TMA) read row 0's scales; not stored
-        word_ptrs = ws_ptr + rows.to(gl.int64) * words_per_row + k_begin
+    word_ptrs = ws_ptr + rows.to(gl.int64) * words_per_row + k_begin
     # byte of the row's scale word for each code byte of the step (8 code bytes per 16-element block)
     shift = (gl.arange(0, step_bytes, layout=gl.SliceLayout(0, a_layout)) // 8) * 8
-    # Step i's wgmmas are issued while steps i - QUEUE_DEPTH .. i - 1's still run. A wgmma reads its
-    # register operand asynchronously, so no instruction may write those registers before a wait
-    # covers it: QUEUE_DEPTH + 1 call sites of _queued_step per loop iteration give that many
-    # consecutive steps their own registers, and each site rewrites its registers only after the
-    # wait on the wgmmas that read them. Step 0 with use_acc=False: nothing but wgmmas may write
-    # the accumulator while they are in flight (ptxas would serialize them), and from then on
-    # they always are.
-    words = gl.load(word_ptrs)
-    if SCALE_AHEAD == 0:
+    # Step i's wgmmas are issued while step i - 1's still run. A wgmma reads its register operand
+    # asynchronously, so no instruction may write those registers before a wait covers it: two
+    # call sites of _queued_step per loop iteration give consecutive steps their own registers, and
+    # each site rewrites its registers one step after the wait on the wgmmas that read them.
+    # Step 0 with use_acc=False: nothing but wgmmas may write the accumulator while they are in
+    # flight (ptxas would serialize them), and from then on they always are.
+    if SCALE_AHEAD:
+        words = gl.load(word_ptrs)
+        next_words = _step_words(word_ptrs, 0, k_count, SCALE_AHEAD)
+        mbarrier.wait(ready.index(0), 0)
+    else:
+        mbarrier.wait(ready.index(0), 0)
+        words = gl.load(word_ptrs)
         next_words = words
-        later_words = words
-    elif SCALE_AHEAD == 1:
-        next_words = _step_words(word_ptrs, 0, k_count, 1, WORD_STRIDE)
-        later_words = next_words
-    else:
-        next_words = _step_words(word_ptrs, 0, k_count, 1, WORD_STRIDE)
-        later_words = _step_words(word_ptrs, 0, k_count, 2, WORD_STRIDE)
+    lo_a, hi_a = _decoded_weight(w_bufs.index(0), words, shift, a_layout)
     acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, mma_layout)
-    acc, lo_a, hi_a = _issued_step(acc, 0, words, xlo_bufs, xhi_bufs, w_bufs, ready, shift, a_layout, False)
-    if QUEUE_DEPTH == 1:
-        for i in range(1, k_count - 1, 2):
-            acc, lo_b, hi_b, next_words, later_words = _queued_step(
-                acc, i, lo_a, hi_a, next_words, later_words, xlo_bufs, xhi_bufs, w_bufs, ready, empty, word_ptrs,
-                shift, k_count, a_layout, SCALE_AHEAD, QUEUE_DEPTH, WORD_STRIDE)
-            acc, lo_a, hi_a, next_words, later_words = _queued_step(
-                acc, i + 1, lo_b, hi_b, next_words, later_words, xlo_bufs, xhi_bufs, w_bufs, ready, empty, word_ptrs,
-                shift, k_count, a_layout, SCALE_AHEAD, QUEUE_DEPTH, WORD_STRIDE)
-        if k_count % 2 == 0:
-            acc, lo_b, hi_b, next_words, later_words = _queued_step(
-                acc, k_count - 1, lo_a, hi_a, next_words, later_words, xlo_bufs, xhi_bufs, w_bufs, ready, empty,
-                word_ptrs, shift, k_count, a_layout, SCALE_AHEAD, QUEUE_DEPTH, WORD_STRIDE)
-            result, lo_b, hi_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc, lo_b, hi_b))
-        else:
-            result, lo_a, hi_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, lo_a, hi_a))
+    acc = warpgroup_mma(lo_a, xlo_bufs.index(0).permute((1, 0)), acc, use_acc=False, is_async=True)
+    acc = warpgroup_mma(hi_a, xhi_bufs.index(0).permute((1, 0)), acc, is_async=True)
+    for i in range(1, k_count - 1, 2):
+        acc, lo_b, hi_b, next_words = _queued_step(acc, i, lo_a, hi_a, next_words, xlo_bufs, xhi_bufs, w_bufs, ready,
+                                                   empty, word_ptrs, shift, k_count, a_layout, SCALE_AHEAD)
+        acc, lo_a, hi_a, next_words = _queued_step(acc, i + 1, lo_b, hi_b, next_words, xlo_bufs, xhi_bufs, w_bufs,
+                                                   ready, empty, word_ptrs, shift, k_count, a_layout, SCALE_AHEAD)
+    if k_count % 2 == 0:
+        acc, lo_b, hi_b, next_words = _queued_step(acc, k_count - 1, lo_a, hi_a, next_words, xlo_bufs, xhi_bufs,
+                                                   w_bufs, ready, empty, word_ptrs, shift, k_count, a_layout,
+                                                   SCALE_AHEAD)
+        result, lo_b, hi_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc, lo_b, hi_b))
     else:
-        # step 1 queued behind step 0 with nothing to wait for or free; then three sites a loop iteration
-        acc, lo_b, hi_b, next_words, later_words = _queued_step(
-            acc, 1, lo_a, hi_a, next_words, later_words, xlo_bufs, xhi_bufs, w_bufs, ready, empty, word_ptrs, shift,
-            k_count, a_layout, SCALE_AHEAD, QUEUE_DEPTH, WORD_STRIDE, False)
-        for i in range(2, k_count - 2, 3):
-            acc, lo_c, hi_c, next_words, later_words = _queued_step(
-                acc, i, lo_a, hi_a, next_words, later_words, xlo_bufs, xhi_bufs, w_bufs, ready, empty, word_ptrs,
-                shift, k_count, a_layout, SCALE_AHEAD, QUEUE_DEPTH, WORD_STRIDE)
-            acc, lo_a, hi_a, next_words, later_words = _queued_step(
-                acc, i + 1, lo_b, hi_b, next_words, later_words, xlo_bufs, xhi_bufs, w_bufs, ready, empty, word_ptrs,
-                shift, k_count, a_layout, SCALE_AHEAD, QUEUE_DEPTH, WORD_STRIDE)
-            acc, lo_b, hi_b, next_words, later_words = _queued_step(
-                acc, i + 2, lo_c, hi_c, next_words, later_words, xlo_bufs, xhi_bufs, w_bufs, ready, empty, word_ptrs,
-                shift, k_count, a_layout, SCALE_AHEAD, QUEUE_DEPTH, WORD_STRIDE)
-        # steps a (second to last) and b (last) queued; 0 to 2 steps left
-        left = (k_count - 2) % 3
-        if left == 0:
-            result, lo_a, hi_a, lo_b, hi_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc, lo_a, hi_a, lo_b, hi_b))
-        else:
-            acc, lo_c, hi_c, next_words, later_words = _queued_step(
-                acc, k_count - left, lo_a, hi_a, next_words, later_words, xlo_bufs, xhi_bufs, w_bufs, ready, empty,
-                word_ptrs, shift, k_count, a_layout, SCALE_AHEAD, QUEUE_DEPTH, WORD_STRIDE)
-            if left == 1:
-                result, lo_b, hi_b, lo_c, hi_c = warpgroup_mma_wait(num_outstanding=0,
-                                                                     deps=(acc, lo_b, hi_b, lo_c, hi_c))
-            else:
-                acc, lo_a, hi_a, next_words, later_words = _queued_step(
-                    acc, k_count - 1, lo_b, hi_b, next_words, later_words, xlo_bufs, xhi_bufs, w_bufs, ready, empty,
-                    word_ptrs, shift, k_count, a_layout, SCALE_AHEAD, QUEUE_DEPTH, WORD_STRIDE)
-                result, lo_c, hi_c, lo_a, hi_a = warpgroup_mma_wait(num_outstanding=0,
-                                                                     deps=(acc, lo_c, hi_c, lo_a, hi_a))
+        result, lo_a, hi_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, lo_a, hi_a))
     return (result,)
 
 
@@ -454,7 +380,7 @@ def _mm_hopper_kernel(xlo_desc, xhi_desc, w_desc, ws_ptr, alpha_ptr, alpha_b_ptr
                       M, N, k_steps, words_per_row, iters_per_split,
                       ALPHA_FROM_SCALES: gl.constexpr, ALPHA_DIV_RN: gl.constexpr, PARTIAL: gl.constexpr,
                       STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCALE_AHEAD: gl.constexpr,
-                      QUEUE_DEPTH: gl.constexpr, PACKED: gl.constexpr, num_warps: gl.constexpr):
+                      num_warps: gl.constexpr):
     """Program ``(tile, split)``: the tile's K steps ``[split * iters_per_split, +iters_per_split)``;
     the output (not PARTIAL) or the split's partial sums (PARTIAL: split-K, module docstring)."""
     BLOCK_M: gl.constexpr = xlo_desc.block_type.shape[0]
@@ -477,15 +403,11 @@ def _mm_hopper_kernel(xlo_desc, xhi_desc, w_desc, ws_ptr, alpha_ptr, alpha_b_ptr
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
 
-    if PACKED:
-        w_row = off_n * k_steps
-    else:
-        w_row = off_n
     results = gl.warp_specialize([
         (_mma_partition, (xlo_bufs, xhi_bufs, w_bufs, ready, empty, ws_ptr, words_per_row, off_n, N, k_begin, k_count,
-                          BLOCK_N, BLOCK_M, SCALE_AHEAD, QUEUE_DEPTH, PACKED, num_warps)),
-        (_load_partition, (xlo_desc, xhi_desc, w_desc, xlo_bufs, xhi_bufs, w_bufs, ready, empty, off_m, w_row,
-                           k_begin, k_count, PACKED)),
+                          BLOCK_N, BLOCK_M, SCALE_AHEAD, num_warps)),
+        (_load_partition, (xlo_desc, xhi_desc, w_desc, xlo_bufs, xhi_bufs, w_bufs, ready, empty, off_m, off_n,
+                           k_begin, k_count)),
     ], [1], [LOADER_REGISTERS])
     finish_tile(results[0], alpha_ptr, alpha_b_ptr, out_ptr, part_ptr, split, off_m, off_n, M, N, PARTIAL,
                 ALPHA_FROM_SCALES, ALPHA_DIV_RN, num_warps)
@@ -535,7 +457,6 @@ def mm_fp4_hopper(
     a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, alpha: Alpha,
     out_dtype: torch.dtype, out: torch.Tensor | None = None, block_m: int = BLOCK_M, split_k: int | None = None,
     max_registers: int = MAX_REGISTERS, stages: int = STAGES, scale_ahead: int = SCALE_AHEAD, step_k: int = STEP_K,
-    queue_depth: int = QUEUE_DEPTH, packed: PackedWeight | None = None,
 ) -> torch.Tensor:
     """``alpha * (q_a * s_a) @ (q_b * s_b)^T`` (module docstring); ``out``: where to write it;
     ``block_m``: tokens per program, one of ``BLOCK_M_CHOICES``; ``split_k``: K ranges per tile
@@ -544,10 +465,8 @@ def mm_fp4_hopper(
     whole product's ``split_k``. ``max_registers``: ptxas's cap per thread over the 12 warps
     (sweeps: below 171 two programs fit a multiprocessor's registers, below 114 three).
     ``stages``: depth of the TMA ring, 2 to :func:`max_stages` (sweeps; the sums do not depend on it).
-    ``scale_ahead``: 1 (shipped) loads each K step's weight scales a step ahead, 2 two steps, 0 in
-    the step (the sums do not depend on it). ``queue_depth``: K steps whose wgmmas may still run
-    while a consumer decodes the next, 1 (shipped) or 2 (needs ``stages > queue_depth``; a program
-    of fewer K steps than that queues fewer; the sums do not depend on it). ``step_k``: K elements a step, one of ``STEP_K_CHOICES`` (sweeps;
+    ``scale_ahead``: 1 (shipped) loads each K step's weight scales a step ahead, 0 in the step (the
+    sums do not depend on it). ``step_k``: K elements a step, one of ``STEP_K_CHOICES`` (sweeps;
     128 needs K % 128 == 0 and an 8-byte aligned ``b_scale``). A step's two nibble planes are
     accumulated one after the other, so the order of the fp32 sums, and with it the last bits,
     depends on it.
@@ -556,13 +475,9 @@ def mm_fp4_hopper(
     launch and the Gluon launch, whose TMA descriptors Inductor cannot build, as one call of the
     internal op ``fp4fuse::_mm_fp4_hopper`` (``mm.mm_fp4_hopper_decoded``): the default launch
     only, so the compiled graph computes what the eager call computes, bit for bit."""
-    launch = HopperLaunch(block_m, split_k, max_registers, stages, scale_ahead, step_k, queue_depth)
+    launch = HopperLaunch(block_m, split_k, max_registers, stages, scale_ahead, step_k)
     _check_operands(a, b, a_scale, b_scale, out_dtype, out, launch)
     xlo, xhi = decode_fp4_halves(a, a_scale)
-    if packed is not None:
-        if tracing() or step_k != STEP_K or (packed.n, packed.k) != (b.shape[0], b.shape[1] * 2):
-            raise ValueError("mm_fp4_hopper: packed needs an untraced call, step_k=64 and pack_weight(b, b_scale)")
-        return mm_fp4_hopper_halves(xlo, xhi, b, b_scale, alpha, out_dtype, out, launch, packed)
     return _on_halves(a, a_scale, xlo, xhi, b, b_scale, alpha, out_dtype, out, launch)
 
 
@@ -587,7 +502,7 @@ def _on_halves(a: torch.Tensor, a_scale: torch.Tensor, xlo: torch.Tensor, xhi: t
     if tracing():
         if out is not None or launch != DEFAULT_LAUNCH:
             raise RuntimeError("mm_fp4_hopper: a traced call takes the default launch (no out, block_m, split_k, "
-                               "max_registers, stages, scale_ahead, step_k or queue_depth): the op fp4fuse::_mm_fp4_hopper "
+                               "max_registers, stages, scale_ahead or step_k): the op fp4fuse::_mm_fp4_hopper "
                                "makes it")
         alpha_a, alpha_b = alpha_operands(alpha)
         meta = alpha_meta(alpha)
@@ -626,18 +541,14 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_s
         raise ValueError(f"mm_fp4_hopper: stages must be 2 to {max_stages(block_m, step_k)} for {block_m}-token tiles "
                          f"and {step_k}-element steps (the ring, {stage_bytes(block_m, step_k)} bytes a stage, must "
                          f"fit {SMEM_BYTES - EPILOGUE_SMEM_BYTES} bytes of shared memory); got {stages}")
-    if scale_ahead not in SCALE_AHEAD_CHOICES:
-        raise ValueError(f"mm_fp4_hopper: scale_ahead must be one of {SCALE_AHEAD_CHOICES} (K steps the weight "
-                         f"scales load ahead); got {scale_ahead}")
-    if launch.queue_depth not in QUEUE_DEPTH_CHOICES or stages <= launch.queue_depth:
-        raise ValueError(f"mm_fp4_hopper: queue_depth must be one of {QUEUE_DEPTH_CHOICES} and below stages (the "
-                         f"ring holds each queued step's operands and the next step's); got queue_depth="
-                         f"{launch.queue_depth}, stages={stages}")
+    if scale_ahead not in (0, 1):
+        raise ValueError(f"mm_fp4_hopper: scale_ahead must be 0 or 1 (K steps the weight scales load ahead); "
+                         f"got {scale_ahead}")
 
 
 def mm_fp4_hopper_halves(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                          alpha: Alpha, out_dtype: torch.dtype, out: torch.Tensor | None = None,
-                         launch: HopperLaunch = DEFAULT_LAUNCH, packed: PackedWeight | None = None) -> torch.Tensor:
+                         launch: HopperLaunch = DEFAULT_LAUNCH) -> torch.Tensor:
     """The Gluon launch on the activation decoded to fp16 halves (``decode_fp4_halves``): the
     arguments as ``mm_fp4_hopper`` checks them (``_check_operands``), the weight aligned
     (:func:`hopper_operands_ok`). ``mm.mm_fp4_hopper_decoded`` calls it from a lowered graph.
@@ -653,7 +564,7 @@ def mm_fp4_hopper_halves(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, 
     alpha_a, alpha_b = alpha_operands(alpha)
     alpha_flags = alpha_meta(alpha)
     key = None
-    if out is None and packed is None and not tracing() and not launch_hooks_set():
+    if out is None and not tracing() and not launch_hooks_set():
         key = _relaunch_key(xlo, xhi, b, b_scale, alpha_a, alpha_b, alpha_flags, out_dtype, launch)
         prepared = _RELAUNCHES.get(key)
         if prepared is not None:
@@ -676,13 +587,11 @@ def mm_fp4_hopper_halves(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, 
     # one scale word per weight row and step: words_per_row == k_steps
     args = (TensorDescriptor.from_tensor(xlo, [block_m, step_bytes], x_layout),
             TensorDescriptor.from_tensor(xhi, [block_m, step_bytes], x_layout),
-            TensorDescriptor.from_tensor(b if packed is None else packed.codes, [BLOCK_N, step_bytes], w_layout),
-            b_scale.view(_SCALE_WORD[step_k]) if packed is None else packed.words, alpha_a, alpha_b, out, out if partials is None else partials, m, n,
+            TensorDescriptor.from_tensor(b, [BLOCK_N, step_bytes], w_layout),
+            b_scale.view(_SCALE_WORD[step_k]), alpha_a, alpha_b, out, out if partials is None else partials, m, n,
             k_steps, k_steps, iters)
     meta = dict(**alpha_flags, PARTIAL=splits > 1, STAGES=launch.stages, GROUP_M=GROUP_M,
-                SCALE_AHEAD=launch.scale_ahead, QUEUE_DEPTH=_kernel_queue_depth(launch, k_steps, splits, iters),
-                PACKED=packed is not None,
-                num_warps=NUM_WARPS, maxnreg=launch.max_registers)
+                SCALE_AHEAD=launch.scale_ahead, num_warps=NUM_WARPS, maxnreg=launch.max_registers)
     kernel = traceable(_mm_hopper_kernel)
     if key is None or not isinstance(kernel, FastKernel):
         kernel[(tiles, splits)](*args, **meta)
@@ -693,45 +602,6 @@ def mm_fp4_hopper_halves(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, 
             _RELAUNCHES.clear()
         _RELAUNCHES[key] = (relaunch, splits)
     return _sum_splits(partials, out, alpha)
-
-
-class PackedWeight(NamedTuple):
-    """A weight's codes and block scales in the order ``_mm_hopper_kernel`` reads them (PACKED): the
-    codes of weight tile ``t`` (``BLOCK_N`` rows) and 64-element K step ``j`` are the contiguous
-    ``BLOCK_N x 32`` bytes at row ``(t * k_steps + j) * BLOCK_N`` of ``codes`` (uint8, 32 bytes a
-    row), their scale words the ``BLOCK_N`` int32 words at the same index of ``words``; rows past
-    N are zeros. Built by :func:`pack_weight`; ``n, k`` are the linear weight's shape."""
-
-    codes: torch.Tensor
-    words: torch.Tensor
-    n: int
-    k: int
-
-
-def pack_weight(b: torch.Tensor, b_scale: torch.Tensor) -> PackedWeight:
-    """``(b [N, K/2] uint8, b_scale [N, K/16] e4m3)`` -> :class:`PackedWeight` (``K % 64 == 0``):
-    every TMA load of the kernel then reads one contiguous 4 KiB block instead of 32 bytes of 128
-    rows. A copy: the same codes and scales, so the same sums."""
-    n, k = b.shape[0], b.shape[1] * 2
-    if k % STEP_K or b_scale.shape != (n, k // 16):
-        raise ValueError(f"pack_weight: needs K % {STEP_K} == 0 and b_scale [N, K/16]; got b {list(b.shape)}, "
-                         f"b_scale {list(b_scale.shape)}")
-    tiles, steps = -(-n // BLOCK_N), k // STEP_K
-    codes = torch.zeros((tiles * BLOCK_N, k // 2), dtype=torch.uint8, device=b.device)
-    codes[:n] = b
-    codes = codes.view(tiles, BLOCK_N, steps, STEP_BYTES).permute(0, 2, 1, 3).reshape(-1, STEP_BYTES)
-    words = torch.zeros((tiles * BLOCK_N, steps), dtype=torch.int32, device=b.device)
-    words[:n] = b_scale.contiguous().view(torch.int32)
-    words = words.view(tiles, BLOCK_N, steps).permute(0, 2, 1).reshape(-1)
-    return PackedWeight(codes, words, n, k)
-
-
-def _kernel_queue_depth(launch: HopperLaunch, k_steps: int, splits: int, iters: int) -> int:
-    """The kernel's ``QUEUE_DEPTH`` for a launch of ``splits`` K ranges of ``iters`` steps over
-    ``k_steps``: ``launch.queue_depth``, or 1 where a program (the last range is the shortest) has
-    fewer steps than that (its step 1 would never arrive). The sums do not depend on it."""
-    shortest = k_steps - (splits - 1) * iters
-    return launch.queue_depth if shortest >= launch.queue_depth else 1
 
 
 def _split_workspace(splits: int, m: int, n: int, device: torch.device) -> torch.Tensor | None:
