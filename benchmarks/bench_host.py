@@ -149,11 +149,11 @@ def _hopper_layers(a, b, sa, sb, alpha) -> dict[str, callable]:
     the bare launch both ways (no split-K)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from fp4fuse.kernels.triton import decode, mm_hopper
+    from fp4fuse.kernels.triton import mm_hopper
 
     m, n, k, dev = a.shape[0], b.shape[0], a.shape[1] * 2, a.device
     out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
-    xlo, xhi = decode.decode_fp4_halves(a, sa)
+    xlo, xhi = mm_hopper.decode_activation(a, sa)
     block_m, step = mm_hopper.BLOCK_M, mm_hopper.STEP_BYTES
     x_layout, w_layout = mm_hopper._smem_layouts(block_m)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, mm_hopper.BLOCK_N)
@@ -169,14 +169,14 @@ def _hopper_layers(a, b, sa, sb, alpha) -> dict[str, callable]:
         launcher[(tiles, 1)](
             *descriptors(), sb.view(torch.int32), alpha, alpha, out, out, out, m, n, k // 64, k // 64, k // 64,
             ALPHA_FROM_SCALES=False, ALPHA_DIV_RN=False, PARTIAL=False, STAGES=mm_hopper.STAGES,
-            GROUP_M=mm_hopper.GROUP_M, SCALE_AHEAD=mm_hopper.SCALE_AHEAD, num_warps=mm_hopper.NUM_WARPS,
-            maxnreg=mm_hopper.MAX_REGISTERS)
+            GROUP_M=mm_hopper.GROUP_M, SCALE_AHEAD=mm_hopper.SCALE_AHEAD,
+            FRAGMENT_ORDER=mm_hopper.FRAGMENT_ORDER, num_warps=mm_hopper.NUM_WARPS, maxnreg=mm_hopper.MAX_REGISTERS)
 
     lowered = (a, sa, xlo, xhi, b, sb, alpha, alpha, False, False, torch.bfloat16)  # alpha as itself (not folded)
     split = mm_hopper.split_for(m, n, k, num_sms(dev))
     return {
         "mm_fp4_hopper": lambda: mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.bfloat16, split_k=split),
-        "decode_fp4_halves (activation)": lambda: decode.decode_fp4_halves(a, sa),
+        "decode_activation (activation)": lambda: mm_hopper.decode_activation(a, sa),
         "lowered call: op fp4fuse::_mm_fp4_hopper": lambda: torch.ops.fp4fuse._mm_fp4_hopper(*lowered),
         "lowered call: mm.mm_fp4_hopper_decoded": lambda: triton_mm.mm_fp4_hopper_decoded(*lowered),
         "lowered call: mm_fp4_hopper_halves (prepared launch)": lambda: mm_hopper.mm_fp4_hopper_halves(

@@ -6,7 +6,7 @@
 At each ``M:NxK`` point, kernel durations from CUPTI (``torch.profiler``), microseconds a call,
 averaged over ``CALLS`` calls that rotate over ``bench_ops.ROTATIONS`` weight copies:
 
-- ``decode``: the activation's decode into fp16 halves (``decode.decode_fp4_halves``);
+- ``decode``: the activation's decode into fp16 halves (``mm_hopper.decode_activation``);
 - ``split s``: the Gluon kernel alone on those halves at the smallest token tile holding M and
   ``s`` K ranges a tile, with the other kernels its call launches beside it (since the
   twenty-eighth session the split sum, ``reduce.sum_split_partials``; before, the zeroing of the
@@ -95,7 +95,7 @@ def control_us(hopper, m: int, n: int, steps: int, programs_per_tile: int, launc
     weights = [quantize(torch.randn(programs_per_tile * n, k, device="cuda", dtype=torch.bfloat16))
                for _ in range(ROTATIONS)]
     a, sa, _ = quantize(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
-    xlo, xhi = triton_decode.decode_fp4_halves(a, sa)
+    xlo, xhi = hopper.decode_activation(a, sa, launch)
     us = gemm_us(hopper, xlo, xhi, weights, alpha, launch)
     return sum(v for name, v in us.items() if "_mm_hopper_kernel" in name)
 
@@ -107,9 +107,9 @@ def profile_point(hopper, m: int, n: int, k: int, sms: int) -> dict:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     a, sa, ga = quantize(x)
     alpha = 1.0 / (ga * weights[0][2])
-    xlo, xhi = triton_decode.decode_fp4_halves(a, sa)
+    xlo, xhi = hopper.decode_activation(a, sa)
     row: dict = {"m": m, "n": n, "k": k}
-    row["decode"] = kernel_us([functools.partial(triton_decode.decode_fp4_halves, a, sa)])
+    row["decode"] = kernel_us([functools.partial(hopper.decode_activation, a, sa)])
     row["bf16"] = kernel_us([functools.partial(torch.mm, x, wt) for wt in w_t])
     row["shipped"] = kernel_us([functools.partial(triton_mm.mm_fp4_triton, a, wq, sa, wsq, alpha, torch.bfloat16)
                                 for wq, wsq, _ in weights])
@@ -149,7 +149,7 @@ def ncu_target(hopper, m: int, n: int, k: int, split: int | None) -> None:
     """``CALLS`` launches of ``hopper_launch``'s launch at one point, nothing timed (``--ncu-target``)."""
     b, sb, gb = quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
     a, sa, ga = quantize(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
-    xlo, xhi = triton_decode.decode_fp4_halves(a, sa)
+    xlo, xhi = hopper.decode_activation(a, sa)
     for _ in range(CALLS):
         hopper.mm_fp4_hopper_halves(xlo, xhi, b, sb, 1.0 / (ga * gb), torch.bfloat16, None,
                                     hopper_launch(hopper, m, split))

@@ -49,8 +49,9 @@ def _module(directory: str):
     return module
 
 
-def compile_report(hopper, block_m: int, partial: bool) -> tuple[str, str]:
-    """``(cuobjdump -res-usage line, SASS)`` of one launch form."""
+def compile_report(hopper, block_m: int, partial: bool, fragment_order: bool = True) -> tuple[str, str]:
+    """``(cuobjdump -res-usage line, SASS)`` of one launch form (``fragment_order``: the kernel's
+    FRAGMENT_ORDER)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     x_layout, w_layout = hopper._smem_layouts(block_m)
@@ -62,7 +63,8 @@ def compile_report(hopper, block_m: int, partial: bool) -> tuple[str, str]:
     types = {"xlo_desc": x_desc.__mangle__(), "xhi_desc": x_desc.__mangle__(), "w_desc": w_desc.__mangle__(),
              "ws_ptr": "*i32", "alpha_ptr": "*fp32", "alpha_b_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32"}
     constexprs = dict(ALPHA_FROM_SCALES=False, ALPHA_DIV_RN=False, PARTIAL=partial, STAGES=hopper.STAGES,
-                      GROUP_M=hopper.GROUP_M, SCALE_AHEAD=hopper.SCALE_AHEAD, num_warps=hopper.NUM_WARPS)
+                      GROUP_M=hopper.GROUP_M, SCALE_AHEAD=hopper.SCALE_AHEAD,
+                      FRAGMENT_ORDER=fragment_order, num_warps=hopper.NUM_WARPS)
     signature = {p.name: "constexpr" if p.name in constexprs else types.get(p.name, "i32") for p in kernel.params}
     source = GluonASTSource(fn=kernel, signature=signature,
                             constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})

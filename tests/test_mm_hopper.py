@@ -272,6 +272,32 @@ def test_cuda_wide_steps_and_scales_ahead_match_float64(m, n, k, block_m, split_
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("m,n,k,block_m,split_k", [
+    (13, 300, 1024, 16, 4), (100, 136, 1408, 128, 3), (300, 1000, 640, 256, 2), (257, 520, 4096, 256, 1)])
+def test_cuda_fragment_order_and_k_order_both_match_float64(m, n, k, block_m, split_k):
+    """``fragment_order`` (shipped: contiguous code loads, each step's K in the fragments' order, the
+    activation decoded in that order) and the K-order form: each within fp32 accumulation and one
+    rounding of the float64 reference, for 64- and 128-element steps; the same bits on a second
+    call; and a K permutation of both operands, so the two agree to a few fp32 roundings."""
+    _require_hopper()
+    a, sa, ga, b, sb, gb = _operands(m, n, k, seed=7 * m + n + k)
+    alpha = 1.0 / (ga * gb)
+    for step_k in mm_hopper.STEP_K_CHOICES:
+        if k % step_k or mm_hopper.max_stages(block_m, step_k) < 2:
+            continue
+        stages = min(mm_hopper.STAGES, mm_hopper.max_stages(block_m, step_k))
+        outs = {}
+        for order in (True, False):
+            outs[order] = mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.float32, block_m=block_m, split_k=split_k,
+                                                  step_k=step_k, stages=stages, fragment_order=order)
+            again = mm_hopper.mm_fp4_hopper(a, b, sa, sb, alpha, torch.float32, block_m=block_m, split_k=split_k,
+                                            step_k=step_k, stages=stages, fragment_order=order)
+            assert torch.equal(again, outs[order]), (step_k, order)
+            assert _rel_error(outs[order], a, b, sa, sb, alpha) <= _TOL[torch.float32], (step_k, order)
+        assert torch.allclose(outs[True], outs[False], rtol=1e-5, atol=1e-5 * outs[False].abs().max().item())
+
+
+@pytest.mark.cuda
 def test_cuda_fast_launch_serves_the_kernel_tritons_dispatch_picks(monkeypatch):
     """The Gluon launch goes through ``FastKernel`` (fp4fuse.kernels.triton.launch), keyed on its TMA
     descriptors' dtype, block shape and layout: token tiles of 16, 64 and 256 rows and split-K
@@ -309,12 +335,10 @@ def test_cuda_prepared_launch_reads_the_new_values_in_the_same_buffers(monkeypat
     bits (a launch through Triton's own dispatch) and the float64 reference's values; another
     activation buffer gets a launch of its own."""
     _require_hopper()
-    from fp4fuse.kernels.triton.decode import decode_fp4_halves
-
     a, sa, ga, b, sb, gb = _operands(m, n, k, seed=m + k)
     a2, sa2, ga2, _, _, _ = _operands(m, n, k, seed=m + k + 1)
     ga, gb = ga.clone(), gb.clone()
-    xlo, xhi = decode_fp4_halves(a, sa)
+    xlo, xhi = mm_hopper.decode_activation(a, sa)
 
     def call(xlo, xhi, ga):
         return mm_hopper.mm_fp4_hopper_halves(xlo, xhi, b, sb, GlobalScales(ga, gb, True), torch.bfloat16)
@@ -323,7 +347,7 @@ def test_cuda_prepared_launch_reads_the_new_values_in_the_same_buffers(monkeypat
     first = call(xlo, xhi, ga)
     assert len(mm_hopper._RELAUNCHES) == 1
     assert torch.equal(call(xlo, xhi, ga), first)
-    lo2, hi2 = decode_fp4_halves(a2, sa2)
+    lo2, hi2 = mm_hopper.decode_activation(a2, sa2)
     xlo.copy_(lo2)
     xhi.copy_(hi2)
     ga.copy_(ga2)
@@ -502,12 +526,10 @@ def test_cuda_lowered_launch_takes_the_other_path_for_a_misaligned_weight():
     computes for them (its other path), bit for bit, and with aligned ones what the Gluon kernel does;
     an input requiring a gradient is refused outside torch.no_grad() (the op has no gradient)."""
     _require_hopper()
-    from fp4fuse.kernels.triton.decode import decode_fp4_halves
-
     m, n, k = 600, 96, 256
     a, sa, ga, b, sb, gb = _operands(m, n, k, seed=11)
     sb_odd = _off_word(sb)
-    xlo, xhi = decode_fp4_halves(a, sa)
+    xlo, xhi = mm_hopper.decode_activation(a, sa)
     alpha = 1.0 / (ga * gb)
     got = ops._mm_fp4_hopper(a, sa, xlo, xhi, b, sb_odd, alpha, alpha, False, False, torch.bfloat16)
     assert torch.equal(got, ops.mm_fp4(a, b, sa, sb_odd, alpha, torch.bfloat16))

@@ -278,12 +278,49 @@ def _check_alpha_from_global_scales(gen: torch.Generator) -> None:
             assert torch.equal(run(GlobalScales(ga, gb, div_rn)), want), f"GlobalScales {name} div_rn={div_rn}"
 
 
+def _fragment_slots(group: int) -> list[int]:
+    """Column of a ``group``-column K step (32 Q code bytes) that holds each code byte when each of
+    a wgmma A fragment's four lane columns t loads 8 Q contiguous bytes and fills its slots in
+    register order: instruction i (16 slots each), then slot pair j (2 t + 8 j), then b. The
+    m16n8k16 A layout written out: lane column t holds slots 2t, 2t+1, 2t+8, 2t+9 of each k16."""
+    q = group // 32
+    slots = [0] * group
+    for t in range(4):
+        held = [16 * i + 2 * t + 8 * j + b for i in range(2 * q) for j in range(2) for b in range(2)]
+        for offset, slot in enumerate(held):
+            slots[8 * q * t + offset] = slot
+    return slots
+
+
+def _check_halves_in_fragment_order(gen: torch.Generator) -> None:
+    """``decode_fp4_halves(fragment_group=G)`` is the K-order decode with each group of G columns
+    permuted as ``_fragment_slots`` derives from the fragment layout; K/2 not a multiple of G is
+    refused."""
+    for m, k, group in ((5, 192, 32), (3, 256, 64), (130, 64, 32), (1, 128, 64)):
+        a, sa, _ = _quantized(m, k, gen)
+        lo, hi = triton_mm.decode_fp4_halves(a, sa)
+        flo, fhi = triton_mm.decode_fp4_halves(a, sa, group)
+        slots = torch.tensor(_fragment_slots(group))
+        for plain, ordered in ((lo, flo), (hi, fhi)):
+            expect = torch.empty_like(plain).view(m, -1, group)
+            expect[:, :, slots] = plain.view(m, -1, group)
+            assert torch.equal(ordered, expect.view(m, -1)), f"fragment order {m}x{k} G={group}"
+    a, sa, _ = _quantized(2, 96, gen)
+    try:
+        triton_mm.decode_fp4_halves(a, sa, 32)
+    except ValueError as exc:
+        assert "fragment_group must be 0, 32 or 64 and divide K/2" in str(exc)
+    else:
+        raise AssertionError("decode_fp4_halves accepted K/2 = 48 with fragment_group 32")
+
+
 def case_mm() -> None:
     gen = torch.Generator().manual_seed(2)
     _check_empty_operands(gen)
     _check_alpha_from_global_scales(gen)
     _check_shared_activation(gen)
     _check_offsets_past_int32(torch.Generator().manual_seed(20))  # own stream: the draws below unchanged
+    _check_halves_in_fragment_order(torch.Generator().manual_seed(21))
     C = triton_mm.MMConfig
     configs = (C(16, 16, 2, 1, 4, 2), C(32, 16, 4, 2, 4, 2), C(16, 32, 2, 3, 4, 2), C(64, 16, 4, 1, 4, 2))
     for m, n, k in ((3, 5, 48), (1, 5, 16), (130, 37, 64), (17, 70, 160)):

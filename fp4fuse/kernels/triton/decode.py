@@ -102,22 +102,40 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 
 @triton.jit
 def _decode_halves_kernel(q_ptr, s_ptr, lo_ptr, hi_ptr, n_blocks, BLOCKS: tl.constexpr,
-                          FAST_DECODE: tl.constexpr):
+                          FAST_DECODE: tl.constexpr, GROUP: tl.constexpr):
     """NVFP4 ``[R, K/2]`` -> fp16 halves ``[R, K/2]`` (element 2j -> lo[j], 2j+1 -> hi[j]) in the
-    GEMM's operand encoding ``e2m1 * 2**-14 * s`` (exact), flat over 16-element blocks."""
+    GEMM's operand encoding ``e2m1 * 2**-14 * s`` (exact), flat over 16-element blocks; GROUP > 0:
+    columns in wgmma fragment order within each group of GROUP (``decode_fp4_halves``)."""
     blk = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
     in_range = blk < n_blocks
-    offs = blk[:, None] * 8 + tl.arange(0, 8)[None, :]
+    x = tl.arange(0, 8)
+    offs = blk[:, None] * 8 + x[None, :]
     codes = tl.load(q_ptr + offs, mask=in_range[:, None], other=0)
     scales = decode_scales(tl.load(s_ptr + blk, mask=in_range, other=0.0), FAST_DECODE)
     lo, hi = decode_codes(codes, FAST_DECODE)
+    if GROUP > 0:
+        # column c = 8Q t + 4i + 2j + b of a group of 32Q goes to 16i + 8j + 2t + b
+        per_group: tl.constexpr = GROUP // 8
+        c = (blk % per_group)[:, None] * 8 + x[None, :]
+        t = c // (GROUP // 4)
+        rest = c % (GROUP // 4)
+        offs = (blk // per_group)[:, None] * GROUP + (rest // 4) * 16 + ((rest // 2) % 2) * 8 + t * 2 + rest % 2
     tl.store(lo_ptr + offs, lo * scales[:, None], mask=in_range[:, None])
     tl.store(hi_ptr + offs, hi * scales[:, None], mask=in_range[:, None])
 
 
-def decode_fp4_halves(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_fp4_halves(q: torch.Tensor, s: torch.Tensor, fragment_group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4 ``[R, K/2]`` -> fp16 ``(lo, hi)`` ``[R, K/2]``: elements 2j / 2j+1 as
-    ``e2m1 * 2**-14 * s`` (exact), the operand encoding of ``mm._mm_fp4_kernel`` and the Hopper Gluon GEMM."""
+    ``e2m1 * 2**-14 * s`` (exact), the operand encoding of ``mm._mm_fp4_kernel`` and the Hopper Gluon GEMM.
+
+    ``fragment_group`` G = 32 Q (Q = 1 or 2; 0: columns in order): within each group of G columns
+    (``K/2 % G == 0``), column ``16 i + 8 j + 2 t + b`` holds column ``8 Q t + 4 i + 2 j + b``
+    (t < 4, i < 2 Q, j, b < 2): the order in which the Hopper Gluon GEMM's wgmma fragments hold a
+    K step of G code bytes when each thread loads 8 Q contiguous bytes of a weight row
+    (``mm_hopper``, FRAGMENT_ORDER). A K permutation of both operands: the products are the same."""
+    if fragment_group not in (0, 32, 64) or (fragment_group and q.shape[-1] % fragment_group):
+        raise ValueError(f"decode_fp4_halves: fragment_group must be 0, 32 or 64 and divide K/2; got "
+                         f"{fragment_group} for K/2 = {q.shape[-1]}")
     lo = torch.empty(q.shape, dtype=torch.float16, device=q.device)
     hi = torch.empty_like(lo)
     n_blocks = q.numel() // 8
@@ -125,7 +143,8 @@ def decode_fp4_halves(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, t
         return lo, hi
     blocks = 128
     traceable(_decode_halves_kernel)[(triton.cdiv(n_blocks, blocks),)](
-        q, s, lo, hi, n_blocks, BLOCKS=blocks, FAST_DECODE=q.device.type == "cuda", num_warps=4)
+        q, s, lo, hi, n_blocks, BLOCKS=blocks, FAST_DECODE=q.device.type == "cuda", GROUP=fragment_group,
+        num_warps=4)
     return lo, hi
 
 

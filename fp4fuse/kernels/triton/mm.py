@@ -548,7 +548,7 @@ def mm_fp4_hopper_decoded(
 ) -> torch.Tensor:
     """The CUDA kernel of ``fp4fuse::_mm_fp4_hopper``, the Gluon GEMM's call in a lowered graph
     (``mm_hopper.mm_fp4_hopper`` under a tracer): its default launch on the activation already
-    decoded (``xlo, xhi = decode_fp4_halves(a, a_scale)``); alpha in ``alpha_operands`` /
+    decoded (``xlo, xhi = mm_hopper.decode_activation(a, a_scale)``); alpha in ``alpha_operands`` /
     ``alpha_meta``'s form. A weight that kernel cannot read (misaligned, known only per call:
     ``mm_hopper.hopper_operands_ok``) takes :func:`mm_fp4_triton`'s other path, as the eager op
     does with it."""

@@ -25,11 +25,18 @@ Design (``_mm_hopper_kernel``):
 * Warp specialization (``gl.warp_specialize``): one loader warp issues TMA loads of the step's
   two activation halves ``[BLOCK_M, 32]`` and weight code bytes ``[BLOCK_N, 32]`` into a
   ``STAGES``-deep ring (mbarriers ``ready`` / ``empty``); two consumer warpgroups (8 warps) each
-  own 64 weight rows. A consumer loads its code bytes from shared memory in the wgmma fragment
-  layout itself (``DotOperandLayout``, k_width 2: a thread's two adjacent bytes are exactly the
-  element pairs its fragment holds in each nibble plane), decodes them with the GEMMs' PTX
-  decoder and multiplies by the block scales (loaded from global memory as int32 words of four:
-  one word per row and step).
+  own 64 weight rows. A consumer loads its code bytes from shared memory, decodes them with the
+  GEMMs' PTX decoder and multiplies by the block scales (loaded from global memory as int32 words
+  of four: one word per row and step).
+* Fragment order (``FRAGMENT_ORDER``, shipped): a wgmma A fragment's lane column t holds K slots
+  2t, 2t+1, 2t+8, 2t+9 of each k16, so code bytes loaded in K order come as 2-byte loads packed
+  with byte permutes, and each pair needs its own scale shift. Instead each thread loads 8 Q
+  contiguous code bytes of each of its two rows (Q = step_k / 64; one 16-element block, one
+  scale, per 8 bytes: ``_codes_layout``) and puts byte ``8 Q t + 4 i + 2 j + b`` in slot ``16 i +
+  8 j + 2 t + b`` (``_in_fragment_order``: registers only). The activation halves are decoded in
+  the same K order (``decode_activation``), so every product is the same; which products share a
+  k16 wgmma, and so the fp32 sums' last bits, differ from the K-order form (``fragment_order=False``,
+  kept for sweeps). About a third fewer instructions per K step (offline SASS; benchmarks/results/).
 * Weight scales a step ahead (``SCALE_AHEAD``, shipped): a consumer loads the next step's scale
   words during the step before, out of the step's chain (``bench_hopper_scale_ahead.py``; results
   in benchmarks/results/). It moves loads only: the sums are unchanged.
@@ -93,7 +100,7 @@ __all__ = ["DEFAULT_LAUNCH", "ENV_DISABLE_GLUON", "HOPPER_BF16_MAX_M", "HopperLa
            "fills_the_gpu", "finish_tile",
            "gluon_disabled",
            "hopper_available", "hopper_device", "hopper_operands_ok", "hopper_serves", "hopper_split", "mm_fp4_hopper",
-           "mm_fp4_hopper_halves", "mm_fp4_hopper_products", "serves_shape", "split_for"]
+           "mm_fp4_hopper_halves", "mm_fp4_hopper_products", "serves_shape", "split_for", "decode_activation"]
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +134,11 @@ STAGES = 4
 #: K steps ahead of its use that a consumer loads a step's weight scales (0 or 1; ``mm_fp4_hopper``'s
 #: ``scale_ahead``; module docstring).
 SCALE_AHEAD = 1
+#: Whether a consumer loads each weight row's code bytes of a step as contiguous words and holds
+#: the K step in the fragment order of ``decode.decode_fp4_halves(fragment_group=...)`` (the
+#: activation decoded in that order), rather than in K order from 2-byte loads
+#: (``mm_fp4_hopper``'s ``fragment_order``; module docstring).
+FRAGMENT_ORDER = True
 #: Shared memory a program may hold (sm_90: 227 KiB), and what the ring leaves of it for the
 #: epilogue's layout conversion and the mbarriers (``max_stages``).
 SMEM_BYTES = 227 * 1024
@@ -150,7 +162,8 @@ class HopperLaunch:
     """How :func:`mm_fp4_hopper` launches ``_mm_hopper_kernel`` (its keyword arguments, which document
     each field): ``block_m`` tokens a program; ``split_k`` K ranges a tile (None: :func:`split_for`
     of the call's M); ptxas's ``max_registers`` a thread; ``stages`` of the TMA ring;
-    ``scale_ahead`` K steps the weight scales load early; ``step_k`` K elements a step. The
+    ``scale_ahead`` K steps the weight scales load early; ``step_k`` K elements a step;
+    ``fragment_order`` the K order of a step's fragments (and of the decoded activation). The
     defaults are the shipped launch (:data:`DEFAULT_LAUNCH`), the only one a traced call makes."""
 
     block_m: int = BLOCK_M
@@ -159,6 +172,7 @@ class HopperLaunch:
     stages: int = STAGES
     scale_ahead: int = SCALE_AHEAD
     step_k: int = STEP_K
+    fragment_order: bool = FRAGMENT_ORDER
 
 
 DEFAULT_LAUNCH = HopperLaunch()
@@ -267,14 +281,54 @@ def _load_partition(xlo_desc, xhi_desc, w_desc, xlo_bufs, xhi_bufs, w_bufs, read
 
 
 @gluon.jit
-def _decoded_weight(w_buf, words, shift, a_layout: gl.constexpr):
-    """A stage's weight codes -> (even, odd) elements as fp16 wgmma A fragments, times their scales."""
-    codes = w_buf.load(a_layout)
+def _codes_layout(BLOCK_N: gl.constexpr, step_bytes: gl.constexpr, num_warps: gl.constexpr):
+    """FRAGMENT_ORDER's register layout of a stage's ``[BLOCK_N, step_bytes]`` weight codes: the
+    thread that holds rows r and r + 8 of a wgmma A fragment (lane ``4 g + t``, warp w: r = 16 w +
+    g) holds ``step_bytes / 4`` contiguous code bytes of each, bytes ``[t, t + 1) * step_bytes / 4``."""
+    gl.static_assert(BLOCK_N == 16 * num_warps, "one warp a 16-row slice of the weight tile")
+    if step_bytes == 32:
+        reg_bases: gl.constexpr = [[0, 1], [0, 2], [0, 4], [8, 0]]
+    else:
+        reg_bases: gl.constexpr = [[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]]
+    return gl.DistributedLinearLayout(
+        reg_bases=reg_bases, lane_bases=[[0, step_bytes // 4], [0, step_bytes // 2], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0], [64, 0]], block_bases=[], shape=[BLOCK_N, step_bytes])
+
+
+@gluon.jit
+def _in_fragment_order(x, a_layout: gl.constexpr):
+    """``[BLOCK_N, 32 Q]`` values of ``_codes_layout`` (column = code byte of the step) -> wgmma A
+    fragments (``a_layout``) whose column ``16 i + 8 j + 2 t + b`` is code byte ``8 Q t + 4 i + 2 j
+    + b``: each thread keeps its own values (the order ``decode_fp4_halves`` gives the activation
+    with ``fragment_group``)."""
+    rows: gl.constexpr = x.shape[0]
+    cols: gl.constexpr = x.shape[1]
+    x = gl.reshape(x, [rows, 4, cols // 16, 2, 2])
+    x = gl.permute(x, [0, 2, 3, 1, 4])
+    return gl.convert_layout(gl.reshape(x, [rows, cols]), a_layout)
+
+
+@gluon.jit
+def _decoded_weight(w_buf, words, shift, a_layout: gl.constexpr, codes_layout: gl.constexpr,
+                    FRAGMENT_ORDER: gl.constexpr):
+    """A stage's weight codes -> (even, odd) elements as fp16 wgmma A fragments, times their scales.
+    FRAGMENT_ORDER: the codes are loaded in ``codes_layout`` (contiguous bytes a thread, one scale
+    per row and 16-element block) and the fragments' K order is ``_in_fragment_order``'s; else
+    loaded in the fragments' own layout (2-byte loads), in K order."""
+    if FRAGMENT_ORDER:
+        codes = w_buf.load(codes_layout)
+    else:
+        codes = w_buf.load(a_layout)
     lo, hi = gl.inline_asm_elementwise(DECODE_PTX, "=r,=r,=r,=r,r", [codes],
                                        dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
     scale_bits = ((words[:, None] >> shift[None, :]) & 0xFF).to(gl.uint8)
     scales = scale_bits.to(gl.float8e4nv, bitcast=True).to(gl.float16)
-    return lo * scales, hi * scales
+    lo = lo * scales
+    hi = hi * scales
+    if FRAGMENT_ORDER:
+        lo = _in_fragment_order(lo, a_layout)
+        hi = _in_fragment_order(hi, a_layout)
+    return lo, hi
 
 
 @gluon.jit
@@ -286,7 +340,8 @@ def _step_words(word_ptrs, i, k_count, SCALE_AHEAD: gl.constexpr):
 
 @gluon.jit
 def _queued_step(acc, i, lo_prev, hi_prev, words, xlo_bufs, xhi_bufs, w_bufs, ready, empty, word_ptrs, shift, k_count,
-                 a_layout: gl.constexpr, SCALE_AHEAD: gl.constexpr):
+                 a_layout: gl.constexpr, codes_layout: gl.constexpr, SCALE_AHEAD: gl.constexpr,
+                 FRAGMENT_ORDER: gl.constexpr):
     """K step ``i`` (of the program's range): decode its weight fragments (while step i - 1's
     wgmmas run), issue its wgmmas, then wait for step i - 1's (whose fragments ``lo_prev, hi_prev``
     stay live until then) and free that step's stage. Returns the accumulator, step i's fragments
@@ -301,7 +356,7 @@ def _queued_step(acc, i, lo_prev, hi_prev, words, xlo_bufs, xhi_bufs, w_bufs, re
         words = gl.load(word_ptrs + i)
         next_words = words
     mbarrier.wait(ready.index(stage), (i // num_stages) & 1)
-    lo, hi = _decoded_weight(w_bufs.index(stage), words, shift, a_layout)
+    lo, hi = _decoded_weight(w_bufs.index(stage), words, shift, a_layout, codes_layout, FRAGMENT_ORDER)
     acc = warpgroup_mma(lo, xlo_bufs.index(stage).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma(hi, xhi_bufs.index(stage).permute((1, 0)), acc, is_async=True)
     lo_prev, hi_prev = warpgroup_mma_wait(num_outstanding=2, deps=(lo_prev, hi_prev))
@@ -311,7 +366,8 @@ def _queued_step(acc, i, lo_prev, hi_prev, words, xlo_bufs, xhi_bufs, w_bufs, re
 
 @gluon.jit
 def _mma_partition(xlo_bufs, xhi_bufs, w_bufs, ready, empty, ws_ptr, words_per_row, off_n, N, k_begin, k_count,
-                   BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SCALE_AHEAD: gl.constexpr, num_warps: gl.constexpr):
+                   BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SCALE_AHEAD: gl.constexpr,
+                   FRAGMENT_ORDER: gl.constexpr, num_warps: gl.constexpr):
     """Consumer warpgroups: decode each step's weight rows into wgmma fragments and accumulate
     ``acc[BLOCK_N, BLOCK_M]`` over K steps ``[k_begin, k_begin + k_count)`` (a step decoded and its
     wgmmas queued while the previous step's run)."""
@@ -319,12 +375,18 @@ def _mma_partition(xlo_bufs, xhi_bufs, w_bufs, ready, empty, ws_ptr, words_per_r
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
-    rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
+    codes_layout: gl.constexpr = _codes_layout(BLOCK_N, step_bytes, num_warps)
+    if FRAGMENT_ORDER:
+        rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, codes_layout))
+        shift = gl.arange(0, step_bytes, layout=gl.SliceLayout(0, codes_layout))
+    else:
+        rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
+        shift = gl.arange(0, step_bytes, layout=gl.SliceLayout(0, a_layout))
     rows = gl.where(rows < N, rows, 0)  # rows past N (zero codes from TMA) read row 0's scales; not stored
     # one int32 word holds a row's 4 block scales of one 64-element step
     word_ptrs = ws_ptr + rows.to(gl.int64) * words_per_row + k_begin
     # byte of the row's scale word for each code byte of the step (8 code bytes per 16-element block)
-    shift = (gl.arange(0, step_bytes, layout=gl.SliceLayout(0, a_layout)) // 8) * 8
+    shift = (shift // 8) * 8
     # Step i's wgmmas are issued while step i - 1's still run. A wgmma reads its register operand
     # asynchronously, so no instruction may write those registers before a wait covers it: two
     # call sites of _queued_step per loop iteration give consecutive steps their own registers, and
@@ -339,19 +401,21 @@ def _mma_partition(xlo_bufs, xhi_bufs, w_bufs, ready, empty, ws_ptr, words_per_r
         mbarrier.wait(ready.index(0), 0)
         words = gl.load(word_ptrs)
         next_words = words
-    lo_a, hi_a = _decoded_weight(w_bufs.index(0), words, shift, a_layout)
+    lo_a, hi_a = _decoded_weight(w_bufs.index(0), words, shift, a_layout, codes_layout, FRAGMENT_ORDER)
     acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, mma_layout)
     acc = warpgroup_mma(lo_a, xlo_bufs.index(0).permute((1, 0)), acc, use_acc=False, is_async=True)
     acc = warpgroup_mma(hi_a, xhi_bufs.index(0).permute((1, 0)), acc, is_async=True)
     for i in range(1, k_count - 1, 2):
         acc, lo_b, hi_b, next_words = _queued_step(acc, i, lo_a, hi_a, next_words, xlo_bufs, xhi_bufs, w_bufs, ready,
-                                                   empty, word_ptrs, shift, k_count, a_layout, SCALE_AHEAD)
+                                                   empty, word_ptrs, shift, k_count, a_layout, codes_layout,
+                                                   SCALE_AHEAD, FRAGMENT_ORDER)
         acc, lo_a, hi_a, next_words = _queued_step(acc, i + 1, lo_b, hi_b, next_words, xlo_bufs, xhi_bufs, w_bufs,
-                                                   ready, empty, word_ptrs, shift, k_count, a_layout, SCALE_AHEAD)
+                                                   ready, empty, word_ptrs, shift, k_count, a_layout, codes_layout,
+                                                   SCALE_AHEAD, FRAGMENT_ORDER)
     if k_count % 2 == 0:
         acc, lo_b, hi_b, next_words = _queued_step(acc, k_count - 1, lo_a, hi_a, next_words, xlo_bufs, xhi_bufs,
                                                    w_bufs, ready, empty, word_ptrs, shift, k_count, a_layout,
-                                                   SCALE_AHEAD)
+                                                   codes_layout, SCALE_AHEAD, FRAGMENT_ORDER)
         result, lo_b, hi_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc, lo_b, hi_b))
     else:
         result, lo_a, hi_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, lo_a, hi_a))
@@ -380,7 +444,7 @@ def _mm_hopper_kernel(xlo_desc, xhi_desc, w_desc, ws_ptr, alpha_ptr, alpha_b_ptr
                       M, N, k_steps, words_per_row, iters_per_split,
                       ALPHA_FROM_SCALES: gl.constexpr, ALPHA_DIV_RN: gl.constexpr, PARTIAL: gl.constexpr,
                       STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCALE_AHEAD: gl.constexpr,
-                      num_warps: gl.constexpr):
+                      FRAGMENT_ORDER: gl.constexpr, num_warps: gl.constexpr):
     """Program ``(tile, split)``: the tile's K steps ``[split * iters_per_split, +iters_per_split)``;
     the output (not PARTIAL) or the split's partial sums (PARTIAL: split-K, module docstring)."""
     BLOCK_M: gl.constexpr = xlo_desc.block_type.shape[0]
@@ -405,7 +469,7 @@ def _mm_hopper_kernel(xlo_desc, xhi_desc, w_desc, ws_ptr, alpha_ptr, alpha_b_ptr
 
     results = gl.warp_specialize([
         (_mma_partition, (xlo_bufs, xhi_bufs, w_bufs, ready, empty, ws_ptr, words_per_row, off_n, N, k_begin, k_count,
-                          BLOCK_N, BLOCK_M, SCALE_AHEAD, num_warps)),
+                          BLOCK_N, BLOCK_M, SCALE_AHEAD, FRAGMENT_ORDER, num_warps)),
         (_load_partition, (xlo_desc, xhi_desc, w_desc, xlo_bufs, xhi_bufs, w_bufs, ready, empty, off_m, off_n,
                            k_begin, k_count)),
     ], [1], [LOADER_REGISTERS])
@@ -457,6 +521,7 @@ def mm_fp4_hopper(
     a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, alpha: Alpha,
     out_dtype: torch.dtype, out: torch.Tensor | None = None, block_m: int = BLOCK_M, split_k: int | None = None,
     max_registers: int = MAX_REGISTERS, stages: int = STAGES, scale_ahead: int = SCALE_AHEAD, step_k: int = STEP_K,
+    fragment_order: bool = FRAGMENT_ORDER,
 ) -> torch.Tensor:
     """``alpha * (q_a * s_a) @ (q_b * s_b)^T`` (module docstring); ``out``: where to write it;
     ``block_m``: tokens per program, one of ``BLOCK_M_CHOICES``; ``split_k``: K ranges per tile
@@ -475,9 +540,9 @@ def mm_fp4_hopper(
     launch and the Gluon launch, whose TMA descriptors Inductor cannot build, as one call of the
     internal op ``fp4fuse::_mm_fp4_hopper`` (``mm.mm_fp4_hopper_decoded``): the default launch
     only, so the compiled graph computes what the eager call computes, bit for bit."""
-    launch = HopperLaunch(block_m, split_k, max_registers, stages, scale_ahead, step_k)
+    launch = HopperLaunch(block_m, split_k, max_registers, stages, scale_ahead, step_k, fragment_order)
     _check_operands(a, b, a_scale, b_scale, out_dtype, out, launch)
-    xlo, xhi = decode_fp4_halves(a, a_scale)
+    xlo, xhi = decode_activation(a, a_scale, launch)
     return _on_halves(a, a_scale, xlo, xhi, b, b_scale, alpha, out_dtype, out, launch)
 
 
@@ -488,9 +553,17 @@ def mm_fp4_hopper_products(a: torch.Tensor, a_scale: torch.Tensor,
     bit for bit, with the activation decoded once for all of them (a layer's sibling GEMMs)."""
     for b, b_scale, _ in weights:
         _check_operands(a, b, a_scale, b_scale, out_dtype, None, DEFAULT_LAUNCH)
-    xlo, xhi = decode_fp4_halves(a, a_scale)
+    xlo, xhi = decode_activation(a, a_scale)
     return [_on_halves(a, a_scale, xlo, xhi, b, b_scale, alpha, out_dtype, None, DEFAULT_LAUNCH)
             for b, b_scale, alpha in weights]
+
+
+def decode_activation(a: torch.Tensor, a_scale: torch.Tensor, launch: HopperLaunch = DEFAULT_LAUNCH
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activation ``(a, a_scale)`` decoded to the fp16 halves ``launch`` reads
+    (``decode.decode_fp4_halves``, in fragment order when ``launch.fragment_order``); what
+    :func:`mm_fp4_hopper_halves` takes, as ``fp4fuse::_mm_fp4_hopper`` does (default launch)."""
+    return decode_fp4_halves(a, a_scale, launch.step_k // 2 if launch.fragment_order else 0)
 
 
 def _on_halves(a: torch.Tensor, a_scale: torch.Tensor, xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor,
@@ -502,7 +575,7 @@ def _on_halves(a: torch.Tensor, a_scale: torch.Tensor, xlo: torch.Tensor, xhi: t
     if tracing():
         if out is not None or launch != DEFAULT_LAUNCH:
             raise RuntimeError("mm_fp4_hopper: a traced call takes the default launch (no out, block_m, split_k, "
-                               "max_registers, stages, scale_ahead or step_k): the op fp4fuse::_mm_fp4_hopper "
+                               "max_registers, stages, scale_ahead, step_k or fragment_order): the op fp4fuse::_mm_fp4_hopper "
                                "makes it")
         alpha_a, alpha_b = alpha_operands(alpha)
         meta = alpha_meta(alpha)
@@ -549,7 +622,8 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_s
 def mm_fp4_hopper_halves(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                          alpha: Alpha, out_dtype: torch.dtype, out: torch.Tensor | None = None,
                          launch: HopperLaunch = DEFAULT_LAUNCH) -> torch.Tensor:
-    """The Gluon launch on the activation decoded to fp16 halves (``decode_fp4_halves``): the
+    """The Gluon launch on the activation decoded to fp16 halves (:func:`decode_activation` with
+    the same ``launch``): the
     arguments as ``mm_fp4_hopper`` checks them (``_check_operands``), the weight aligned
     (:func:`hopper_operands_ok`). ``mm.mm_fp4_hopper_decoded`` calls it from a lowered graph.
 
@@ -591,7 +665,8 @@ def mm_fp4_hopper_halves(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, 
             b_scale.view(_SCALE_WORD[step_k]), alpha_a, alpha_b, out, out if partials is None else partials, m, n,
             k_steps, k_steps, iters)
     meta = dict(**alpha_flags, PARTIAL=splits > 1, STAGES=launch.stages, GROUP_M=GROUP_M,
-                SCALE_AHEAD=launch.scale_ahead, num_warps=NUM_WARPS, maxnreg=launch.max_registers)
+                SCALE_AHEAD=launch.scale_ahead, FRAGMENT_ORDER=launch.fragment_order, num_warps=NUM_WARPS,
+                maxnreg=launch.max_registers)
     kernel = traceable(_mm_hopper_kernel)
     if key is None or not isinstance(kernel, FastKernel):
         kernel[(tiles, splits)](*args, **meta)
