@@ -170,7 +170,8 @@ def _hopper_layers(a, b, sa, sb, alpha) -> dict[str, callable]:
             *descriptors(), sb.view(torch.int32), alpha, alpha, out, out, out, m, n, k // 64, k // 64, k // 64,
             ALPHA_FROM_SCALES=False, ALPHA_DIV_RN=False, PARTIAL=False, STAGES=mm_hopper.STAGES,
             GROUP_M=mm_hopper.GROUP_M, SCALE_AHEAD=mm_hopper.SCALE_AHEAD,
-            FRAGMENT_ORDER=mm_hopper.FRAGMENT_ORDER, num_warps=mm_hopper.NUM_WARPS, maxnreg=mm_hopper.MAX_REGISTERS)
+            FRAGMENT_ORDER=mm_hopper.FRAGMENT_ORDER, CODES_LAYOUT=mm_hopper.codes_layout(),
+            num_warps=mm_hopper.NUM_WARPS, maxnreg=mm_hopper.MAX_REGISTERS)
 
     lowered = (a, sa, xlo, xhi, b, sb, alpha, alpha, False, False, torch.bfloat16)  # alpha as itself (not folded)
     split = mm_hopper.split_for(m, n, k, num_sms(dev))

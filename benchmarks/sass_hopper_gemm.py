@@ -64,7 +64,8 @@ def compile_report(hopper, block_m: int, partial: bool, fragment_order: bool = T
              "ws_ptr": "*i32", "alpha_ptr": "*fp32", "alpha_b_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32"}
     constexprs = dict(ALPHA_FROM_SCALES=False, ALPHA_DIV_RN=False, PARTIAL=partial, STAGES=hopper.STAGES,
                       GROUP_M=hopper.GROUP_M, SCALE_AHEAD=hopper.SCALE_AHEAD,
-                      FRAGMENT_ORDER=fragment_order, num_warps=hopper.NUM_WARPS)
+                      FRAGMENT_ORDER=fragment_order,
+                      CODES_LAYOUT=hopper.codes_layout() if fragment_order else None, num_warps=hopper.NUM_WARPS)
     signature = {p.name: "constexpr" if p.name in constexprs else types.get(p.name, "i32") for p in kernel.params}
     source = GluonASTSource(fn=kernel, signature=signature,
                             constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})

@@ -32,7 +32,7 @@ Design (``_mm_hopper_kernel``):
   2t, 2t+1, 2t+8, 2t+9 of each k16, so code bytes loaded in K order come as 2-byte loads packed
   with byte permutes, and each pair needs its own scale shift. Instead each thread loads 8 Q
   contiguous code bytes of each of its two rows (Q = step_k / 64; one 16-element block, one
-  scale, per 8 bytes: ``_codes_layout``) and puts byte ``8 Q t + 4 i + 2 j + b`` in slot ``16 i +
+  scale, per 8 bytes: :func:`codes_layout`) and puts byte ``8 Q t + 4 i + 2 j + b`` in slot ``16 i +
   8 j + 2 t + b`` (``_in_fragment_order``: registers only). The activation halves are decoded in
   the same K order (``decode_activation``), so every product is the same; which products share a
   k16 wgmma, and so the fp32 sums' last bits, differ from the K-order form (``fragment_order=False``,
@@ -281,23 +281,8 @@ def _load_partition(xlo_desc, xhi_desc, w_desc, xlo_bufs, xhi_bufs, w_bufs, read
 
 
 @gluon.jit
-def _codes_layout(BLOCK_N: gl.constexpr, step_bytes: gl.constexpr, num_warps: gl.constexpr):
-    """FRAGMENT_ORDER's register layout of a stage's ``[BLOCK_N, step_bytes]`` weight codes: the
-    thread that holds rows r and r + 8 of a wgmma A fragment (lane ``4 g + t``, warp w: r = 16 w +
-    g) holds ``step_bytes / 4`` contiguous code bytes of each, bytes ``[t, t + 1) * step_bytes / 4``."""
-    gl.static_assert(BLOCK_N == 16 * num_warps, "one warp a 16-row slice of the weight tile")
-    if step_bytes == 32:
-        reg_bases: gl.constexpr = [[0, 1], [0, 2], [0, 4], [8, 0]]
-    else:
-        reg_bases: gl.constexpr = [[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]]
-    return gl.DistributedLinearLayout(
-        reg_bases=reg_bases, lane_bases=[[0, step_bytes // 4], [0, step_bytes // 2], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0], [64, 0]], block_bases=[], shape=[BLOCK_N, step_bytes])
-
-
-@gluon.jit
 def _in_fragment_order(x, a_layout: gl.constexpr):
-    """``[BLOCK_N, 32 Q]`` values of ``_codes_layout`` (column = code byte of the step) -> wgmma A
+    """``[BLOCK_N, 32 Q]`` values in :func:`codes_layout` (column = code byte of the step) -> wgmma A
     fragments (``a_layout``) whose column ``16 i + 8 j + 2 t + b`` is code byte ``8 Q t + 4 i + 2 j
     + b``: each thread keeps its own values (the order ``decode_fp4_halves`` gives the activation
     with ``fragment_group``)."""
@@ -367,7 +352,7 @@ def _queued_step(acc, i, lo_prev, hi_prev, words, xlo_bufs, xhi_bufs, w_bufs, re
 @gluon.jit
 def _mma_partition(xlo_bufs, xhi_bufs, w_bufs, ready, empty, ws_ptr, words_per_row, off_n, N, k_begin, k_count,
                    BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SCALE_AHEAD: gl.constexpr,
-                   FRAGMENT_ORDER: gl.constexpr, num_warps: gl.constexpr):
+                   FRAGMENT_ORDER: gl.constexpr, codes_layout: gl.constexpr, num_warps: gl.constexpr):
     """Consumer warpgroups: decode each step's weight rows into wgmma fragments and accumulate
     ``acc[BLOCK_N, BLOCK_M]`` over K steps ``[k_begin, k_begin + k_count)`` (a step decoded and its
     wgmmas queued while the previous step's run)."""
@@ -375,7 +360,6 @@ def _mma_partition(xlo_bufs, xhi_bufs, w_bufs, ready, empty, ws_ptr, words_per_r
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
-    codes_layout: gl.constexpr = _codes_layout(BLOCK_N, step_bytes, num_warps)
     if FRAGMENT_ORDER:
         rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, codes_layout))
         shift = gl.arange(0, step_bytes, layout=gl.SliceLayout(0, codes_layout))
@@ -444,7 +428,7 @@ def _mm_hopper_kernel(xlo_desc, xhi_desc, w_desc, ws_ptr, alpha_ptr, alpha_b_ptr
                       M, N, k_steps, words_per_row, iters_per_split,
                       ALPHA_FROM_SCALES: gl.constexpr, ALPHA_DIV_RN: gl.constexpr, PARTIAL: gl.constexpr,
                       STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCALE_AHEAD: gl.constexpr,
-                      FRAGMENT_ORDER: gl.constexpr, num_warps: gl.constexpr):
+                      FRAGMENT_ORDER: gl.constexpr, CODES_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
     """Program ``(tile, split)``: the tile's K steps ``[split * iters_per_split, +iters_per_split)``;
     the output (not PARTIAL) or the split's partial sums (PARTIAL: split-K, module docstring)."""
     BLOCK_M: gl.constexpr = xlo_desc.block_type.shape[0]
@@ -469,7 +453,7 @@ def _mm_hopper_kernel(xlo_desc, xhi_desc, w_desc, ws_ptr, alpha_ptr, alpha_b_ptr
 
     results = gl.warp_specialize([
         (_mma_partition, (xlo_bufs, xhi_bufs, w_bufs, ready, empty, ws_ptr, words_per_row, off_n, N, k_begin, k_count,
-                          BLOCK_N, BLOCK_M, SCALE_AHEAD, FRAGMENT_ORDER, num_warps)),
+                          BLOCK_N, BLOCK_M, SCALE_AHEAD, FRAGMENT_ORDER, CODES_LAYOUT, num_warps)),
         (_load_partition, (xlo_desc, xhi_desc, w_desc, xlo_bufs, xhi_bufs, w_bufs, ready, empty, off_m, off_n,
                            k_begin, k_count)),
     ], [1], [LOADER_REGISTERS])
@@ -510,6 +494,21 @@ def hopper_split(m: int, n: int, k: int, sms: int, block_m: int) -> int:
 
 
 @functools.cache
+@functools.cache
+def codes_layout(step_bytes: int = STEP_BYTES) -> gl.DistributedLinearLayout:
+    """FRAGMENT_ORDER's register layout of a stage's ``[BLOCK_N, step_bytes]`` weight codes (the
+    kernel's ``CODES_LAYOUT``): the thread that holds rows r and r + 8 of a wgmma A fragment (lane
+    ``4 g + t`` of warp w: r = 16 w + g) holds ``step_bytes / 4`` contiguous code bytes of each,
+    bytes ``[t, t + 1) * step_bytes / 4``: registers over bytes then row + 8, lanes over t then g,
+    warps over 16-row slices."""
+    byte_bases = [[0, 1 << bit] for bit in range((step_bytes // 4).bit_length() - 1)]
+    return gl.DistributedLinearLayout(
+        reg_bases=byte_bases + [[8, 0]],
+        lane_bases=[[0, step_bytes // 4], [0, step_bytes // 2], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16 << w, 0] for w in range(NUM_WARPS.bit_length() - 1)], block_bases=[],
+        shape=[BLOCK_N, step_bytes])
+
+
 def _smem_layouts(block_m: int, step_bytes: int = STEP_BYTES) -> tuple[gl.NVMMASharedLayout, gl.NVMMASharedLayout]:
     """The TMA tiles' shared-memory layouts: activation halves ``[block_m, step_bytes]`` fp16 and
     weight codes ``[BLOCK_N, step_bytes]`` uint8 (computed once: they are part of the launch's key)."""
@@ -665,7 +664,8 @@ def mm_fp4_hopper_halves(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, 
             b_scale.view(_SCALE_WORD[step_k]), alpha_a, alpha_b, out, out if partials is None else partials, m, n,
             k_steps, k_steps, iters)
     meta = dict(**alpha_flags, PARTIAL=splits > 1, STAGES=launch.stages, GROUP_M=GROUP_M,
-                SCALE_AHEAD=launch.scale_ahead, FRAGMENT_ORDER=launch.fragment_order, num_warps=NUM_WARPS,
+                SCALE_AHEAD=launch.scale_ahead, FRAGMENT_ORDER=launch.fragment_order,
+                CODES_LAYOUT=codes_layout(step_bytes) if launch.fragment_order else None, num_warps=NUM_WARPS,
                 maxnreg=launch.max_registers)
     kernel = traceable(_mm_hopper_kernel)
     if key is None or not isinstance(kernel, FastKernel):
