@@ -51,11 +51,7 @@ def test_the_gluon_switch_is_read_on_every_call(monkeypatch):
     (129, 8192, 4096, torch.bfloat16, True),
     (200, 4096, 7168, torch.bfloat16, True),
     (256, 3072, 4096, torch.bfloat16, True),     # the smallest: 3 * 2**22
-    (128, 8192, 8192, torch.bfloat16, True),     # 65-128 rows: 128-token tiles on weights of 2**23+ elements
-    (65, 4096, 2048, torch.bfloat16, True),      # the smallest: 2**23
-    (100, 4096, 2048, torch.float32, True),
-    (64, 8192, 8192, torch.bfloat16, False),     # the decode GEMM's up to 64 rows
-    (100, 4096, 1984, torch.bfloat16, False),    # and on smaller weights
+    (128, 8192, 8192, torch.bfloat16, False),    # the decode GEMM's below 129 rows
     (200, 4096, 2048, torch.bfloat16, False),    # and on smaller weights
     (256, 3072, 4088, torch.bfloat16, False),
     (256, 8192, 4088, torch.float32, False),
@@ -80,9 +76,9 @@ def test_fill_rule_against_counted_tiles():
 
 def test_a_traced_row_count_is_served_for_its_whole_range():
     """A symbolic M (a graph compiled with a dynamic batch) is decided by its hint, and the guards
-    recorded hold for exactly the range the decision covers: 129 to 256 rows, or 65 to 128 rows,
-    two of the decode GEMM's row ranges (``mm_decode.DECODE_ROW_RANGES``), so a compiled graph
-    never runs a row count the other kernel would have taken."""
+    recorded hold for exactly the range the decision covers: 129 to 256 rows, the decode GEMM's
+    last row range (``mm_decode.DECODE_ROW_RANGES``), so a compiled graph never runs a row count
+    the other kernel would have taken."""
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -91,12 +87,6 @@ def test_a_traced_row_count_is_served_for_its_whole_range():
     assert mm_hopper.serves_shape(env.create_symintnode(symbol, hint=200), 8192, 8192, torch.bfloat16, sms=132)
     holds = [all(bool(g.expr.subs(symbol, rows)) for g in env.guards) for rows in (100, 128, 129, 256, 257)]
     assert holds == [False, False, True, True, False]
-    # 65 to 128 rows, the range below (128-token tiles)
-    env = ShapeEnv()
-    symbol = env.create_symbol(100, source=ConstantSource("m"))
-    assert mm_hopper.serves_shape(env.create_symintnode(symbol, hint=100), 4096, 2048, torch.bfloat16, sms=132)
-    holds = [all(bool(g.expr.subs(symbol, rows)) for g in env.guards) for rows in (64, 65, 100, 128, 129)]
-    assert holds == [False, True, True, True, False]
 
 
 def test_split_rule():
@@ -109,11 +99,6 @@ def test_split_rule():
     assert mm_hopper.split_for(160, 2048, 65536, 132) == 8     # 16 tiles: 8 splits fill the wave
     assert mm_hopper.split_for(256, 1024, 4096, 132) == 8      # 64 steps: 8 per split
     assert mm_hopper.split_for(1024, 1024, 4096, 132) == 1     # above 256 rows: never
-    # up to 128 rows the tiles hold 128 tokens (``tile_for``)
-    assert [mm_hopper.tile_for(m) for m in (1, 65, 128, 129, 256, 4096)] == [128, 128, 128, 256, 256, 256]
-    assert mm_hopper.split_for(128, 8192, 8192, 132) == 2      # 64 tiles
-    assert mm_hopper.split_for(100, 3072, 4096, 132) == 5      # 24 tiles
-    assert mm_hopper.split_for(128, 28672, 8192, 132) == 1     # 224 tiles
 
 
 def test_not_served_off_cuda():

@@ -525,8 +525,8 @@ def hopper_serves(m: int | torch.SymInt, n: int, k: int, out_dtype: torch.dtype,
 
 
 def hopper_gemm(m: int, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype) -> Callable[..., Any] | None:
-    """``mm_hopper.mm_fp4_hopper`` with the token tile and split-K count of an ``[m, K] x b^T`` product
-    where the kernel computes it (:func:`hopper_serves` and the weight aligned for it), else None. Row blocks
+    """``mm_hopper.mm_fp4_hopper`` with the split-K count of an ``[m, K] x b^T`` product where the
+    kernel computes it (:func:`hopper_serves` and the weight aligned for it), else None. Row blocks
     of that product launched through it sum as the whole product does. Under a tracer the
     weight's alignment is unknown (fake tensors): ``mm_fp4_hopper`` itself, whose traced form
     checks it per call and takes the other path as this function does (:func:`mm_fp4_hopper_decoded`)."""
@@ -538,8 +538,7 @@ def hopper_gemm(m: int, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch
         return hopper.mm_fp4_hopper
     if not hopper.hopper_operands_ok(b, b_scale):
         return None
-    return functools.partial(hopper.mm_fp4_hopper, block_m=hopper.tile_for(m),
-                             split_k=hopper.split_for(m, n, k, num_sms(b.device)))
+    return functools.partial(hopper.mm_fp4_hopper, split_k=hopper.split_for(m, n, k, num_sms(b.device)))
 
 
 def mm_fp4_hopper_decoded(

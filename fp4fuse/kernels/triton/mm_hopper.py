@@ -53,12 +53,11 @@ Design (``_mm_hopper_kernel``):
   the PTX: every fragment register is written once per loop iteration, after that wait). Step 0
   runs before the loop with ``use_acc=False`` so that no instruction but a wgmma writes the
   accumulator while wgmmas are in flight (ptxas serializes them otherwise, warning C7515).
-* Tile 128 weight rows x 256 tokens, 128 tokens up to 128 rows (``tile_for``; 16 to 128 for
-  sweeps), one program per tile and K range;
+* Tile 128 weight rows x 256 tokens (16 to 128 for sweeps), one program per tile and K range;
   programs sharing a weight tile are adjacent in launch order (``GROUP_M`` token tiles at a time)
   so the tile is read from HBM once. 168 registers per thread for 12 warps (the loader's
   warpgroup gives its registers to the consumers: ``setmaxnreg`` 24 / 240).
-* Split-K (up to ``DECODE_MAX_M`` rows, where the tiles number only about N / 128): program
+* Split-K (up to ``DECODE_MAX_M`` rows, where the 256-token tiles number only N / 128): program
   ``(tile, split)`` covers K steps ``[split * iters, +iters)`` and stores its unscaled fp32 sums
   into a per-call ``[splits, M, N]`` workspace, straight from the accumulator's layout; a second
   launch (``reduce.sum_split_partials``, over every multiprocessor) adds them in split order and
@@ -101,8 +100,7 @@ __all__ = ["DEFAULT_LAUNCH", "ENV_DISABLE_GLUON", "HOPPER_BF16_MAX_M", "HopperLa
            "fills_the_gpu", "finish_tile",
            "gluon_disabled",
            "hopper_available", "hopper_device", "hopper_operands_ok", "hopper_serves", "hopper_split", "mm_fp4_hopper",
-           "mm_fp4_hopper_halves", "mm_fp4_hopper_products", "serves_shape", "split_for", "decode_activation", "tile_for",
-           "SMALL_TILE_MIN_M", "SMALL_TILE_M", "SMALL_TILE_MIN_WEIGHT"]
+           "mm_fp4_hopper_halves", "mm_fp4_hopper_products", "serves_shape", "split_for", "decode_activation"]
 
 logger = logging.getLogger(__name__)
 
@@ -120,13 +118,6 @@ HOPPER_BF16_MAX_M = 2048
 #: (benchmarks/results/, ``bench_ops.py --hopper-split-sweep``).
 SPLIT_MIN_M = 128
 SPLIT_MIN_WEIGHT = 3 << 22
-#: From SMALL_TILE_MIN_M + 1 to SPLIT_MIN_M rows (``mm_decode.DECODE_ROW_RANGES``' range) the kernel
-#: takes products whose weight holds at least SMALL_TILE_MIN_WEIGHT elements (4096 x 2048,
-#: Llama-3-8B's TP=2 o shard), with SMALL_TILE_M-token tiles (``tile_for``) and split-K: with
-#: FRAGMENT_ORDER it beat the decode GEMM there (benchmarks/results/, ``bench_hopper_fragment_order.py``).
-SMALL_TILE_MIN_M = 64
-SMALL_TILE_M = 128
-SMALL_TILE_MIN_WEIGHT = 1 << 23
 #: ``fills_the_gpu``'s least fill of the launched tiles, in tenths.
 MIN_FILL_TENTHS = 8
 #: K elements per step (code bytes: half), and the alignment of K it needs (whole scale words).
@@ -173,10 +164,9 @@ class HopperLaunch:
     of the call's M); ptxas's ``max_registers`` a thread; ``stages`` of the TMA ring;
     ``scale_ahead`` K steps the weight scales load early; ``step_k`` K elements a step;
     ``fragment_order`` the K order of a step's fragments (and of the decoded activation). The
-    defaults are the shipped launch (:data:`DEFAULT_LAUNCH`), the only one a traced call makes;
-    ``block_m`` None is :func:`tile_for` of the call's M."""
+    defaults are the shipped launch (:data:`DEFAULT_LAUNCH`), the only one a traced call makes."""
 
-    block_m: int | None = None
+    block_m: int = BLOCK_M
     split_k: int | None = None
     max_registers: int = MAX_REGISTERS
     stages: int = STAGES
@@ -231,9 +221,8 @@ def hopper_serves(m: int | torch.SymInt, n: int, k: int, out_dtype: torch.dtype,
 
 def serves_shape(m: int | torch.SymInt, n: int, k: int, out_dtype: torch.dtype, sms: int) -> bool:
     """The shape rule of :func:`hopper_serves` on a GPU of ``sms`` multiprocessors: K a nonzero
-    multiple of ``STEP_K``, N > 0, and either M in ``(SMALL_TILE_MIN_M, SPLIT_MIN_M]`` with a weight
-    of at least ``SMALL_TILE_MIN_WEIGHT`` elements, or M in ``(SPLIT_MIN_M, DECODE_MAX_M]`` with a
-    weight of at least ``SPLIT_MIN_WEIGHT`` (both split-K launches, any output dtype), or M above
+    multiple of ``STEP_K``, N > 0, and either M in ``(SPLIT_MIN_M, DECODE_MAX_M]`` with a weight of
+    at least ``SPLIT_MIN_WEIGHT`` elements (split-K launches, any output dtype), or M above
     ``DECODE_MAX_M``; there, for a bf16 output, also M at most ``HOPPER_BF16_MAX_M`` and a product
     that fills the launched tiles (:func:`fills_the_gpu`), where dequantize + cuBLAS is otherwise
     faster. A symbolic ``m`` is compared like a number: each comparison is guarded by the tracer
@@ -241,25 +230,16 @@ def serves_shape(m: int | torch.SymInt, n: int, k: int, out_dtype: torch.dtype, 
     not at all)."""
     if k == 0 or k % STEP_K or n == 0:
         return False
-    if m <= SPLIT_MIN_M:
-        return m > SMALL_TILE_MIN_M and n * k >= SMALL_TILE_MIN_WEIGHT
     if m <= DECODE_MAX_M:
-        return n * k >= SPLIT_MIN_WEIGHT
+        return m > SPLIT_MIN_M and n * k >= SPLIT_MIN_WEIGHT
     return out_dtype != torch.bfloat16 or (m <= HOPPER_BF16_MAX_M and fills_the_gpu(m, n, sms))
-
-
-def tile_for(m: int | torch.SymInt) -> int:
-    """The token tile :func:`mm_fp4_hopper` launches for M rows by default: ``SMALL_TILE_M`` up to
-    that many rows, ``BLOCK_M`` above (the tile moves no sum: only ``split_k`` does)."""
-    return SMALL_TILE_M if m <= SMALL_TILE_M else BLOCK_M
 
 
 def split_for(m: int, n: int, k: int, sms: int) -> int:
     """The split-K count :func:`mm_fp4_hopper` uses for an ``[m, K] x [n, K]^T`` product by default:
-    :func:`hopper_split` of :func:`tile_for`'s tiles up to ``DECODE_MAX_M`` rows (whose tiles
-    number only about N / 128), none above. ``RowBlockGemm`` passes the whole GEMM's to each row
-    block."""
-    return hopper_split(m, n, k, sms, tile_for(m)) if m <= DECODE_MAX_M else 1
+    :func:`hopper_split` up to ``DECODE_MAX_M`` rows (whose 256-token tiles number only N / 128),
+    none above. ``RowBlockGemm`` passes the whole GEMM's to each row block."""
+    return hopper_split(m, n, k, sms, BLOCK_M) if m <= DECODE_MAX_M else 1
 
 
 def fills_the_gpu(m: int | torch.SymInt, n: int, sms: int) -> bool:
@@ -538,13 +518,12 @@ def _smem_layouts(block_m: int, step_bytes: int = STEP_BYTES) -> tuple[gl.NVMMAS
 
 def mm_fp4_hopper(
     a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, alpha: Alpha,
-    out_dtype: torch.dtype, out: torch.Tensor | None = None, block_m: int | None = None, split_k: int | None = None,
+    out_dtype: torch.dtype, out: torch.Tensor | None = None, block_m: int = BLOCK_M, split_k: int | None = None,
     max_registers: int = MAX_REGISTERS, stages: int = STAGES, scale_ahead: int = SCALE_AHEAD, step_k: int = STEP_K,
     fragment_order: bool = FRAGMENT_ORDER,
 ) -> torch.Tensor:
     """``alpha * (q_a * s_a) @ (q_b * s_b)^T`` (module docstring); ``out``: where to write it;
-    ``block_m``: tokens per program, one of ``BLOCK_M_CHOICES`` (default :func:`tile_for` of this
-    call's M); ``split_k``: K ranges per tile
+    ``block_m``: tokens per program, one of ``BLOCK_M_CHOICES``; ``split_k``: K ranges per tile
     (default :func:`split_for` of this call's M), summed in the launch in a fixed order. The sums,
     so the bits, depend on it: a row block computed alone matches the whole product only with the
     whole product's ``split_k``. ``max_registers``: ptxas's cap per thread over the 12 warps
@@ -612,8 +591,8 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_s
         if not t.is_contiguous():  # the kernel reads every operand as dense rows
             raise ValueError(f"mm_fp4_hopper: {name} must be contiguous (row-major); got strides {t.stride()}")
     m, n, k = a.shape[0], b.shape[0], a.shape[1] * 2
-    split_k, stages, scale_ahead, step_k = launch.split_k, launch.stages, launch.scale_ahead, launch.step_k
-    block_m = launch.block_m if launch.block_m is not None else tile_for(m)
+    block_m, split_k, stages, scale_ahead, step_k = (launch.block_m, launch.split_k, launch.stages,
+                                                     launch.scale_ahead, launch.step_k)
     if step_k not in STEP_K_CHOICES:
         raise ValueError(f"mm_fp4_hopper: step_k must be one of {STEP_K_CHOICES}; got {step_k}")
     word = _SCALE_WORD[step_k].itemsize
@@ -670,8 +649,7 @@ def mm_fp4_hopper_halves(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, 
             return _sum_splits(partials, out, alpha)
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=b.device)
-    block_m = launch.block_m if launch.block_m is not None else tile_for(m)
-    step_k = launch.step_k
+    block_m, step_k = launch.block_m, launch.step_k
     split_k = launch.split_k if launch.split_k is not None else split_for(m, n, k, num_sms(b.device))
     k_steps = k // step_k
     splits, iters = split_ranges(k_steps, split_k)
