@@ -11,10 +11,10 @@ pair. The ncu profile of 2026-11-28 (``2026-11-28-queue-depth-packed-h200.md``) 
 bound by the decode's instruction stream; this form takes about a third of a step's instructions
 off (offline SASS).
 
-At each M: the token tile the shipped dispatch would launch here (the smallest tile holding M up to
-128 rows, the 256-token tile above) and, from 65 rows, the 128-token tile, each at ``hopper_split``'s
-split-K count (``split_for``'s above ``DECODE_MAX_M``), with ``fragment_order`` on (``f1``) and off
-(``f0``); against the shipped dispatch and cuBLAS bf16, over ``--rounds`` interleaved rounds of
+At each M: up to 128 rows (where the shipped dispatch runs the decode GEMM) the smallest token tile
+holding M and, from 65 rows, the 128-token tile, at ``hopper_split``'s split-K count; above, the
+dispatch's launch (the 256-token tile, ``split_for``'s count); each with ``fragment_order`` on
+(``f1``) and off (``f0``); against the shipped dispatch and cuBLAS bf16, over ``--rounds`` interleaved rounds of
 CUDA-graph replays over rotating weight copies (``bench_ops.hopper_sweep_main``), microseconds.
 The two forms' sums differ in the last bits (which products share a wgmma); the largest relative
 difference from the shipped path's output is printed. Results in benchmarks/results/.

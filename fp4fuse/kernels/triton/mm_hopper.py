@@ -97,10 +97,10 @@ from fp4fuse.kernels.triton.mm_decode import DECODE_MAX_M
 from fp4fuse.kernels.triton.reduce import sum_split_partials
 
 __all__ = ["DEFAULT_LAUNCH", "ENV_DISABLE_GLUON", "HOPPER_BF16_MAX_M", "HopperLaunch", "SPLIT_MIN_M", "SPLIT_MIN_WEIGHT",
-           "fills_the_gpu", "finish_tile",
+           "codes_layout", "decode_activation", "fills_the_gpu", "finish_tile",
            "gluon_disabled",
            "hopper_available", "hopper_device", "hopper_operands_ok", "hopper_serves", "hopper_split", "mm_fp4_hopper",
-           "mm_fp4_hopper_halves", "mm_fp4_hopper_products", "serves_shape", "split_for", "decode_activation"]
+           "mm_fp4_hopper_halves", "mm_fp4_hopper_products", "serves_shape", "split_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -494,7 +494,6 @@ def hopper_split(m: int, n: int, k: int, sms: int, block_m: int) -> int:
 
 
 @functools.cache
-@functools.cache
 def codes_layout(step_bytes: int = STEP_BYTES) -> gl.DistributedLinearLayout:
     """FRAGMENT_ORDER's register layout of a stage's ``[BLOCK_N, step_bytes]`` weight codes (the
     kernel's ``CODES_LAYOUT``): the thread that holds rows r and r + 8 of a wgmma A fragment (lane
@@ -509,6 +508,7 @@ def codes_layout(step_bytes: int = STEP_BYTES) -> gl.DistributedLinearLayout:
         shape=[BLOCK_N, step_bytes])
 
 
+@functools.cache
 def _smem_layouts(block_m: int, step_bytes: int = STEP_BYTES) -> tuple[gl.NVMMASharedLayout, gl.NVMMASharedLayout]:
     """The TMA tiles' shared-memory layouts: activation halves ``[block_m, step_bytes]`` fp16 and
     weight codes ``[BLOCK_N, step_bytes]`` uint8 (computed once: they are part of the launch's key)."""
@@ -533,7 +533,9 @@ def mm_fp4_hopper(
     sums do not depend on it). ``step_k``: K elements a step, one of ``STEP_K_CHOICES`` (sweeps;
     128 needs K % 128 == 0 and an 8-byte aligned ``b_scale``). A step's two nibble planes are
     accumulated one after the other, so the order of the fp32 sums, and with it the last bits,
-    depends on it.
+    depends on it. ``fragment_order``: True (shipped) holds each step's K in the wgmma fragments'
+    order, the activation decoded in that order (:func:`decode_activation`); False in K order
+    (sweeps). Which products share a wgmma differs, so the last bits may.
 
     Under a tracer (fp4fuse's kernel lowering) the activation's decode is traced as its Triton
     launch and the Gluon launch, whose TMA descriptors Inductor cannot build, as one call of the
@@ -574,8 +576,8 @@ def _on_halves(a: torch.Tensor, a_scale: torch.Tensor, xlo: torch.Tensor, xhi: t
     if tracing():
         if out is not None or launch != DEFAULT_LAUNCH:
             raise RuntimeError("mm_fp4_hopper: a traced call takes the default launch (no out, block_m, split_k, "
-                               "max_registers, stages, scale_ahead, step_k or fragment_order): the op fp4fuse::_mm_fp4_hopper "
-                               "makes it")
+                               "max_registers, stages, scale_ahead, step_k or fragment_order): the op "
+                               "fp4fuse::_mm_fp4_hopper makes it")
         alpha_a, alpha_b = alpha_operands(alpha)
         meta = alpha_meta(alpha)
         return torch.ops.fp4fuse._mm_fp4_hopper(a, a_scale, xlo, xhi, b, b_scale, alpha_a, alpha_b,
@@ -622,9 +624,8 @@ def mm_fp4_hopper_halves(xlo: torch.Tensor, xhi: torch.Tensor, b: torch.Tensor, 
                          alpha: Alpha, out_dtype: torch.dtype, out: torch.Tensor | None = None,
                          launch: HopperLaunch = DEFAULT_LAUNCH) -> torch.Tensor:
     """The Gluon launch on the activation decoded to fp16 halves (:func:`decode_activation` with
-    the same ``launch``): the
-    arguments as ``mm_fp4_hopper`` checks them (``_check_operands``), the weight aligned
-    (:func:`hopper_operands_ok`). ``mm.mm_fp4_hopper_decoded`` calls it from a lowered graph.
+    the same ``launch``): the arguments as ``mm_fp4_hopper`` checks them (``_check_operands``), the
+    weight aligned (:func:`hopper_operands_ok`). ``mm.mm_fp4_hopper_decoded`` calls it from a lowered graph.
 
     A call that allocates its output (``out`` None) repeats a prepared launch (``launch.Relaunch``:
     TMA descriptors encoded once, no per-call key of every argument) when an earlier call had the
